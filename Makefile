@@ -1,0 +1,30 @@
+# Two entry points on a fresh machine with only Python: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build).
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/plait demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/plait bench throughput
+	$(VENV)/bin/plait bench balance
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,166 @@
+"""Client: the trainer-side iterator. One per trainer rank.
+
+    loader = plait.Loader(spec, dp_rank=0)
+    for batch in loader:          # one micro-batch at a time, in order
+        ...
+    state = loader.state_dict()   # small, JSON-serialisable; save it with the model checkpoint
+
+The state names the step in progress (the Planner's state at its start) and how many of its
+micro-batches this rank has consumed. Resuming re-plans that step (metadata only) and continues after
+the last consumed micro-batch, so the stream continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+from plait.errors import PlaitError
+from plait.roles.constructor import MicroBatch
+from plait.spec import Spec, load_spec
+
+Batch = MicroBatch
+CLIENT_STATE_VERSION = 1
+
+
+class Loader:
+    def __init__(
+        self,
+        spec: Spec | dict | str,
+        dp_rank: int = 0,
+        *,
+        runtime: str = "local",
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        cp_rank: int = 0,
+        job: str | None = None,
+        prefetch: int = 2,
+        steps: int | None = None,
+        **runtime_options,
+    ):
+        self.spec = load_spec(spec)
+        topo = self.spec.topology
+        for name, value, size in (("dp_rank", dp_rank, topo.dp), ("tp_rank", tp_rank, topo.tp),
+                                  ("pp_rank", pp_rank, topo.pp), ("cp_rank", cp_rank, topo.cp)):
+            if not 0 <= value < size:
+                raise PlaitError(f"{name}={value} is outside the topology (size {size})")
+        self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank = dp_rank, tp_rank, pp_rank, cp_rank
+        self.prefetch = max(0, prefetch)
+        self.max_steps = steps if steps is not None else self.spec.steps
+        self.runtime_name = runtime
+        self._runtime = self._make_runtime(runtime, job, runtime_options)
+        self._resume_state = self._runtime.state_dict()
+        self._resume_micro = 0
+        self._iterating = False
+
+    def _make_runtime(self, runtime: str, job: str | None, options: dict):
+        if runtime == "local":
+            from plait.runtime.local import LocalRuntime
+
+            return LocalRuntime(self.spec)
+        if runtime == "ray":
+            try:
+                from plait.runtime.ray import RayRuntime
+            except ImportError as e:
+                raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
+            return RayRuntime(self.spec, job=job, **options)
+        raise PlaitError(f"unknown runtime {runtime!r} (choose local or ray)")
+
+    # ----- iteration ---------------------------------------------------------------------------
+    def _produce(self) -> Iterator[tuple[dict, MicroBatch]]:
+        """(state at the start of the batch's step, batch) in order, starting from the resume point."""
+        rt = self._runtime
+        rt.load_state_dict(self._resume_state)
+        skip = self._resume_micro
+        while self.max_steps is None or rt.planner_step() < self.max_steps:
+            plan = rt.plan()
+            M = plan.microbatches
+            wanted = set(range(skip, M))
+            skip = 0
+            for mb in rt.build(plan, self.dp_rank, only=wanted) if wanted else []:
+                yield plan.state_before, self._for_this_rank(mb)
+            rt.release()
+
+    def _for_this_rank(self, mb: MicroBatch) -> MicroBatch:
+        if self.spec.topology.cp > 1:
+            from plait.context_parallel import shard_for_cp
+
+            return shard_for_cp(mb, self.spec.topology.cp, self.cp_rank)
+        return mb
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        if self._iterating:
+            raise PlaitError("this Loader is already being iterated")
+        self._iterating = True
+        try:
+            source = self._produce() if self.prefetch == 0 else _prefetched(self._produce(), self.prefetch)
+            for state, mb in source:
+                self._resume_state = state
+                self._resume_micro = mb.microbatch + 1
+                yield mb
+        finally:
+            self._iterating = False
+
+    # ----- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "version": CLIENT_STATE_VERSION,
+            "data": self._resume_state,
+            "next_microbatch": self._resume_micro,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != CLIENT_STATE_VERSION:
+            raise PlaitError(f"loader state version {state.get('version')!r} is not supported")
+        self._runtime.load_state_dict(state["data"])  # validates the fingerprint now, not at iteration
+        self._resume_state = state["data"]
+        self._resume_micro = int(state["next_microbatch"])
+
+    def error_report(self) -> dict:
+        return self._runtime.error_report()
+
+    def close(self) -> None:
+        self._runtime.close()
+
+
+class _Done:
+    pass
+
+
+def _prefetched(gen: Iterator, depth: int) -> Iterator:
+    """Run a generator in a background thread, `depth` items ahead. Exceptions re-raise here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work():
+        try:
+            for item in gen:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(_Done())
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put(e)
+
+    t = threading.Thread(target=work, daemon=True, name="plait-prefetch")
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if isinstance(item, _Done):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        gen_close = getattr(gen, "close", None)
+        t.join(timeout=5)
+        if gen_close and not t.is_alive():
+            gen_close()

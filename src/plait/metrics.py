@@ -1,0 +1,91 @@
+"""Run statistics: per-step balance, mixture shares, throughput, stream digests."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.plan import StepPlan
+from plait.roles.constructor import MicroBatch
+
+
+def batch_digest_update(h: "hashlib._Hash", mb: MicroBatch) -> None:
+    for a in (mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens, mb.sample_ids):
+        h.update(np.ascontiguousarray(a).tobytes())
+
+
+@dataclass
+class RunStats:
+    source_names: list[str]
+    ranks: int
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+    padding_tokens: int = 0
+    capacity_tokens: int = 0
+    source_tokens: np.ndarray = None  # type: ignore[assignment]
+    target_tokens: np.ndarray = None  # type: ignore[assignment]
+    efficiency: list[float] = field(default_factory=list)
+    max_over_lb: list[float] = field(default_factory=list)
+    tokens_max_over_mean: list[float] = field(default_factory=list)
+    rank_cost_sum: np.ndarray = None  # type: ignore[assignment]
+    digests: dict[int, "hashlib._Hash"] = field(default_factory=dict)
+    carried: int = 0
+
+    def __post_init__(self):
+        n = len(self.source_names)
+        self.source_tokens = np.zeros(n, dtype=np.int64)
+        self.target_tokens = np.zeros(n, dtype=np.float64)
+        self.rank_cost_sum = np.zeros(self.ranks)
+
+    def add_plan(self, plan: StepPlan, weights: np.ndarray) -> None:
+        self.steps += 1
+        self.efficiency.append(plan.efficiency)
+        self.max_over_lb.append(plan.max_over_lb)
+        self.tokens_max_over_mean.append(plan.tokens_max_over_mean)
+        self.capacity_tokens += plan.ranks * plan.microbatches * plan.capacity
+        self.source_tokens += np.bincount(plan.items.source, weights=plan.items.length, minlength=len(self.source_names)).astype(np.int64)
+        self.target_tokens += weights * plan.tokens
+        self.rank_cost_sum += plan.rank_cost
+        self.carried = plan.carried
+
+    def add_batch(self, mb: MicroBatch) -> None:
+        self.tokens += mb.num_tokens
+        self.padding_tokens += mb.num_tokens - int(mb.cu_seqlens[-1])
+        batch_digest_update(self.digests.setdefault(mb.dp_rank, hashlib.sha256()), mb)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def summary(self) -> dict:
+        total = max(1, int(self.source_tokens.sum()))
+        target_total = max(1e-9, float(self.target_tokens.sum()))
+        return {
+            "steps": self.steps,
+            "tokens": int(self.tokens),
+            "seconds": round(self.elapsed, 3),
+            "tokens_per_s": self.tokens / max(self.elapsed, 1e-9),
+            "mixture": {
+                name: {"target": float(self.target_tokens[i] / target_total), "achieved": float(self.source_tokens[i] / total)}
+                for i, name in enumerate(self.source_names)
+            },
+            "efficiency_mean": float(np.mean(self.efficiency)) if self.efficiency else None,
+            "efficiency_min": float(np.min(self.efficiency)) if self.efficiency else None,
+            "max_over_lb_mean": float(np.mean(self.max_over_lb)) if self.max_over_lb else None,
+            "tokens_max_over_mean": float(np.mean(self.tokens_max_over_mean)) if self.tokens_max_over_mean else None,
+            "padding_fraction": self.padding_tokens / max(1, self.tokens),
+            "capacity_fill": self.tokens / max(1, self.capacity_tokens),
+            "carried_at_end": self.carried,
+            "digests": {str(r): h.hexdigest() for r, h in sorted(self.digests.items())},
+        }
+
+
+def combined_digest(digests: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for rank in sorted(digests, key=int):
+        h.update(f"{rank}:{digests[rank]};".encode())
+    return h.hexdigest()

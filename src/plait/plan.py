@@ -1,0 +1,144 @@
+"""The Planner's output: which document chunks form a step, and where each one goes.
+
+`Items` is a struct of arrays, one entry per document chunk. Its identity columns say where the chunk
+lives in its source's deterministic order (source, epoch, file_pos, block_pos, position) and in the data
+(shard, row), which chunk of the document it is (chunk, offset, length). A StepPlan adds the assignment
+(rank, micro) and the balance certificate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+# Integer columns, in the order used to serialise carried items in the data state.
+ITEM_INT_COLUMNS = ("source", "epoch", "fpos", "bpos", "position", "shard", "row", "chunk", "offset", "length", "delayed")
+
+
+@dataclass
+class Items:
+    source: np.ndarray
+    epoch: np.ndarray
+    fpos: np.ndarray
+    bpos: np.ndarray
+    position: np.ndarray
+    shard: np.ndarray
+    row: np.ndarray
+    chunk: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    delayed: np.ndarray  # steps this chunk has already waited (carried over)
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @classmethod
+    def empty(cls) -> "Items":
+        return cls(**{c: np.zeros(0, dtype=np.int64) for c in ITEM_INT_COLUMNS})
+
+    @classmethod
+    def concat(cls, parts: list["Items"]) -> "Items":
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return cls.empty()
+        return cls(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+    def take(self, index: np.ndarray) -> "Items":
+        return Items(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def to_rows(self) -> list[list[int]]:
+        if not len(self):
+            return []
+        return np.stack([getattr(self, c) for c in ITEM_INT_COLUMNS], axis=1).astype(np.int64).tolist()
+
+    @classmethod
+    def from_rows(cls, rows: list[list[int]]) -> "Items":
+        if not rows:
+            return cls.empty()
+        a = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(ITEM_INT_COLUMNS))
+        return cls(**{c: a[:, i].copy() for i, c in enumerate(ITEM_INT_COLUMNS)})
+
+    def block_keys(self) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
+        """Unique (source, epoch, file_pos, block_pos) keys and each item's index into them."""
+        if not len(self):
+            return [], np.zeros(0, dtype=np.int64)
+        k = np.stack([self.source, self.epoch, self.fpos, self.bpos], axis=1)
+        uniq, inverse = np.unique(k, axis=0, return_inverse=True)
+        return [tuple(int(x) for x in row) for row in uniq], inverse.reshape(-1)
+
+    def sample_ids(self) -> np.ndarray:
+        """[n, 5] int64: source, epoch, shard, row, chunk. Unique per delivered chunk."""
+        return np.stack([self.source, self.epoch, self.shard, self.row, self.chunk], axis=1).astype(np.int64)
+
+
+@dataclass
+class StepPlan:
+    step: int
+    ranks: int
+    microbatches: int
+    capacity: int
+    items: Items  # placed items only
+    cost: np.ndarray  # float64 per item
+    rank: np.ndarray  # int32 per item
+    micro: np.ndarray  # int32 per item
+    rank_cost: np.ndarray  # [R]
+    micro_cost: np.ndarray  # [R, M]
+    micro_tokens: np.ndarray  # [R, M]
+    lower_bound: float
+    carried: int  # items left for a later step
+    delayed_outliers: int = 0
+    state_before: dict = field(default_factory=dict)  # the data state at the start of this step
+
+    @property
+    def tokens(self) -> int:
+        return int(self.items.length.sum())
+
+    @property
+    def max_over_mean(self) -> float:
+        mean = float(self.rank_cost.mean())
+        return float(self.rank_cost.max()) / mean if mean > 0 else 1.0
+
+    @property
+    def efficiency(self) -> float:
+        """mean rank cost / max rank cost: 1.0 is perfect balance."""
+        return 1.0 / self.max_over_mean
+
+    @property
+    def max_over_lb(self) -> float:
+        return float(self.rank_cost.max()) / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    @property
+    def tokens_max_over_mean(self) -> float:
+        per_rank = self.micro_tokens.sum(axis=1)
+        mean = float(per_rank.mean())
+        return float(per_rank.max()) / mean if mean > 0 else 1.0
+
+    def for_rank(self, dp_rank: int) -> "RankPlan":
+        sel = np.flatnonzero(self.rank == dp_rank)
+        return RankPlan(self.step, dp_rank, self.microbatches, self.items.take(sel), self.micro[sel], self.stats())
+
+    def stats(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "global_label_tokens": int((self.items.length - 1).clip(min=0).sum()),
+            "efficiency": self.efficiency,
+            "max_over_mean": self.max_over_mean,
+            "max_over_lb": self.max_over_lb,
+            "tokens_max_over_mean": self.tokens_max_over_mean,
+            "carried": self.carried,
+            "delayed_outliers": self.delayed_outliers,
+        }
+
+
+@dataclass
+class RankPlan:
+    """One DP rank's share of a step: what its Constructor builds."""
+
+    step: int
+    dp_rank: int
+    microbatches: int
+    items: Items
+    micro: np.ndarray
+    stats: dict

@@ -1,0 +1,100 @@
+"""Constructor: turns one DP rank's share of a step plan into packed micro-batches.
+
+It pulls each micro-batch's payload from the SourceLoaders in one gather per block, then computes the
+padding-free fields (packing.py). TP/PP ranks of a replica share the result; CP ranks take a shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.packing import pack_fields
+from plait.plan import RankPlan
+
+
+@dataclass
+class MicroBatch:
+    step: int
+    microbatch: int
+    num_microbatches: int
+    dp_rank: int
+    input_ids: np.ndarray  # int32 [T]
+    labels: np.ndarray  # int64 [T], IGNORE_INDEX at each document's last token
+    position_ids: np.ndarray  # int32 [T]
+    cu_seqlens: np.ndarray  # int32 [docs+1]
+    sample_ids: np.ndarray  # int64 [docs, 5]: source, epoch, shard, row, chunk
+    source_ids: np.ndarray  # int32 [docs]
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.input_ids))
+
+    def to_torch(self, device=None) -> dict:
+        """The batch as torch tensors (ids and labels as int64, the rest int32). Needs plait[torch]."""
+        import torch
+
+        def t(a, dtype):
+            return torch.from_numpy(a).to(dtype=dtype, device=device)
+
+        return {
+            "input_ids": t(self.input_ids, torch.long),
+            "labels": t(self.labels, torch.long),
+            "position_ids": t(self.position_ids, torch.long),
+            "cu_seqlens": t(self.cu_seqlens, torch.int32),
+            "max_seqlen": self.max_seqlen,
+            "sample_ids": t(self.sample_ids, torch.long),
+            "source_ids": t(self.source_ids, torch.int32),
+        }
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(np.diff(self.cu_seqlens).max()) if len(self.cu_seqlens) > 1 else 0
+
+
+class Constructor:
+    def __init__(self, loaders):
+        """`loaders(source) -> SourceLoader`-like object with gather(); locally one loader for all."""
+        self._loader_for = loaders
+
+    def build(self, plan: RankPlan, only: set[int] | None = None) -> list[MicroBatch]:
+        out = []
+        for m in range(plan.microbatches):
+            if only is not None and m not in only:
+                continue
+            sel = np.flatnonzero(plan.micro == m)
+            items = plan.items.take(sel)
+            input_ids = self._fetch(items)
+            fields = pack_fields(input_ids, items.length)
+            out.append(
+                MicroBatch(
+                    step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
+                    input_ids=input_ids, sample_ids=items.sample_ids(), source_ids=items.source.astype(np.int32),
+                    stats=plan.stats, **fields,
+                )
+            )
+        return out
+
+    def _fetch(self, items) -> np.ndarray:
+        if not len(items):
+            return np.zeros(0, dtype=np.int32)
+        keys, block_index = items.block_keys()
+        # Group by owning loader; locally that is a single call.
+        by_loader: dict[int, list[int]] = {}
+        for b, key in enumerate(keys):
+            by_loader.setdefault(id(self._loader_for(key[0])), []).append(b)
+        if len(by_loader) == 1:
+            loader = self._loader_for(keys[0][0])
+            return loader.gather(items.source, keys, block_index, items.position, items.offset, items.length)
+        out = np.empty(int(items.length.sum()), dtype=np.int32)
+        starts = np.cumsum(items.length) - items.length
+        for blocks in by_loader.values():
+            sel = np.flatnonzero(np.isin(block_index, blocks))
+            loader = self._loader_for(keys[blocks[0]][0])
+            part = loader.gather(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
+            from plait.packing import ragged_arange
+
+            out[ragged_arange(starts[sel], items.length[sel])] = part
+        return out

@@ -1,0 +1,192 @@
+"""Planner: the data plane. One per job.
+
+For each global step it
+  1. decides how many tokens each source contributes (mixture quotas, error diffusion),
+  2. takes that many documents from each source in the source's deterministic order (metadata only),
+  3. cuts documents longer than seq_len into chunks,
+  4. assigns every chunk to a (DP rank, micro-batch) minimising the slowest rank's cost (balance.py),
+  5. carries what did not fit (rare) to the next step, ahead of new documents.
+
+Its state (per-source cursor and deficit, the carried chunks, the step) is a few hundred bytes plus the
+carry, and fully defines the rest of the data stream: a checkpoint of the Planner is a checkpoint of the
+data. It never sees a token id.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Protocol
+
+import numpy as np
+
+from plait import balance
+from plait.cost import CostModel
+from plait.errors import PlaitError, SourceError
+from plait.mixture import MixtureSchedule, take_count
+from plait.plan import Items, StepPlan
+from plait.spec import Spec
+
+STATE_VERSION = 1
+
+
+class MetadataProvider(Protocol):
+    """Where the Planner gets block metadata: a SourceLoader (local) or a proxy to loader actors."""
+
+    def first_key(self, source: int) -> tuple[int, int, int]: ...
+
+    def block_meta(self, source: int, key: tuple[int, int, int]): ...
+
+
+class Planner:
+    def __init__(self, spec: Spec, provider: MetadataProvider, *, dp: int | None = None):
+        self.spec = spec
+        self.provider = provider
+        self.ranks = dp or spec.topology.dp
+        self.microbatches = spec.packing.num_microbatches
+        self.seq_len = spec.packing.seq_len
+        self.capacity = self.seq_len
+        self.cost_model = CostModel.from_spec(spec.cost)
+        self.mixture = MixtureSchedule(spec)
+        n = len(spec.sources)
+        self.step = 0
+        self.cursor = np.zeros((n, 4), dtype=np.int64)  # epoch, file_pos, block_pos, position
+        self.deficit = np.zeros(n, dtype=np.float64)
+        self.drawn = np.zeros(n, dtype=np.int64)  # tokens drawn per source (metrics only)
+        self.carry = Items.empty()
+        self._meta: dict[int, object] = {}
+        self.empty_docs = 0
+        for i in range(n):
+            self.cursor[i, :3] = provider.first_key(i)
+
+    # ----- the algorithm -----------------------------------------------------------------------
+    def plan_step(self) -> StepPlan:
+        state_before = self.state_dict()
+        step_capacity = self.ranks * self.microbatches * self.capacity
+        carry_tokens = int(self.carry.length.sum())
+        budget = max(0, step_capacity - carry_tokens)
+        weights = self.mixture.weights(self.step)
+        self.deficit += weights * budget
+        new = Items.concat([self._draw(i) for i in range(len(self.spec.sources))])
+        items = Items.concat([self.carry, new])
+        costs = self.cost_model(items.length)
+        priority = np.concatenate([self.carry.delayed + 1, np.zeros(len(new), dtype=np.int64)])
+        result = balance.assign(
+            items.length, costs, ranks=self.ranks, microbatches=self.microbatches, capacity=self.capacity,
+            priority=priority,
+        )
+        placed = np.flatnonzero(result.placed)
+        left = np.flatnonzero(~result.placed)
+        self.carry = items.take(left)
+        self.carry.delayed = self.carry.delayed + 1
+        plan = StepPlan(
+            step=self.step,
+            ranks=self.ranks,
+            microbatches=self.microbatches,
+            capacity=self.capacity,
+            items=items.take(placed),
+            cost=costs[placed],
+            rank=result.rank[placed],
+            micro=result.micro[placed],
+            rank_cost=result.rank_cost,
+            micro_cost=result.micro_cost,
+            micro_tokens=result.micro_tokens,
+            lower_bound=balance.lower_bound(costs[placed], self.ranks),
+            carried=len(left),
+            state_before=state_before,
+        )
+        self.step += 1
+        return plan
+
+    def _draw(self, source: int) -> Items:
+        """Take documents from one source until its deficit is used up (error diffusion)."""
+        parts: list[Items] = []
+        start_epoch = int(self.cursor[source, 0])
+        while self.deficit[source] > 0:
+            epoch, fpos, bpos, pos = (int(x) for x in self.cursor[source])
+            meta = self._block_meta(source, (epoch, fpos, bpos))
+            first = int(np.searchsorted(meta.positions, pos))
+            lengths = meta.lengths[first:]
+            k = take_count(lengths, self.deficit[source])
+            if k:
+                sel = np.arange(first, first + k)
+                parts.append(self._docs_to_items(meta, sel))
+                taken = int(lengths[:k].sum())
+                self.deficit[source] -= taken
+                self.drawn[source] += taken
+            if first + k < len(meta.positions):
+                self.cursor[source, 3] = meta.positions[first + k]
+            else:
+                self.cursor[source] = (*meta.next_key, 0)
+                self._meta.pop(source, None)
+                if not parts and self.cursor[source, 0] > start_epoch + 1:
+                    name = self.spec.sources[source].name
+                    raise SourceError(name, None, None, "no readable documents in a whole epoch")
+        return Items.concat(parts)
+
+    def _block_meta(self, source: int, key: tuple[int, int, int]):
+        meta = self._meta.get(source)
+        if meta is None or tuple(meta.key) != key:
+            meta = self.provider.block_meta(source, key)
+            self._meta[source] = meta
+        return meta
+
+    def _docs_to_items(self, meta, sel: np.ndarray) -> Items:
+        lengths = meta.lengths[sel].astype(np.int64)
+        nonempty = lengths > 0
+        self.empty_docs += int((~nonempty).sum())
+        sel, lengths = sel[nonempty], lengths[nonempty]
+        S = self.seq_len
+        nchunks = -(-lengths // S)
+        doc = np.repeat(np.arange(len(sel)), nchunks)
+        chunk = np.arange(len(doc)) - np.repeat(np.cumsum(nchunks) - nchunks, nchunks)
+        offset = chunk * S
+        length = np.minimum(S, lengths[doc] - offset)
+        m = len(doc)
+
+        def full(v: int) -> np.ndarray:
+            return np.full(m, v, dtype=np.int64)
+
+        epoch, fpos, bpos = meta.key
+        return Items(
+            source=full(meta.source), epoch=full(epoch), fpos=full(fpos), bpos=full(bpos),
+            position=meta.positions[sel][doc].astype(np.int64), shard=full(meta.shard),
+            row=meta.rows[sel][doc].astype(np.int64), chunk=chunk.astype(np.int64), offset=offset.astype(np.int64),
+            length=length.astype(np.int64), delayed=full(0),
+        )
+
+    # ----- data state --------------------------------------------------------------------------
+    def live_blocks(self) -> set[tuple[int, int, int, int]]:
+        """Blocks that the Planner will still read from (its cursors) or that hold carried chunks."""
+        live = {(i, *map(int, self.cursor[i, :3])) for i in range(len(self.spec.sources))}
+        live.update(self.carry.block_keys()[0])
+        return live
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.spec.data_fingerprint(),
+            "step": self.step,
+            "sources": {
+                s.name: {"cursor": self.cursor[i].tolist(), "deficit": float(self.deficit[i]), "drawn": int(self.drawn[i])}
+                for i, s in enumerate(self.spec.sources)
+            },
+            "carry": self.carry.to_rows(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise PlaitError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        if state.get("fingerprint") != self.spec.data_fingerprint():
+            raise PlaitError(
+                "the data state was saved with a different spec (sources, mixture or seed changed); "
+                "resuming would not continue the same data stream"
+            )
+        state = copy.deepcopy(state)
+        self.step = int(state["step"])
+        for i, s in enumerate(self.spec.sources):
+            src = state["sources"][s.name]
+            self.cursor[i] = src["cursor"]
+            self.deficit[i] = src["deficit"]
+            self.drawn[i] = src["drawn"]
+        self.carry = Items.from_rows(state["carry"])
+        self._meta.clear()

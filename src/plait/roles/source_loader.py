@@ -1,0 +1,116 @@
+"""SourceLoader: reads and preprocesses blocks of its sources, announces their metadata, serves payloads.
+
+It holds a bounded cache of decoded blocks keyed by (source, block key). The Planner asks for a block's
+metadata (`block_meta`): the loader decodes the block once and keeps it until the blocks' documents have
+been delivered (`retain` tells it which blocks are still live). Constructors ask for payloads by
+(source, block key, position, offset, length) (`gather`); a block that was evicted (or never read by
+this process, e.g. after a restart) is simply decoded again: reading is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.packing import ragged_arange
+from plait.sources import BlockKey, DocBlock, Source
+from plait.spec import Spec
+
+FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
+
+
+@dataclass
+class BlockMeta:
+    """What the Planner needs of a block: sizes and ids, never tokens."""
+
+    source: int
+    key: BlockKey
+    next_key: BlockKey
+    shard: int
+    positions: np.ndarray
+    rows: np.ndarray
+    lengths: np.ndarray
+    num_positions: int
+
+
+class SourceLoader:
+    def __init__(self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256):
+        self.spec = spec
+        idx = range(len(spec.sources)) if source_indices is None else source_indices
+        self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed) for i in idx}
+        self.max_cached_blocks = max_cached_blocks
+        self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
+        self.blocks_read = 0
+
+    # ----- metadata (to the Planner) -------------------------------------------------------------
+    def first_key(self, source: int) -> BlockKey:
+        return self.sources[source].first_key()
+
+    def block_meta(self, source: int, key: BlockKey) -> BlockMeta:
+        block = self._block(source, key)
+        src = self.sources[source]
+        return BlockMeta(
+            source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions
+        )
+
+    # ----- payloads (to Constructors) ------------------------------------------------------------
+    def gather(
+        self, source: np.ndarray, keys: list[FullKey], block_index: np.ndarray, position: np.ndarray,
+        offset: np.ndarray, length: np.ndarray,
+    ) -> np.ndarray:
+        """Tokens of the requested spans, concatenated in request order.
+
+        `block_index[i]` indexes `keys`; span i is tokens [offset, offset+length) of the document at
+        shuffled `position[i]` of that block.
+        """
+        length = np.asarray(length, dtype=np.int64)
+        out = np.empty(int(length.sum()), dtype=np.int32)
+        out_start = np.cumsum(length) - length
+        for b in np.unique(block_index):
+            sel = np.flatnonzero(block_index == b)
+            full = keys[int(b)]
+            block = self._block(full[0], full[1:])
+            doc = np.searchsorted(block.positions, position[sel])
+            src_start = block.starts[doc] + offset[sel]
+            n = length[sel]
+            if len(sel) == 1:
+                s, d, k = int(src_start[0]), int(out_start[sel[0]]), int(n[0])
+                out[d : d + k] = block.tokens[s : s + k]
+            else:
+                out[ragged_arange(out_start[sel], n)] = block.tokens[ragged_arange(src_start, n)]
+        return out
+
+    def retain(self, live: set[FullKey]) -> None:
+        """Drop cached blocks that no pending or future step needs."""
+        for k in [k for k in self._blocks if k not in live]:
+            del self._blocks[k]
+
+    # ----- internals ---------------------------------------------------------------------------
+    def _block(self, source: int, key: BlockKey) -> DocBlock:
+        full = (source, *key)
+        block = self._blocks.get(full)
+        if block is None:
+            block = self.sources[source].read_block(tuple(key))
+            self.blocks_read += 1
+            self._blocks[full] = block
+            while len(self._blocks) > self.max_cached_blocks:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(full)
+        return block
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(b.nbytes for b in self._blocks.values())
+
+    def error_report(self) -> dict[str, dict]:
+        return {
+            s.name: {"skipped": s.errors.get("skipped", 0), "messages": list(s.error_log)}
+            for s in self.sources.values()
+        }
+
+    def close(self) -> None:
+        for s in self.sources.values():
+            s.close()

@@ -1,0 +1,1 @@
+"""Runtimes decide where the roles run: `local` (one process) or `ray` (actors)."""

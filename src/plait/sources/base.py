@@ -1,0 +1,273 @@
+"""A source: its shards, its deterministic order, and decoded blocks of documents.
+
+Order. A source's documents come in a fixed, seed-determined order per epoch:
+files (shards) are shuffled, each file's blocks (Parquet row groups; a whole JSONL file) are shuffled,
+and each block's rows are shuffled. A position in that order is a *block key*
+(epoch, file_pos, block_pos) plus a row position inside the block; a cursor is exactly that, four
+integers. Nothing is indexed up front: a file's footer is read when the order first reaches it.
+
+Blocks. `read_block(key)` returns a DocBlock: the block's documents, tokenized, in shuffled order, as one
+flat int32 token array with offsets, plus each document's data coordinates (shard, row in the file),
+which become its sample id. Bad records are dropped from the block (policy `skip`, counted) or raise
+(policy `raise`) with source, shard and record named.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+
+from plait.errors import SourceError
+from plait.spec import SourceSpec
+from plait.transforms.tokenize import TextEncoder, add_special_tokens
+
+BlockKey = tuple[int, int, int]  # (epoch, file_pos, block_pos)
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key])))
+
+
+@dataclass
+class DocBlock:
+    """Decoded documents of one block, in the source's shuffled order.
+
+    Document i (in shuffled order) is tokens[starts[i] : starts[i] + lengths[i]], sample id
+    (shard, rows[i]), at shuffled position positions[i]. `tokens` stays in file order (for token-id
+    sources it is the Arrow buffer itself, zero-copy); only the small index arrays are shuffled.
+    Positions of dropped (bad) records are absent from `positions`.
+    """
+
+    source: int
+    key: BlockKey
+    shard: int
+    positions: np.ndarray  # int64 [n] shuffled positions of kept docs (increasing)
+    rows: np.ndarray  # int64 [n] row index inside the file
+    tokens: np.ndarray  # int32 flat, file order
+    starts: np.ndarray  # int64 [n]
+    lengths: np.ndarray  # int64 [n]
+    num_positions: int  # shuffled positions in the block, bad records included (what a cursor counts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
+
+
+@dataclass
+class RawBlock:
+    """What a format reader returns for one block: the readable records' field values.
+
+    The block holds records first_row .. first_row+num_records-1 of its file; `values[i]` belongs to
+    record first_row + ok_index[i]; records missing from ok_index were unreadable (listed in `bad`).
+    """
+
+    first_row: int
+    num_records: int
+    ok_index: np.ndarray  # int64, increasing
+    values: pa.Array  # string or list<int> array aligned with ok_index
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (record index in file, reason)
+
+
+class FormatReader:
+    """Reads blocks of one file format. Subclasses: ParquetReader, JsonlReader."""
+
+    def __init__(self, spec: SourceSpec, fs: fsspec.AbstractFileSystem):
+        self.spec = spec
+        self.fs = fs
+        self.field = spec.text_field or spec.tokens_field
+
+    def num_blocks(self, path: str) -> int:
+        raise NotImplementedError
+
+    def read_block(self, path: str, block: int) -> RawBlock:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Source:
+    """One source's files, order, and block decoding. Cheap to create: lists files, reads nothing."""
+
+    def __init__(self, spec: SourceSpec, index: int, seed: int):
+        from plait.sources import reader_for  # late: formats register there
+
+        self.spec = spec
+        self.index = index
+        self.name = spec.name
+        self.seed = seed
+        self.files, self.fs = _list_files(spec)
+        self.reader: FormatReader = reader_for(spec, self.files[0], self.fs)
+        self.encoder = TextEncoder(spec.tokenizer, spec.storage_options) if spec.text_field else None
+        self._num_blocks: dict[int, int] = {}
+        self._file_orders: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.errors: Counter[str] = Counter()
+        self.error_log: list[str] = []
+        self._empty_keys_in_a_row = 0
+
+    # ----- order -------------------------------------------------------------------------------
+    def file_order(self, epoch: int) -> np.ndarray:
+        order = self._file_orders.get(epoch)
+        if order is None:
+            order = _rng(self.seed, self.index, epoch).permutation(len(self.files))
+            self._file_orders[epoch] = order
+            while len(self._file_orders) > 2:
+                self._file_orders.popitem(last=False)
+        return order
+
+    def num_blocks(self, file_idx: int) -> int:
+        n = self._num_blocks.get(file_idx)
+        if n is None:
+            path = self.files[file_idx]
+            try:
+                n = self.reader.num_blocks(path)
+            except SourceError:
+                raise
+            except Exception as e:  # corrupt footer, unreadable file, ...
+                self._bad(path, None, f"cannot open: {type(e).__name__}: {e}")
+                n = 0
+            self._num_blocks[file_idx] = n
+        return n
+
+    def block_order(self, epoch: int, file_idx: int) -> np.ndarray:
+        return _rng(self.seed, self.index, epoch, file_idx, 0x5EED).permutation(self.num_blocks(file_idx))
+
+    def first_key(self, epoch: int = 0) -> BlockKey:
+        return self._settle((epoch, 0, 0))
+
+    def next_key(self, key: BlockKey) -> BlockKey:
+        epoch, fpos, bpos = key
+        return self._settle((epoch, fpos, bpos + 1))
+
+    def _settle(self, key: BlockKey) -> BlockKey:
+        """Move a key past file ends (and epoch ends) to the next block that exists."""
+        epoch, fpos, bpos = key
+        scanned = 0
+        while True:
+            if fpos >= len(self.files):
+                epoch, fpos, bpos = epoch + 1, 0, 0
+            file_idx = int(self.file_order(epoch)[fpos])
+            if bpos < self.num_blocks(file_idx):
+                return (epoch, fpos, bpos)
+            fpos, bpos = fpos + 1, 0
+            scanned += 1
+            if scanned > len(self.files):
+                raise SourceError(self.name, None, None, "no readable blocks in any file")
+
+    # ----- decoding ----------------------------------------------------------------------------
+    def read_block(self, key: BlockKey) -> DocBlock:
+        epoch, fpos, bpos = key
+        file_idx = int(self.file_order(epoch)[fpos])
+        block_idx = int(self.block_order(epoch, file_idx)[bpos])
+        path = self.files[file_idx]
+        try:
+            raw = self.reader.read_block(path, block_idx)
+        except SourceError:
+            raise
+        except Exception as e:
+            self._bad(path, f"block {block_idx}", f"cannot read: {type(e).__name__}: {e}")
+            raw = RawBlock(0, 0, np.zeros(0, np.int64), pa.array([], pa.string()))
+        for record, reason in raw.bad:
+            self._bad(path, str(record), reason)
+        values = raw.values
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        ok_index = raw.ok_index
+        null_mask = np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        if null_mask.any():
+            for i in np.flatnonzero(null_mask):
+                self._bad(path, str(raw.first_row + int(ok_index[i])), f"field {self.reader.field!r} is null or missing")
+            keep = np.flatnonzero(~null_mask)
+            values = values.take(pa.array(keep))
+            ok_index = ok_index[keep]
+        tokens, offsets = self._tokens(values, path, raw.first_row)
+        # Shuffle over every record position of the block, bad ones included, so that a record's
+        # position never depends on which other records were readable.
+        perm = _rng(self.seed, self.index, epoch, file_idx, block_idx + 1).permutation(raw.num_records)
+        position_of_record = np.empty(raw.num_records, dtype=np.int64)
+        position_of_record[perm] = np.arange(raw.num_records, dtype=np.int64)
+        kept_pos = position_of_record[ok_index]
+        order = np.argsort(kept_pos, kind="stable")
+        return DocBlock(
+            source=self.index,
+            key=key,
+            shard=file_idx,
+            positions=kept_pos[order],
+            rows=raw.first_row + ok_index[order].astype(np.int64),
+            tokens=tokens,
+            starts=offsets[:-1][order],
+            lengths=np.diff(offsets)[order],
+            num_positions=raw.num_records,
+        )
+
+    def _tokens(self, values: pa.Array, path: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.encoder is not None:
+            if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+                raise SourceError(self.name, path, None, f"text_field {self.reader.field!r} is {values.type}, not a string")
+            flat, offsets = self.encoder.encode(values)
+        else:
+            if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+                raise SourceError(
+                    self.name, path, None, f"tokens_field {self.reader.field!r} is {values.type}, not a list of ints"
+                )
+            if not pa.types.is_integer(values.type.value_type):
+                raise SourceError(self.name, path, None, f"tokens_field values are {values.type.value_type}, not ints")
+            offsets = np.asarray(values.offsets.to_numpy(), dtype=np.int64)
+            child = values.values
+            flat = child.to_numpy(zero_copy_only=False)
+            base = offsets[0]
+            flat = flat[base : offsets[-1]]
+            offsets = offsets - base
+            if flat.dtype != np.int32:
+                if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
+                    raise SourceError(self.name, path, None, "token ids out of int32 range")
+                flat = flat.astype(np.int32)
+        return add_special_tokens(flat, offsets, self.spec.bos, self.spec.eos)
+
+    # ----- errors ------------------------------------------------------------------------------
+    def _bad(self, path: str, record: str | None, reason: str) -> None:
+        err = SourceError(self.name, path, record, reason)
+        if self.spec.on_error == "raise":
+            raise err
+        self.errors["skipped"] += 1
+        if len(self.error_log) < 100:
+            self.error_log.append(str(err))
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]:
+    files: list[str] = []
+    fs = None
+    for pattern in spec.paths:
+        fs_i, _ = fsspec.core.url_to_fs(pattern, **spec.storage_options)
+        fs = fs or fs_i
+        try:
+            if any(ch in pattern for ch in "*?["):
+                matches = fs_i.glob(pattern)
+            elif fs_i.isdir(pattern):
+                matches = [p for p in fs_i.find(pattern) if _known_extension(p)]
+            elif fs_i.exists(pattern):
+                matches = [pattern]
+            else:
+                raise SourceError(spec.name, pattern, None, "no such file or folder")
+        except SourceError:
+            raise
+        except Exception as e:
+            raise SourceError(spec.name, pattern, None, f"cannot list: {type(e).__name__}: {e}") from None
+        protocol = fs_i.protocol if isinstance(fs_i.protocol, str) else fs_i.protocol[0]
+        for m in matches:
+            files.append(m if protocol in ("file", "local") or "://" in m else f"{protocol}://{m}")
+    files = sorted(set(files))
+    if not files:
+        raise SourceError(spec.name, ", ".join(spec.paths), None, "matches no files (empty source)")
+    return files, fs
+
+
+def _known_extension(path: str) -> bool:
+    return path.endswith((".parquet", ".pq", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json"))

@@ -1,0 +1,1 @@
+"""Record -> sample transforms (tokenization)."""
