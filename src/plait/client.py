@@ -69,18 +69,8 @@ class Loader:
 
     # ----- iteration ---------------------------------------------------------------------------
     def _produce(self) -> Iterator[tuple[dict, MicroBatch]]:
-        """(state at the start of the batch's step, batch) in order, starting from the resume point."""
-        rt = self._runtime
-        rt.load_state_dict(self._resume_state)
-        skip = self._resume_micro
-        while self.max_steps is None or rt.planner_step() < self.max_steps:
-            plan = rt.plan()
-            M = plan.microbatches
-            wanted = set(range(skip, M))
-            skip = 0
-            for mb in rt.build(plan, self.dp_rank, only=wanted) if wanted else []:
-                yield plan.state_before, self._for_this_rank(mb)
-            rt.release()
+        """(state at the start of the batch's step, batch) in order, from the resume point."""
+        return self._runtime.iter_rank(self.dp_rank, self._resume_state, self._resume_micro, self.max_steps)
 
     def _for_this_rank(self, mb: MicroBatch) -> MicroBatch:
         if self.spec.topology.cp > 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from plait.plan import StepPlan
 from plait.roles.constructor import Constructor, MicroBatch
 from plait.roles.planner import Planner
@@ -29,6 +31,24 @@ class LocalRuntime:
             live.update(plan.items.block_keys()[0])
         self.loader.retain(live)
 
+    def iter_rank(
+        self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None
+    ) -> Iterator[tuple[dict, MicroBatch]]:
+        """One rank's micro-batches from a data state on: (state at the step's start, batch).
+
+        Locally every rank plans the whole global step itself (cheap: metadata only) and builds only
+        its own micro-batches; all ranks compute the same plan, so they agree without talking.
+        """
+        self.load_state_dict(start_state)
+        skip = start_micro
+        while max_steps is None or self.planner.step < max_steps:
+            plan = self.plan()
+            wanted = set(range(skip, plan.microbatches))
+            skip = 0
+            for mb in self.build(plan, dp_rank, only=wanted) if wanted else []:
+                yield plan.state_before, mb
+            self.release()
+
     def state_dict(self) -> dict:
         return self.planner.state_dict()
 
@@ -40,6 +60,3 @@ class LocalRuntime:
 
     def close(self) -> None:
         self.loader.close()
-
-    def planner_step(self) -> int:
-        return self.planner.step
