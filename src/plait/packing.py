@@ -36,13 +36,12 @@ def ragged_gather(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> 
 
 def pack_fields(input_ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
     """cu_seqlens, position_ids and labels for an already concatenated sequence of documents."""
+    from plait.kernels import fill_positions_labels
+
     lengths = np.asarray(lengths, dtype=np.int64)
-    total = len(input_ids)
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
-    position_ids = np.arange(total, dtype=np.int32) - np.repeat(cu[:-1], lengths)
-    labels = np.empty(total, dtype=np.int64)
-    labels[:-1] = input_ids[1:]
-    if total:
-        labels[cu[1:][lengths > 0] - 1] = IGNORE_INDEX
+    position_ids = np.empty(len(input_ids), dtype=np.int32)
+    labels = np.empty(len(input_ids), dtype=np.int32)
+    fill_positions_labels(input_ids, cu, position_ids, labels, IGNORE_INDEX)
     return {"cu_seqlens": cu, "position_ids": position_ids, "labels": labels}

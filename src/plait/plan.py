@@ -60,12 +60,25 @@ class Items:
         return cls(**{c: a[:, i].copy() for i, c in enumerate(ITEM_INT_COLUMNS)})
 
     def block_keys(self) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
-        """Unique (source, epoch, file_pos, block_pos) keys and each item's index into them."""
-        if not len(self):
+        """Unique (source, epoch, file_pos, block_pos) keys and each item's index into them.
+
+        Items come in runs from the same block (the Planner draws block by block), so runs are found
+        with one vectorised comparison and only the few runs are deduplicated in Python.
+        """
+        n = len(self)
+        if not n:
             return [], np.zeros(0, dtype=np.int64)
-        k = np.stack([self.source, self.epoch, self.fpos, self.bpos], axis=1)
-        uniq, inverse = np.unique(k, axis=0, return_inverse=True)
-        return [tuple(int(x) for x in row) for row in uniq], inverse.reshape(-1)
+        cols = (self.source, self.epoch, self.fpos, self.bpos)
+        change = np.zeros(n, dtype=bool)
+        change[0] = True
+        for c in cols:
+            change[1:] |= c[1:] != c[:-1]
+        run_starts = np.flatnonzero(change)
+        index_of: dict[tuple[int, int, int, int], int] = {}
+        run_index = np.empty(len(run_starts), dtype=np.int64)
+        for j, key in enumerate(zip(*(c[run_starts].tolist() for c in cols))):
+            run_index[j] = index_of.setdefault(key, len(index_of))
+        return list(index_of), run_index[np.cumsum(change) - 1]
 
     def sample_ids(self) -> np.ndarray:
         """[n, 5] int64: source, epoch, shard, row, chunk. Unique per delivered chunk."""

@@ -21,7 +21,7 @@ class MicroBatch:
     num_microbatches: int
     dp_rank: int
     input_ids: np.ndarray  # int32 [T]
-    labels: np.ndarray  # int64 [T], IGNORE_INDEX at each document's last token
+    labels: np.ndarray  # int32 [T], IGNORE_INDEX at each document's last token
     position_ids: np.ndarray  # int32 [T]
     cu_seqlens: np.ndarray  # int32 [docs+1]
     sample_ids: np.ndarray  # int64 [docs, 5]: source, epoch, shard, row, chunk
@@ -60,18 +60,28 @@ class Constructor:
         self._loader_for = loaders
 
     def build(self, plan: RankPlan, only: set[int] | None = None) -> list[MicroBatch]:
+        micros = [m for m in range(plan.microbatches) if only is None or m in only]
+        if not micros:
+            return []
+        # One fetch for all wanted micro-batches of the rank, ordered by micro-batch, then split.
+        sel = np.flatnonzero(np.isin(plan.micro, micros)) if only is not None else np.arange(len(plan.micro))
+        sel = sel[np.argsort(plan.micro[sel], kind="stable")]
+        items = plan.items.take(sel)
+        tokens = self._fetch(items)
+        counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
+        item_bounds = np.concatenate([[0], np.cumsum(counts)])
+        token_bounds = np.concatenate([[0], np.cumsum(items.length)])[item_bounds]
+        sample_ids = items.sample_ids()
+        source_ids = items.source.astype(np.int32)
         out = []
-        for m in range(plan.microbatches):
-            if only is not None and m not in only:
-                continue
-            sel = np.flatnonzero(plan.micro == m)
-            items = plan.items.take(sel)
-            input_ids = self._fetch(items)
-            fields = pack_fields(input_ids, items.length)
+        for m in micros:
+            a, b = item_bounds[m], item_bounds[m + 1]
+            input_ids = tokens[token_bounds[m] : token_bounds[m + 1]]
+            fields = pack_fields(input_ids, items.length[a:b])
             out.append(
                 MicroBatch(
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
-                    input_ids=input_ids, sample_ids=items.sample_ids(), source_ids=items.source.astype(np.int32),
+                    input_ids=input_ids, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
                     stats=plan.stats, **fields,
                 )
             )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.packing import ragged_arange
+from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
 from plait.spec import Spec
 
@@ -74,12 +74,7 @@ class SourceLoader:
             block = self._block(full[0], full[1:])
             doc = np.searchsorted(block.positions, position[sel])
             src_start = block.starts[doc] + offset[sel]
-            n = length[sel]
-            if len(sel) == 1:
-                s, d, k = int(src_start[0]), int(out_start[sel[0]]), int(n[0])
-                out[d : d + k] = block.tokens[s : s + k]
-            else:
-                out[ragged_arange(out_start[sel], n)] = block.tokens[ragged_arange(src_start, n)]
+            copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
         return out
 
     def retain(self, live: set[FullKey]) -> None:
