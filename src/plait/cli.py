@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from plait.errors import PlaitError
 
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PlaitError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        # escape: messages quote user text ("[...]" is not markup); soft_wrap: never break a path or field
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from plait.errors import SpecError
 
@@ -170,16 +178,31 @@ class Spec(_Model):
     seed: int = 0
     steps: int | None = Field(None, ge=1, description="stop after this many global steps (unbounded if unset)")
 
-    @model_validator(mode="after")
-    def _cross_checks(self) -> "Spec":
-        names = [s.name for s in self.sources]
+    # Cross-field checks live on the field they are about, so that SpecError names that field.
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, v: list[SourceSpec]) -> list[SourceSpec]:
+        names = [s.name for s in v]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"source names must be unique (repeated: {dup})")
-        for i, point in enumerate(self.mixture.schedule):
-            unknown = sorted(set(point.weights) - set(names))
+        return v
+
+    @field_validator("mixture")
+    @classmethod
+    def _known_sources(cls, v: MixtureSpec, info: ValidationInfo) -> MixtureSpec:
+        sources = info.data.get("sources")
+        if sources is None:  # sources invalid: already reported
+            return v
+        names = {s.name for s in sources}
+        for i, point in enumerate(v.schedule):
+            unknown = sorted(set(point.weights) - names)
             if unknown:
-                raise ValueError(f"mixture.schedule[{i}] names unknown sources {unknown}")
+                raise ValueError(f"schedule[{i}] names unknown sources {unknown} (sources: {sorted(names)})")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Spec":
         if not self.mixture.schedule and sum(s.weight for s in self.sources) <= 0:
             raise ValueError("at least one source needs a positive weight")
         return self
@@ -218,7 +241,11 @@ def _format_location(loc: tuple[Any, ...], data: Any) -> str:
             name = None
             if isinstance(node, list) and 0 <= item < len(node) and isinstance(node[item], dict):
                 name = node[item].get("name")
-            parts[-1] = f"{parts[-1]}[{item}]" + (f"({name})" if name else "") if parts else f"[{item}]"
+            label = f"[{item}]" + (f"({name})" if name else "")
+            if parts:
+                parts[-1] += label
+            else:
+                parts.append(label)
         else:
             parts.append(str(item))
         try:
@@ -238,6 +265,8 @@ def load_spec(source: str | os.PathLike | dict | Spec, *, base_dir: str | None =
     origin = None
     if isinstance(source, dict):
         data = source
+    elif not isinstance(source, (str, os.PathLike)):
+        raise SpecError([("<spec>", f"a spec must be a mapping or a file path, not {type(source).__name__}")])
     else:
         origin = str(source)
         path = Path(source)

@@ -1,0 +1,269 @@
+"""Small, fast dataset builders and stream collectors shared by the test suite.
+
+Every builder writes into a folder you give it (use pytest's tmp_path) and returns a `Dataset`: the
+source's spec entry (a dict, ready for `make_spec`) plus the ground truth read back independently of
+plait: `docs[(shard, row)]` is the document's raw value (token ids as an int array, or text), where
+`shard` is the file's index in the sorted file list (what plait's sample ids use).
+
+    ds = token_parquet(tmp_path / "tok", files=3, docs_per_file=20, row_group_size=5)
+    spec = plait.load_spec(make_spec([ds.source], seq_len=64))
+    batches = collect(plait.Loader(spec, steps=4))
+    expected = expected_tokens(ds)          # (shard, row) -> token ids as plait must deliver them
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+_WORDS = "ka lo mi ra ten su vo ph ex an de ri ol um ba ne sti qu ar el in on is at pr ch sh th wo ü é 日本".split()
+
+
+@dataclass
+class Dataset:
+    source: dict[str, Any]  # the spec entry for this source
+    files: list[str]  # sorted, as plait lists them (shard i is files[i])
+    docs: dict[tuple[int, int], Any] = field(default_factory=dict)  # (shard, row) -> np.ndarray | str
+    bad: set[tuple[int, int]] = field(default_factory=set)  # (shard, row) of records written bad on purpose
+
+    @property
+    def name(self) -> str:
+        return self.source["name"]
+
+    def with_options(self, **options) -> "Dataset":
+        """The same files with other spec options (bos, eos, tokenizer, on_error, weight, name, ...)."""
+        return Dataset({**self.source, **options}, self.files, self.docs, self.bad)
+
+
+# ----- raw values --------------------------------------------------------------------------------
+def token_docs(n: int, *, lo: int = 1, hi: int = 100, vocab: int = 1000, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=n)
+    return [rng.integers(0, vocab, size=int(L)).astype(np.int32) for L in lengths]
+
+
+def texts(n: int, *, lo: int = 1, hi: int = 40, seed: int = 0) -> list[str]:
+    """Short texts of lo..hi words (some multi-byte UTF-8)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for L in rng.integers(lo, hi + 1, size=n):
+        out.append(" ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=int(L))))
+    return out
+
+
+# ----- file writers ------------------------------------------------------------------------------
+def write_token_parquet(path, docs: list[np.ndarray], *, row_group_size: int = 8, field: str = "input_ids",
+                        value_type: pa.DataType = pa.int32(), extra_column: bool = True) -> None:
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+    cols = {field: tokens}
+    if extra_column:  # a column plait must not read
+        cols["meta"] = pa.array([f"doc-{i}" for i in range(len(docs))])
+    pq.write_table(pa.table(cols), str(path), row_group_size=row_group_size)
+
+
+def write_text_parquet(path, values: list[str | None], *, row_group_size: int = 8, field: str = "text") -> None:
+    table = pa.table({"id": pa.array(range(len(values)), pa.int64()), field: pa.array(values, pa.string())})
+    pq.write_table(table, str(path), row_group_size=row_group_size)
+
+
+def write_jsonl(path, records: Iterable[dict | str], *, compression: str | None = None) -> None:
+    """One record per line; a str record is written verbatim (to make malformed lines)."""
+    lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False) for r in records]
+    data = ("\n".join(lines) + "\n").encode()
+    path = str(path)
+    if compression is None:
+        compression = "gzip" if path.endswith(".gz") else "zstd" if path.endswith(".zst") else None
+    if compression == "gzip":
+        data = gzip.compress(data)
+    elif compression == "zstd":
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    Path(path).write_bytes(data)
+
+
+# ----- whole sources -----------------------------------------------------------------------------
+def token_parquet(root, *, name: str = "tok", files: int = 3, docs_per_file: int = 20, row_group_size: int = 5,
+                  lo: int = 1, hi: int = 100, vocab: int = 1000, seed: int = 0,
+                  value_type: pa.DataType = pa.int32(), **options) -> Dataset:
+    """A pre-tokenized Parquet source: `files` files of `docs_per_file` list<int> documents."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    docs = {}
+    for f in range(files):
+        d = token_docs(docs_per_file, lo=lo, hi=hi, vocab=vocab, seed=seed * 1000 + f)
+        write_token_parquet(root / f"part-{f:03d}.parquet", d, row_group_size=row_group_size, value_type=value_type)
+        docs.update({(f, r): t for r, t in enumerate(d)})
+    paths = sorted(str(p) for p in root.glob("*.parquet"))
+    return Dataset({"name": name, "path": str(root / "*.parquet"), "tokens_field": "input_ids", **options}, paths, docs)
+
+
+def text_source(root, *, fmt: str = "parquet", name: str = "txt", files: int = 2, docs_per_file: int = 20,
+                row_group_size: int = 5, lo: int = 1, hi: int = 40, seed: int = 0, field: str = "text",
+                **options) -> Dataset:
+    """A raw-text source. fmt: parquet | jsonl | jsonl.gz | jsonl.zst."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    docs = {}
+    for f in range(files):
+        t = texts(docs_per_file, lo=lo, hi=hi, seed=seed * 1000 + f)
+        path = root / f"part-{f:03d}.{fmt}"
+        if fmt == "parquet":
+            write_text_parquet(path, t, row_group_size=row_group_size, field=field)
+        else:
+            write_jsonl(path, [{"id": i, field: s} for i, s in enumerate(t)])
+        docs.update({(f, r): s for r, s in enumerate(t)})
+    paths = sorted(str(p) for p in root.glob(f"*.{fmt}"))
+    return Dataset({"name": name, "path": str(root / f"*.{fmt}"), "text_field": field, **options}, paths, docs)
+
+
+def token_jsonl(root, *, name: str = "tokj", files: int = 2, docs_per_file: int = 15, lo: int = 1, hi: int = 60,
+                seed: int = 0, compression: str = "", **options) -> Dataset:
+    """A pre-tokenized JSONL source ({"ids": [...]}); compression: '' | 'gz' | 'zst'."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    ext = "jsonl" + (f".{compression}" if compression else "")
+    docs = {}
+    for f in range(files):
+        d = token_docs(docs_per_file, lo=lo, hi=hi, seed=seed * 1000 + f + 7)
+        write_jsonl(root / f"part-{f:03d}.{ext}", [{"ids": x.tolist()} for x in d])
+        docs.update({(f, r): t for r, t in enumerate(d)})
+    paths = sorted(str(p) for p in root.glob(f"*.{ext}"))
+    return Dataset({"name": name, "path": str(root / f"*.{ext}"), "tokens_field": "ids", **options}, paths, docs)
+
+
+def make_spec(sources: list[dict | Dataset], *, seq_len: int = 64, microbatches: int = 2, dp: int = 1,
+              seed: int = 0, **extra) -> dict:
+    """A spec dict over the given sources (Datasets or spec entries)."""
+    srcs = [s.source if isinstance(s, Dataset) else s for s in sources]
+    spec = {
+        "sources": srcs,
+        "packing": {"seq_len": seq_len, "microbatches": microbatches},
+        "topology": {"dp": dp},
+        "cost": {"linear": 1.0, "quadratic": 0.001},
+        "seed": seed,
+    }
+    spec.update(extra)
+    return spec
+
+
+def train_tokenizer(path, vocab_size: int = 300) -> str:
+    """A small byte-level BPE tokenizer.json, trained offline in well under a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts(300, seed=99), trainer=trainer)
+    tok.save(str(path))
+    return str(path)
+
+
+# ----- expectations, independent of plait ---------------------------------------------------------
+def encode_expected(value, source: dict) -> np.ndarray:
+    """What plait must deliver for one raw document value under a source's options."""
+    if isinstance(value, str):
+        if source.get("tokenizer"):
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(source["tokenizer"])
+            ids = np.asarray(tok.encode(value, add_special_tokens=False).ids, dtype=np.int64)
+        else:
+            ids = np.frombuffer(value.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    else:
+        ids = np.asarray(value, dtype=np.int64)
+    parts = []
+    if source.get("bos") is not None:
+        parts.append([source["bos"]])
+    parts.append(ids)
+    if source.get("eos") is not None:
+        parts.append([source["eos"]])
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+
+
+def expected_tokens(ds: Dataset) -> dict[tuple[int, int], np.ndarray]:
+    """(shard, row) -> the full token sequence plait must deliver (bos/eos included), bad records left out."""
+    tok_cache: dict = {}
+    out = {}
+    for key, value in ds.docs.items():
+        if key in ds.bad:
+            continue
+        if isinstance(value, str) and ds.source.get("tokenizer"):
+            from tokenizers import Tokenizer
+
+            tok = tok_cache.setdefault("t", Tokenizer.from_file(ds.source["tokenizer"]))
+            ids = np.asarray(tok.encode(value, add_special_tokens=False).ids, dtype=np.int64)
+            out[key] = encode_expected(ids, ds.source)
+        else:
+            out[key] = encode_expected(value, ds.source)
+    return out
+
+
+# ----- streams -----------------------------------------------------------------------------------
+def collect(batches: Iterable) -> list:
+    return list(batches)
+
+
+def batch_digest(batches: Iterable) -> str:
+    h = hashlib.sha256()
+    for mb in batches:
+        for a in (mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens, mb.sample_ids, mb.source_ids):
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def assert_batches_equal(a: list, b: list) -> None:
+    assert len(a) == len(b), f"{len(a)} vs {len(b)} micro-batches"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert (x.step, x.microbatch, x.dp_rank) == (y.step, y.microbatch, y.dp_rank), f"batch {i}"
+        for f in ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_ids", "source_ids"):
+            np.testing.assert_array_equal(getattr(x, f), getattr(y, f), err_msg=f"batch {i} field {f}")
+
+
+def run_all_ranks(spec, steps: int, *, record_drawn: bool = False):
+    """Stream `steps` global steps for every DP rank with the local runtime.
+
+    Returns (batches, runtime, drawn): batches in (step, rank, micro) order; `drawn` the Items the
+    Planner drew from the sources (one per source per step) when record_drawn. Close the runtime.
+    """
+    from plait.runtime.local import LocalRuntime
+
+    rt = LocalRuntime(spec)
+    drawn = []
+    if record_drawn:
+        original = rt.planner._draw
+
+        def spy(source):
+            items = original(source)
+            drawn.append(items)
+            return items
+
+        rt.planner._draw = spy
+    out = []
+    for _ in range(steps):
+        plan = rt.plan()
+        for r in range(plan.ranks):
+            out.extend(rt.build(plan, r))
+        rt.release()
+    return out, rt, drawn
+
+
+def docs_in_batch(mb):
+    """[(sample_id tuple, tokens)] of one micro-batch, in order."""
+    cu = mb.cu_seqlens
+    return [(tuple(int(x) for x in mb.sample_ids[i]), mb.input_ids[cu[i] : cu[i + 1]]) for i in range(len(cu) - 1)]
