@@ -49,6 +49,10 @@ class SourceSpec(_Model):
     weight: float = Field(1.0, ge=0, description="token share in the mixture (normalised over sources)")
     on_error: Literal["raise", "skip"] = Field("raise", description="bad record/shard: stop, or skip and count")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="passed to fsspec")
+    shadows: int = Field(
+        0, ge=0, description="standby loaders per loader of this source: they follow their primary through "
+        "differential checkpoints and take over if it dies, so training does not wait (ray runtime)",
+    )
 
     @model_validator(mode="after")
     def _one_field(self) -> "SourceSpec":
@@ -217,6 +221,7 @@ class Spec(_Model):
         for s in core["sources"]:
             s.pop("on_error", None)
             s.pop("storage_options", None)
+            s.pop("shadows", None)
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_overrides(self, **changes: Any) -> "Spec":
