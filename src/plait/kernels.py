@@ -55,3 +55,12 @@ if numba is not None:
 else:  # pragma: no cover
     copy_spans = _copy_spans_py
     fill_positions_labels = _fill_positions_labels_py
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) the kernels now, so the first batch is not slowed by it."""
+    tokens = np.arange(8, dtype=np.int32)
+    out = np.empty(4, dtype=np.int32)
+    copy_spans(tokens, np.array([2], np.int64), np.array([4], np.int64), out, np.array([0], np.int64))
+    cu = np.array([0, 4], dtype=np.int32)
+    fill_positions_labels(out, cu, np.empty(4, np.int32), np.empty(4, np.int32), -100)

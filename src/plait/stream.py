@@ -38,6 +38,9 @@ def stream(
     runtime_options: dict | None = None,
     plot: str | None = None,
 ) -> dict:
+    from plait.kernels import warm_up
+
+    warm_up()
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
     try:
         if resume is not None:
