@@ -267,3 +267,35 @@ def docs_in_batch(mb):
     """[(sample_id tuple, tokens)] of one micro-batch, in order."""
     cu = mb.cu_seqlens
     return [(tuple(int(x) for x in mb.sample_ids[i]), mb.input_ids[cu[i] : cu[i + 1]]) for i in range(len(cu) - 1)]
+
+
+class FakeProvider:
+    """An in-memory MetadataProvider for the Planner: no files, no tokens, just document lengths.
+
+    Source i has one file of `blocks` blocks of `docs_per_block` documents with lengths drawn from
+    [lo_i, hi_i] (seeded). Use it to test planning logic (mixture, balance, carry) fast.
+    """
+
+    def __init__(self, length_ranges: list[tuple[int, int]], *, blocks: int = 4, docs_per_block: int = 16, seed: int = 0):
+        self.ranges = length_ranges
+        self.blocks = blocks
+        self.docs_per_block = docs_per_block
+        self.seed = seed
+
+    def first_key(self, source: int):
+        return (0, 0, 0)
+
+    def block_meta(self, source: int, key):
+        from plait.roles.source_loader import BlockMeta
+
+        epoch, fpos, bpos = key
+        rng = np.random.default_rng([self.seed, source, epoch, bpos])
+        lo, hi = self.ranges[source]
+        n = self.docs_per_block
+        lengths = rng.integers(lo, hi + 1, size=n).astype(np.int64)
+        next_key = (epoch, 0, bpos + 1) if bpos + 1 < self.blocks else (epoch + 1, 0, 0)
+        return BlockMeta(source, tuple(key), next_key, 0, np.arange(n, dtype=np.int64),
+                         bpos * n + np.arange(n, dtype=np.int64), lengths, n)
+
+    def max_length(self, source: int) -> int:
+        return self.ranges[source][1]
