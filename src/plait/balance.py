@@ -5,6 +5,29 @@ holding at most `capacity` tokens. This module is pure: arrays in, arrays out, d
 
 Lower bound (the certificate reported with every step): no assignment can beat
     LB = max(sum(cost) / ranks, max(cost)).
+
+The algorithm, in three passes over arrays (compiled with numba when it is installed; the very same
+Python functions run uncompiled otherwise, so results never depend on it):
+
+1. **LPT with capacity.** Items in order of decreasing cost (items carried before go first, so nothing
+   starves) each go to the least-loaded rank that still has a micro-batch with room for them, into the
+   fullest micro-batch they fit (best fit keeps big holes for big items). Two heaps make this
+   O(n log R): ranks by cost, and ranks that are currently too full by their largest hole, so a rank
+   returns as soon as items become small enough for it. Items that fit nowhere stay unplaced (rank -1).
+2. **Cost cap.** When tokens bind before cost (a rank holding a 128k-token chunk is "full" at far more
+   than the mean cost, while ranks of short documents are full at less), the pass is repeated with
+   every rank's cost capped just above the lower bound: the cheapest leftovers are carried to the next
+   step instead of piling onto the expensive ranks. The capped result is kept when it certifies better.
+3. **Micro-batches.** Inside each rank the items are re-packed cost-first onto the least costly
+   micro-batch with room (balanced micro-batch costs shorten pipeline bubbles), keeping the best-fit
+   packing if that does not fit or is not more even; then the heaviest micro-batches go to the middle
+   of the order.
+
+Modes: `equal` gives every rank exactly `microbatches` micro-batches (some may be empty when a step
+holds too few items). `variable` lets a rank use up to `max_microbatches` (default 2x) micro-batches:
+ranks of short documents take more tokens, ranks of long ones fewer, so costs can balance even when
+tokens cannot. Per-rank token counts then differ: a trainer must normalise its loss by the step's
+global label tokens (StepPlan.stats()["global_label_tokens"]), not per rank.
 """
 
 from __future__ import annotations
@@ -13,14 +36,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:  # numba compiles the hot loops; without it the same functions run as plain Python (slow).
+    from numba import njit as _numba_njit
+
+    def _jit(fn):
+        return _numba_njit(cache=True, nogil=True)(fn)
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - numba is a core dependency
+
+    def _jit(fn):
+        return fn
+
+    HAVE_NUMBA = False
+
 
 @dataclass
 class Assignment:
     rank: np.ndarray  # int32 [n]; -1: not placed this step (carried to the next)
     micro: np.ndarray  # int32 [n]; position of the micro-batch in the rank's order
     rank_cost: np.ndarray  # float64 [R]
-    micro_cost: np.ndarray  # float64 [R, M]
-    micro_tokens: np.ndarray  # int64 [R, M]
+    micro_cost: np.ndarray  # float64 [R, W]
+    micro_tokens: np.ndarray  # int64 [R, W]
+    microbatches: np.ndarray | None = None  # int64 [R]: micro-batches of each rank (W for all in equal mode)
+
+    def __post_init__(self):
+        if self.microbatches is None:
+            self.microbatches = np.full(len(self.rank_cost), self.micro_cost.shape[1], dtype=np.int64)
 
     @property
     def placed(self) -> np.ndarray:
@@ -33,19 +75,18 @@ def lower_bound(costs: np.ndarray, ranks: int) -> float:
     return max(float(costs.sum()) / ranks, float(costs.max()))
 
 
-def middle_heavy_order(micro_cost: np.ndarray) -> np.ndarray:
+def middle_heavy_order(micro_cost: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
     """For each rank, a permutation of its micro-batches placing the heaviest in the middle.
 
     Pipeline parallelism's warm-up and cool-down phases then run the light ones. Returns new_pos[r, m].
+    With `counts`, only the first counts[r] micro-batches of rank r take part (the rest keep their slot).
     """
+    micro_cost = np.asarray(micro_cost, dtype=np.float64)
     R, M = micro_cost.shape
-    order = np.argsort(micro_cost, axis=1, kind="stable")  # lightest first
-    # Slots from the outside in: 0, M-1, 1, M-2, ...
-    slots = np.empty(M, dtype=np.int64)
-    slots[0::2] = np.arange((M + 1) // 2)
-    slots[1::2] = M - 1 - np.arange(M // 2)
+    if counts is None:
+        counts = np.full(R, M, dtype=np.int64)
     new_pos = np.empty((R, M), dtype=np.int64)
-    np.put_along_axis(new_pos, order, np.broadcast_to(slots, (R, M)), axis=1)
+    _middle_heavy(micro_cost, np.asarray(counts, dtype=np.int64), new_pos)
     return new_pos
 
 
@@ -57,46 +98,316 @@ def assign(
     microbatches: int,
     capacity: int,
     priority: np.ndarray | None = None,
+    mode: str = "equal",
+    max_microbatches: int | None = None,
 ) -> Assignment:
-    """Largest-cost-first onto the least-loaded rank that has a micro-batch with room.
+    """Place items on (rank, micro-batch) minimising the largest rank cost; see the module docstring.
 
-    Items with higher `priority` (e.g. carried from an earlier step) are placed first. Inside the
-    chosen rank the item goes to the fullest micro-batch it fits in (best fit). Items that fit nowhere stay
-    unplaced (rank -1).
+    Items with `priority` >= 2 (carried for two steps or more) are placed before all others.
     """
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    costs = np.ascontiguousarray(costs, dtype=np.float64)
+    n = len(lengths)
+    R = int(ranks)
+    if mode == "equal":
+        W = int(microbatches)
+    elif mode == "variable":
+        W = int(max_microbatches or 2 * microbatches)
+    else:
+        raise ValueError(f"unknown balance mode {mode!r} (equal or variable)")
+    order, urgent = _order(costs, priority)
+    state = _place(order, urgent, lengths, costs, R, W, int(capacity), np.inf)
+    total = float(costs.sum())
+    cap = max(total / R, float(costs.max(initial=0.0))) * (1.0 + CAP_SLACK)
+    if n and state[2].max() > cap:
+        # Tokens bind before cost: some ranks are full of cheap short documents while others hold the
+        # expensive long ones. Cap rank cost near the bound and carry the cheapest leftovers instead,
+        # when that certifies better.
+        capped = _place(order, urgent, lengths, costs, R, W, int(capacity), cap)
+        if _ratio(capped, costs, R) < _ratio(state, costs, R):
+            state = capped
+    rank, micro, rank_cost, micro_cost, room = state
+    counts = np.full(R, W, dtype=np.int64)
+    _pack_micro(order, lengths, costs, rank, micro, micro_cost, room, int(capacity), mode == "variable", counts)
+    micro_tokens = int(capacity) - room
+    new_pos = np.empty((R, W), dtype=np.int64)
+    _middle_heavy(micro_cost, counts, new_pos)
+    placed = rank >= 0
+    micro[placed] = new_pos[rank[placed], micro[placed]]
+    inv = np.argsort(new_pos, axis=1, kind="stable")
+    micro_cost = np.take_along_axis(micro_cost, inv, axis=1)
+    micro_tokens = np.take_along_axis(micro_tokens, inv, axis=1)
+    if mode == "variable":
+        width = max(1, int(counts.max()))
+        micro_cost, micro_tokens = micro_cost[:, :width].copy(), micro_tokens[:, :width].copy()
+    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens, counts)
+
+
+CAP_SLACK = 0.002  # the capped pass allows rank costs this far above the lower bound
+
+
+def _place(order, urgent, lengths, costs, R, W, capacity, cap):
+    n = len(lengths)
+    rank = np.full(n, -1, dtype=np.int32)
+    micro = np.full(n, -1, dtype=np.int32)
+    rank_cost = np.zeros(R)
+    micro_cost = np.zeros((R, W))
+    room = np.full((R, W), capacity, dtype=np.int64)
+    _lpt(order, urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
+    return rank, micro, rank_cost, micro_cost, room
+
+
+def _ratio(state, costs, R) -> float:
+    placed = state[0] >= 0
+    lb = lower_bound(costs[placed], R)
+    return float(state[2].max()) / lb if lb > 0 else 1.0
+
+
+def greedy(lengths, costs, *, ranks: int, microbatches: int, capacity: int) -> Assignment:
+    """The textbook baseline (LPT with capacity, no cap, one rank scan per item): tests compare to it."""
     lengths = np.asarray(lengths, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
-    n = len(lengths)
-    R, M = ranks, microbatches
-    if priority is None:
-        priority = np.zeros(n, dtype=np.int64)
-    # Largest cost first; chunks that already waited two steps jump the queue so nothing starves.
-    urgent = (np.asarray(priority) >= 2).astype(np.int64)
-    order = np.lexsort((np.arange(n), -costs, -urgent))
+    n, R, M = len(lengths), ranks, microbatches
     rank = np.full(n, -1, dtype=np.int32)
     micro = np.full(n, -1, dtype=np.int32)
     rank_cost = np.zeros(R)
     micro_cost = np.zeros((R, M))
     room = np.full((R, M), capacity, dtype=np.int64)
-    best_room = np.full(R, capacity, dtype=np.int64)
-    for i in order:
-        L = lengths[i]
-        ok = best_room >= L
+    for i in np.lexsort((np.arange(n), -costs)):
+        ok = room.max(axis=1) >= lengths[i]
         if not ok.any():
             continue
         r = int(np.argmin(np.where(ok, rank_cost, np.inf)))
-        fits = room[r] >= L
-        m = int(np.argmin(np.where(fits, room[r], capacity + 1)))  # best fit: keep big holes for big items
+        m = int(np.argmin(np.where(room[r] >= lengths[i], room[r], capacity + 1)))
         rank[i], micro[i] = r, m
         rank_cost[r] += costs[i]
         micro_cost[r, m] += costs[i]
+        room[r, m] -= lengths[i]
+    return Assignment(rank, micro, rank_cost, micro_cost, capacity - room)
+
+
+def warmup() -> float:
+    """Compile (or load from numba's on-disk cache) the kernels; returns the seconds it took."""
+    import time
+
+    t = time.perf_counter()
+    lengths = np.array([5, 3, 3, 2, 9], dtype=np.int64)
+    for mode in ("equal", "variable"):
+        assign(lengths, lengths * 1.5, ranks=2, microbatches=2, capacity=10, mode=mode,
+               priority=np.array([0, 2, 0, 1, 0]))
+    middle_heavy_order(np.ones((2, 3)))
+    return time.perf_counter() - t
+
+
+def _order(costs: np.ndarray, priority: np.ndarray | None) -> np.ndarray:
+    """Placement order: urgent items first, then by decreasing cost; ties by index (deterministic)."""
+    n = len(costs)
+    if priority is None:
+        return np.argsort(-costs, kind="stable").astype(np.int64), np.zeros(n, dtype=np.bool_)
+    urgent = np.asarray(priority) >= 2
+    return np.lexsort((np.arange(n), -costs, ~urgent)).astype(np.int64), np.ascontiguousarray(urgent)
+
+
+# ----- kernels (numba) ---------------------------------------------------------------------------
+# Heaps hold rank ids ordered by (key[rank], rank): ties break by rank id, so results are deterministic.
+
+
+@_jit
+def _before(key, a, b):
+    return key[a] < key[b] or (key[a] == key[b] and a < b)
+
+
+@_jit
+def _sift_down(heap, n, key, i):
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n and _before(key, heap[c + 1], heap[c]):
+            c += 1
+        if _before(key, heap[c], heap[i]):
+            heap[c], heap[i] = heap[i], heap[c]
+            i = c
+        else:
+            return
+
+
+@_jit
+def _push(heap, n, key, r):
+    i = n
+    heap[i] = r
+    while i > 0:
+        p = (i - 1) // 2
+        if _before(key, heap[i], heap[p]):
+            heap[p], heap[i] = heap[i], heap[p]
+            i = p
+        else:
+            break
+    return n + 1
+
+
+@_jit
+def _pop(heap, n, key):
+    r = heap[0]
+    n -= 1
+    heap[0] = heap[n]
+    _sift_down(heap, n, key, 0)
+    return r, n
+
+
+@_jit
+def _lpt(order, urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, micro_cost, room):
+    best = np.full(R, capacity, dtype=np.int64)  # each rank's largest hole
+    neg_best = np.zeros(R)  # key of the "too full" heap: largest hole first
+    heap = np.arange(R, dtype=np.int64)  # ranks by cost; all 0 now, so already a heap
+    hn = R
+    full = np.empty(R, dtype=np.int64)
+    fn = 0
+    for t in range(len(order)):
+        i = order[t]
+        L = lengths[i]
+        while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
+            r, fn = _pop(full, fn, neg_best)
+            hn = _push(heap, hn, rank_cost, r)
+        while hn > 0 and best[heap[0]] < L:
+            r, hn = _pop(heap, hn, rank_cost)
+            neg_best[r] = -best[r]
+            fn = _push(full, fn, neg_best, r)
+        if hn == 0:
+            continue
+        r = heap[0]
+        if rank_cost[r] + costs[i] > cap and not urgent[i]:
+            continue  # every rank with room would exceed the cap: carry this one
+        m = -1
+        mr = capacity + 1
+        for j in range(W):
+            if L <= room[r, j] < mr:
+                mr = room[r, j]
+                m = j
+        rank[i] = r
+        micro[i] = m
+        rank_cost[r] += costs[i]
+        micro_cost[r, m] += costs[i]
         room[r, m] -= L
-        best_room[r] = room[r].max()
-    micro_tokens = capacity - room
-    new_pos = middle_heavy_order(micro_cost)
-    placed = rank >= 0
-    micro[placed] = new_pos[rank[placed], micro[placed]]
-    inv = np.argsort(new_pos, axis=1)
-    micro_cost = np.take_along_axis(micro_cost, inv, axis=1)
-    micro_tokens = np.take_along_axis(micro_tokens, inv, axis=1)
-    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens)
+        if mr == best[r]:
+            b = 0
+            for j in range(W):
+                if room[r, j] > b:
+                    b = room[r, j]
+            best[r] = b
+        _sift_down(heap, hn, rank_cost, 0)
+
+
+@_jit
+def _pack_micro(order, lengths, costs, rank, micro, micro_cost, room, capacity, compact, counts):
+    """Re-pack each rank's items cost-first onto its least costly micro-batch with room.
+
+    With `compact` (variable mode) a rank keeps only as many micro-batches as its best-fit packing
+    used, moved to the front; counts[r] says how many. The re-pack is kept only when it fits every
+    item and lowers the rank's heaviest micro-batch.
+    """
+    R, W = room.shape
+    n = len(order)
+    # Items of each rank in placement order (decreasing cost), CSR.
+    start = np.zeros(R + 1, dtype=np.int64)
+    for t in range(n):
+        r = rank[order[t]]
+        if r >= 0:
+            start[r + 1] += 1
+    for r in range(R):
+        start[r + 1] += start[r]
+    fill = start[:-1].copy()
+    items = np.empty(start[R], dtype=np.int64)
+    for t in range(n):
+        i = order[t]
+        r = rank[i]
+        if r >= 0:
+            items[fill[r]] = i
+            fill[r] += 1
+    slot = np.empty(W, dtype=np.int64)
+    c2 = np.empty(W)
+    room2 = np.empty(W, dtype=np.int64)
+    for r in range(R):
+        a, b = start[r], start[r + 1]
+        use = W
+        if compact:
+            use = 0
+            for j in range(W):
+                if room[r, j] < capacity:
+                    slot[j] = use
+                    use += 1
+                else:
+                    slot[j] = -1
+            k = use
+            for j in range(W):
+                if slot[j] < 0:
+                    slot[j] = k
+                    k += 1
+            for j in range(W):
+                c2[slot[j]] = micro_cost[r, j]
+                room2[slot[j]] = room[r, j]
+            for j in range(W):
+                micro_cost[r, j] = c2[j]
+                room[r, j] = room2[j]
+            for k in range(a, b):
+                micro[items[k]] = slot[micro[items[k]]]
+            use = max(use, 1)
+            counts[r] = use
+        old_max = 0.0
+        for j in range(use):
+            if micro_cost[r, j] > old_max:
+                old_max = micro_cost[r, j]
+        # Attempt: cost-first onto the least costly micro-batch with room (ties: lowest index).
+        for j in range(use):
+            c2[j] = 0.0
+            room2[j] = capacity
+        ok = True
+        for k in range(a, b):
+            i = items[k]
+            m = -1
+            for j in range(use):
+                if room2[j] >= lengths[i] and (m < 0 or c2[j] < c2[m]):
+                    m = j
+            if m < 0:
+                ok = False
+                break
+            c2[m] += costs[i]
+            room2[m] -= lengths[i]
+        if not ok:
+            continue
+        new_max = 0.0
+        for j in range(use):
+            if c2[j] > new_max:
+                new_max = c2[j]
+        if new_max >= old_max:
+            continue
+        # Accepted: replay the same deterministic choices, writing them.
+        for j in range(use):
+            c2[j] = 0.0
+            room2[j] = capacity
+        for k in range(a, b):
+            i = items[k]
+            m = -1
+            for j in range(use):
+                if room2[j] >= lengths[i] and (m < 0 or c2[j] < c2[m]):
+                    m = j
+            c2[m] += costs[i]
+            room2[m] -= lengths[i]
+            micro[i] = m
+        for j in range(use):
+            micro_cost[r, j] = c2[j]
+            room[r, j] = room2[j]
+
+
+@_jit
+def _middle_heavy(micro_cost, counts, new_pos):
+    R, W = micro_cost.shape
+    for r in range(R):
+        m = counts[r]
+        order = np.argsort(micro_cost[r, :m], kind="mergesort")  # lightest first
+        for k in range(m):
+            # slots from the outside in: 0, m-1, 1, m-2, ...
+            slot = k // 2 if k % 2 == 0 else m - 1 - k // 2
+            new_pos[r, order[k]] = slot
+        for j in range(m, W):
+            new_pos[r, j] = j
