@@ -1,0 +1,616 @@
+"""Ray runtime: the Planner, the SourceLoaders and the Constructors are Ray actors.
+
+Wiring (one job; actor names are `<job>/planner`, `<job>/loader-<i>`, `<job>/constructor-<node|rank>`
+in the `plait` namespace, so trainer processes started by torchrun attach by job name):
+
+  * Planner actor (one per job) — creates the loader actors and plans every global step exactly once.
+    It keeps a window of planned steps; Constructors and clients ask for step t, nobody "advances" it.
+    Metadata (block ids, lengths) comes to it from the loaders by `block_meta`; it never sees a token.
+  * SourceLoader actors — each owns partitions of one or several sources. A partition is a group of a
+    source's files (`partition_of`: file index mod the number of partitions), so the block at key
+    (epoch, file_pos, block_pos) belongs to the partition owning file `file_order(epoch)[file_pos]`.
+    64 small sources share one loader; an expensive source is spread over several (`partitions`).
+  * Constructor actors — one per node (serving the DP replicas of that node; default) or one per DP
+    replica (`constructors="replica"`). For (step, dp_rank) it fetches the rank's plan from the Planner,
+    pulls the payloads straight from the owning loaders (Ray's object store, never through the Planner),
+    packs the micro-batches and keeps `prefetch` steps built ahead. Every TP/PP/CP rank of a replica
+    gets the same build.
+
+The stream is the local runtime's, bit for bit: the Planner is the same class fed the same metadata
+(`block_meta` is a pure function of the data), and payload gathers are pure functions of block keys.
+
+Ray is imported lazily (plait[ray] is optional); the local runtime never imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
+
+import numpy as np
+
+from plait.errors import PlaitError
+from plait.plan import RankPlan, StepPlan
+from plait.roles.constructor import Constructor, MicroBatch
+from plait.roles.planner import Planner
+from plait.roles.source_loader import SourceLoader, partition_of
+from plait.spec import Spec, load_spec
+
+NAMESPACE = "plait"
+PLAN_WINDOW = 64  # planned steps the Planner keeps (ranks of one job are at most `prefetch` apart)
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - exercised without the extra
+        raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
+    return ray
+
+
+def _get(refs, timeout: float | None = None):
+    """ray.get that re-raises plait's own errors as themselves (a bad spec or shard, not a Ray trace)."""
+    ray = _ray()
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, PlaitError):
+            raise cause from None
+        raise
+
+
+# ----- partitions ------------------------------------------------------------------------------
+def file_order(seed: int, source: int, epoch: int, num_files: int) -> np.ndarray:
+    """A source's file order in an epoch; must equal Source.file_order (tested)."""
+    from plait.sources.base import _rng
+
+    return _rng(seed, source, epoch).permutation(num_files)
+
+
+class PartitionMap:
+    """Which loader actor owns which block: source -> partitions -> loader index.
+
+    Small: per source its file count and partition count, plus a cache of recent file orders.
+    """
+
+    def __init__(self, seed: int, num_files: dict[int, int], num_partitions: dict[int, int],
+                 owner: dict[tuple[int, int], int]):
+        self.seed = seed
+        self.num_files = dict(num_files)
+        self.num_partitions = dict(num_partitions)
+        self.owner = dict(owner)  # (source, partition) -> loader index
+        self._orders: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def loader_of(self, source: int, epoch: int, fpos: int) -> int:
+        order = self._orders.get((source, epoch))
+        if order is None:
+            order = file_order(self.seed, source, epoch, self.num_files[source])
+            self._orders[(source, epoch)] = order
+            while len(self._orders) > 4 * max(1, len(self.num_files)):
+                self._orders.popitem(last=False)
+        part = partition_of(int(order[fpos]), self.num_partitions[source])
+        return self.owner[(source, part)]
+
+    def loaders_of(self, source: int) -> list[int]:
+        return sorted({i for (s, _), i in self.owner.items() if s == source})
+
+
+def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int] | None) -> tuple[dict[int, int], list[list[tuple[int, int]]]]:
+    """How many partitions each source gets, and which (source, partition) pairs each loader owns.
+
+    Without `partitions`, a source has one partition, except that when there are more loaders than
+    sources the heaviest sources (by mixture weight per partition) are split until every loader has
+    work. Pairs are dealt to loaders in order, balancing the summed weight per loader.
+    """
+    n = len(spec.sources)
+    weight = np.array([max(s.weight, 1e-9) for s in spec.sources], dtype=np.float64)
+    if isinstance(partitions, int):
+        num = {i: max(1, partitions) for i in range(n)}
+    else:
+        given = dict(partitions or {})
+        unknown = sorted(set(given) - set(spec.source_names))
+        if unknown:
+            raise PlaitError(f"partitions names unknown sources {unknown}")
+        num = {i: max(1, int(given.get(s.name, 1))) for i, s in enumerate(spec.sources)}
+        free = [i for i, s in enumerate(spec.sources) if s.name not in given]
+        while free and sum(num.values()) < loaders:
+            i = max(free, key=lambda j: weight[j] / num[j])
+            num[i] += 1
+    pairs = [(i, p) for i in range(n) for p in range(num[i])]
+    # Heaviest pieces first to the least loaded loader (LPT): a cheap source shares a loader.
+    load = np.zeros(loaders)
+    owned: list[list[tuple[int, int]]] = [[] for _ in range(loaders)]
+    for i, p in sorted(pairs, key=lambda ip: (-weight[ip[0]] / num[ip[0]], ip)):
+        k = int(np.argmin(load))
+        owned[k].append((i, p))
+        load[k] += weight[i] / num[i]
+    return num, owned
+
+
+# ----- actors (plain classes; wrapped with ray.remote when first used) -------------------------------
+class LoaderActor:
+    """A SourceLoader owning some partitions of some sources."""
+
+    def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
+                 max_cached_blocks: int):
+        spec = load_spec(spec_dict)
+        parts: dict[int, tuple[int, set[int]]] = {}
+        for s, p in owned:
+            parts.setdefault(s, (num_partitions[s], set()))[1].add(p)
+        self.loader = SourceLoader(spec, max_cached_blocks=max_cached_blocks, partitions=parts)
+        self._lock = threading.Lock()  # SourceLoader and its readers are not thread-safe
+
+    def num_files(self) -> dict[int, int]:
+        return self.loader.num_files()
+
+    def first_keys(self, sources: list[int]) -> dict[int, tuple[int, int, int]]:
+        with self._lock:
+            return {s: self.loader.first_key(s) for s in sources}
+
+    def block_meta(self, source: int, key):
+        with self._lock:
+            return self.loader.block_meta(source, tuple(key))
+
+    def gather(self, source, keys, block_index, position, offset, length) -> np.ndarray:
+        with self._lock:
+            return self.loader.gather(source, keys, block_index, position, offset, length)
+
+    def retain(self, live) -> None:
+        with self._lock:
+            mine = {k for k in live if k[0] in self.loader.sources}
+            self.loader.retain(mine)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"blocks_read": self.loader.blocks_read, "cached_bytes": self.loader.cached_bytes,
+                    "sources": sorted(self.loader.sources), "pid": os.getpid()}
+
+    def error_report(self) -> dict:
+        with self._lock:
+            return self.loader.error_report()
+
+    def close(self) -> None:
+        with self._lock:
+            self.loader.close()
+
+
+class _Metadata:
+    """The Planner's MetadataProvider: asks the loader that owns each block."""
+
+    def __init__(self, loaders, pmap: PartitionMap, first_keys: dict[int, tuple]):
+        self.loaders = loaders
+        self.pmap = pmap
+        self._first = first_keys
+
+    def first_key(self, source: int):
+        return self._first[source]
+
+    def block_meta(self, source: int, key):
+        owner = self.pmap.loader_of(source, key[0], key[1])
+        return _get(self.loaders[owner].block_meta.remote(source, tuple(key)))
+
+
+class StaleGeneration(PlaitError):
+    """The plan stream was reset (a client resumed from another data state) under this request."""
+
+
+class PlannerActor:
+    """The job's one Planner, plus the bookkeeping of a shared, windowed plan stream."""
+
+    def __init__(self, spec_dict: dict, job: str, options: dict):
+        ray = _ray()
+        self.spec = load_spec(spec_dict)
+        self.job = job
+        self.options = options
+        loaders = int(options["loaders"])
+        num_parts, owned = assign_partitions(self.spec, loaders, options.get("partitions"))
+        remote = ray.remote(LoaderActor)
+        lifetime = options.get("lifetime")
+        self.loaders = []
+        for k in range(loaders):
+            opts: dict[str, Any] = dict(name=f"{job}/loader-{k}", namespace=NAMESPACE, get_if_exists=True,
+                                        num_cpus=options.get("loader_cpus", 0), max_concurrency=4,
+                                        scheduling_strategy="SPREAD")
+            if lifetime:
+                opts["lifetime"] = lifetime
+            self.loaders.append(remote.options(**opts).remote(
+                spec_dict, owned[k], num_parts, int(options.get("max_cached_blocks", 256))))
+        num_files: dict[int, int] = {}
+        for counts in _get([ld.num_files.remote() for ld in self.loaders]):
+            num_files.update({int(s): n for s, n in counts.items()})
+        owner = {pair: k for k, pairs in enumerate(owned) for pair in pairs}
+        self.pmap = PartitionMap(self.spec.seed, num_files, num_parts, owner)
+        by_loader: dict[int, list[int]] = {}
+        for s in range(len(self.spec.sources)):
+            by_loader.setdefault(owner[(s, 0)], []).append(s)
+        first: dict[int, tuple] = {}
+        for part in _get([self.loaders[k].first_keys.remote(srcs) for k, srcs in by_loader.items()]):
+            first.update({int(s): tuple(v) for s, v in part.items()})
+        self.planner = Planner(self.spec, _Metadata(self.loaders, self.pmap, first), dp=options.get("dp"))
+        self.gen = 0
+        self.window: OrderedDict[int, StepPlan] = OrderedDict()
+        self.base_state = self.planner.state_dict()
+        self.built: dict[int, set[int]] = {}
+        self.planned = 0  # steps planned in total (each exactly once per generation)
+        self.clients = 0
+        self.constructors: set[str] = set()
+
+    # ----- shared plan stream --------------------------------------------------------------------
+    def info(self) -> dict:
+        return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
+                "loaders": len(self.loaders), "num_files": self.pmap.num_files,
+                "num_partitions": self.pmap.num_partitions, "owner": self.pmap.owner, "seed": self.spec.seed}
+
+    def get_loaders(self) -> list:
+        return self.loaders
+
+    def seek(self, state: dict) -> int:
+        """Make step state['step'] start from `state`; a no-op when the stream already does."""
+        step = int(state["step"])
+        plan = self.window.get(step)
+        if plan is not None and plan.state_before == state:
+            return self.gen
+        if plan is None and self.planner.step == step and self.planner.state_dict() == state:
+            return self.gen
+        self.planner.load_state_dict(state)  # validates version and fingerprint
+        self.window.clear()
+        self.built.clear()
+        self.base_state = self.planner.state_dict()
+        self.gen += 1
+        return self.gen
+
+    def _plan(self, gen: int, step: int) -> StepPlan:
+        if gen != self.gen:
+            raise StaleGeneration(f"the plan stream was reset (generation {self.gen}, asked {gen})")
+        if step in self.window:
+            return self.window[step]
+        if step < self.planner.step:
+            raise PlaitError(f"step {step} left the Planner's window; resume from a saved state")
+        while self.planner.step <= step:
+            plan = self.planner.plan_step()
+            self.planned += 1
+            self.window[plan.step] = plan
+            while len(self.window) > PLAN_WINDOW:
+                old, _ = self.window.popitem(last=False)
+                self.built.pop(old, None)
+        self._release()
+        return self.window[step]
+
+    def step_plan(self, gen: int, step: int) -> StepPlan:
+        return self._plan(gen, step)
+
+    def rank_plan(self, gen: int, step: int, dp_rank: int) -> RankPlan:
+        return self._plan(gen, step).for_rank(dp_rank)
+
+    def state_at(self, gen: int, step: int) -> dict:
+        if gen == self.gen and step == self.base_state["step"]:
+            return self.base_state
+        if gen == self.gen and step == self.planner.step:
+            return self.planner.state_dict()
+        return self._plan(gen, step).state_before
+
+    def mark_built(self, gen: int, step: int, dp_rank: int) -> None:
+        if gen != self.gen or step not in self.window:
+            return
+        done = self.built.setdefault(step, set())
+        done.add(dp_rank)
+        if len(done) == self.planner.ranks:
+            self._release()
+
+    def _release(self) -> None:
+        """Tell loaders which blocks are still live: the Planner's own, and those of unbuilt steps."""
+        live = self.planner.live_blocks()
+        for step, plan in self.window.items():
+            if len(self.built.get(step, ())) < self.planner.ranks:
+                live.update(plan.items.block_keys()[0])
+        for ld in self.loaders:
+            ld.retain.remote(live)
+
+    def stats(self) -> dict:
+        return {"planned": self.planned, "step": self.planner.step, "gen": self.gen, "clients": self.clients,
+                "constructors": sorted(self.constructors)}
+
+    # ----- lifetime -----------------------------------------------------------------------------
+    def attach(self, fingerprint: str) -> int:
+        if fingerprint != self.spec.data_fingerprint():
+            raise PlaitError(f"job {self.job!r} runs a different spec (data fingerprint differs)")
+        self.clients += 1
+        return self.clients
+
+    def register_constructor(self, name: str) -> None:
+        self.constructors.add(name)
+
+    def base(self) -> tuple[int, dict]:
+        """The current generation and the data state it started from."""
+        return self.gen, self.base_state
+
+    def detach(self) -> int:
+        self.clients -= 1
+        return self.clients
+
+    def error_report(self) -> dict:
+        out: dict[str, dict] = {}
+        for rep in _get([ld.error_report.remote() for ld in self.loaders]):
+            for name, r in rep.items():
+                agg = out.setdefault(name, {"skipped": 0, "messages": []})
+                agg["skipped"] += r["skipped"]
+                agg["messages"].extend(m for m in r["messages"] if m not in agg["messages"])
+        return out
+
+    def loader_stats(self) -> list[dict]:
+        return _get([ld.stats.remote() for ld in self.loaders])
+
+    def shutdown(self) -> None:
+        ray = _ray()
+        try:
+            _get([ld.close.remote() for ld in self.loaders], timeout=30)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        for name in self.constructors:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+            except Exception:  # noqa: BLE001
+                pass
+        for ld in self.loaders:
+            ray.kill(ld)
+
+
+class _RayConstructor(Constructor):
+    """The Constructor with payloads pulled from the owning loader actors, in parallel."""
+
+    def __init__(self, loaders, pmap: PartitionMap):
+        super().__init__(lambda source: None)
+        self.loaders = loaders
+        self.pmap = pmap
+
+    def _fetch(self, items) -> np.ndarray:
+        from plait.packing import ragged_arange
+
+        if not len(items):
+            return np.zeros(0, dtype=np.int32)
+        keys, block_index = items.block_keys()
+        owner_of_block = np.array([self.pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
+        owner = owner_of_block[block_index]
+        refs, sels = [], []
+        for k in np.unique(owner):
+            sel = np.flatnonzero(owner == k)
+            sels.append(sel)
+            refs.append(self.loaders[int(k)].gather.remote(
+                items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel]))
+        parts = _get(refs)
+        if len(parts) == 1:
+            return parts[0]
+        out = np.empty(int(items.length.sum()), dtype=np.int32)
+        starts = np.cumsum(items.length) - items.length
+        for sel, part in zip(sels, parts):
+            out[ragged_arange(starts[sel], items.length[sel])] = part
+        return out
+
+
+class ConstructorActor:
+    """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead."""
+
+    def __init__(self, job: str, prefetch: int, threads: int = 2):
+        ray = _ray()
+        self.planner = ray.get_actor(f"{job}/planner", namespace=NAMESPACE)
+        info = _get(self.planner.info.remote())
+        loaders = _get(self.planner.get_loaders.remote())
+        pmap = PartitionMap(info["seed"], info["num_files"], info["num_partitions"], info["owner"])
+        self.constructor = _RayConstructor(loaders, pmap)
+        self.prefetch = max(0, int(prefetch))
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
+        self.lock = threading.Lock()
+        self.builds: dict[tuple[int, int, int], Future] = {}
+        self.waits = 0  # requests that found their build not finished yet
+        self.requests = 0
+
+    def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
+        plan, state = _get([self.planner.rank_plan.remote(gen, step, dp_rank),
+                            self.planner.state_at.remote(gen, step)])
+        batches = self.constructor.build(plan)
+        self.planner.mark_built.remote(gen, step, dp_rank)
+        return state, batches
+
+    def _ensure(self, gen: int, step: int, dp_rank: int) -> Future:
+        key = (gen, step, dp_rank)
+        fut = self.builds.get(key)
+        if fut is None:
+            fut = self.pool.submit(self._build, gen, step, dp_rank)
+            self.builds[key] = fut
+        return fut
+
+    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None) -> tuple[dict, list[MicroBatch]]:
+        """(state at the start of `step`, the rank's micro-batches of `step`)."""
+        with self.lock:
+            fut = self._ensure(gen, step, dp_rank)
+            for k in range(1, self.prefetch + 1):
+                if limit is None or step + k < limit:
+                    self._ensure(gen, step + k, dp_rank)
+            # Keep a little history: other TP/PP/CP ranks of the replica may still ask for it.
+            for key in [k for k in self.builds if k[2] == dp_rank and (k[0] != gen or k[1] < step - self.prefetch - 1)]:
+                self.builds.pop(key).cancel()
+            self.requests += 1
+            if not fut.done():
+                self.waits += 1
+        try:
+            return fut.result()
+        except BaseException:
+            with self.lock:
+                self.builds.pop((gen, step, dp_rank), None)
+            raise
+
+    def stats(self) -> dict:
+        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds)}
+
+
+# ----- the runtime (driver / client side) ------------------------------------------------------------
+class RayRuntime:
+    """The runtime interface (see plait.runtime) over Ray actors.
+
+    Options:
+      job           name shared by all trainer processes of one job (they attach); default: private
+      address       Ray address (`auto`, `ray://host:10001`); default: the running one, else a local one
+      loaders       SourceLoader actors (default: one per 2 CPUs of the cluster, at most one per source)
+      partitions    int (every source) or {source: n}: partitions per source (default: 1, more when
+                    there are more loaders than sources)
+      prefetch      steps each Constructor builds ahead (default 2)
+      constructors  "node" (one per node, default) or "replica" (one per DP replica)
+      dp            override the topology's DP size
+      loader_cpus   CPUs each loader actor reserves (default 0: placement by spreading only)
+      max_cached_blocks  decoded blocks a loader keeps (LRU; plus what plans still need)
+    """
+
+    def __init__(
+        self, spec: Spec, *, job: str | None = None, address: str | None = None, loaders: int | None = None,
+        partitions: int | dict[str, int] | None = None, prefetch: int = 2, constructors: str = "node",
+        dp: int | None = None, loader_cpus: float = 0, max_cached_blocks: int = 256, init_options: dict | None = None,
+    ):
+        ray = _ray()
+        self.spec = load_spec(spec)
+        self._started_ray = False
+        if not ray.is_initialized():
+            kwargs = dict(init_options or {})
+            if address is None:
+                kwargs.setdefault("include_dashboard", False)
+                self._started_ray = True
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+        if constructors not in ("node", "replica"):
+            raise PlaitError(f"constructors must be 'node' or 'replica', not {constructors!r}")
+        self.shared = job is not None
+        self.job = job or f"job-{uuid.uuid4().hex[:12]}"
+        self.prefetch = prefetch
+        self.constructor_mode = constructors
+        self.dp = dp or self.spec.topology.dp
+        if loaders is None:
+            cpus = int(ray.cluster_resources().get("CPU", 2))
+            loaders = max(1, min(len(self.spec.sources), cpus // 2))
+        options = {"loaders": int(loaders), "partitions": partitions, "dp": self.dp, "loader_cpus": loader_cpus,
+                   "max_cached_blocks": max_cached_blocks, "lifetime": "detached" if self.shared else None}
+        spec_dict = self.spec.model_dump(mode="json")
+        self.planner = ray.remote(PlannerActor).options(
+            name=f"{self.job}/planner", namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+            **({"lifetime": "detached"} if self.shared else {}),
+        ).remote(spec_dict, self.job, options)
+        self.info = _get(self.planner.info.remote())
+        self._constructors: dict[str, Any] = {}
+        self._closed = False
+        _get(self.planner.attach.remote(self.spec.data_fingerprint()))
+        self._gen, base = _get(self.planner.base.remote())
+        self._next_step = int(base["step"])
+        self._plan_refs: dict[int, Any] = {}
+        self._build_refs: dict[int, Any] = {}
+        self._build_step: int | None = None
+
+    # ----- placement -----------------------------------------------------------------------------
+    def _constructor_for(self, dp_rank: int):
+        ray = _ray()
+        if self.constructor_mode == "replica":
+            key = f"replica-{dp_rank}"
+        else:
+            key = f"node-{ray.get_runtime_context().get_node_id()[:16]}"
+        handle = self._constructors.get(key)
+        if handle is None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            name = f"{self.job}/constructor-{key}"
+            opts: dict[str, Any] = dict(
+                name=name, namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_concurrency=64,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+            )
+            if self.shared:
+                opts["lifetime"] = "detached"
+            handle = ray.remote(ConstructorActor).options(**opts).remote(self.job, self.prefetch)
+            self.planner.register_constructor.remote(name)
+            self._constructors[key] = handle
+        return handle
+
+    # ----- driver interface ------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        step = self._next_step
+        for k in range(self.prefetch + 1):
+            if step + k not in self._plan_refs:
+                self._plan_refs[step + k] = self.planner.step_plan.remote(self._gen, step + k)
+        plan = _get(self._plan_refs.pop(step))
+        self._next_step = step + 1
+        # Ask for every rank's build now (the Constructors also start the next `prefetch` steps):
+        # build() then only waits.
+        self._build_refs = {r: self._constructor_for(r).get.remote(self._gen, step, r) for r in range(plan.ranks)}
+        self._build_step = step
+        return plan
+
+    def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        ref = self._build_refs.pop(dp_rank, None) if self._build_step == plan.step else None
+        if ref is None:
+            ref = self._constructor_for(dp_rank).get.remote(self._gen, plan.step, dp_rank)
+        _, batches = _get(ref)
+        return [mb for mb in batches if only is None or mb.microbatch in only]
+
+    def release(self, *in_flight: StepPlan) -> None:
+        """Nothing to do: the Planner tells loaders what is live as Constructors finish steps."""
+
+    def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None
+                  ) -> Iterator[tuple[dict, MicroBatch]]:
+        """One rank's micro-batches from a data state on. Every rank of the job reads the same,
+        once-planned stream; the DP replica's Constructor builds each step once for all its ranks."""
+        self._seek(start_state)
+        gen, step, skip = self._gen, int(start_state["step"]), start_micro
+        cons = self._constructor_for(dp_rank)
+
+        def request(t):
+            return cons.get.remote(gen, t, dp_rank, max_steps)
+
+        ahead = request(step) if max_steps is None or step < max_steps else None
+        while ahead is not None:
+            state, batches = _get(ahead)
+            nxt = step + 1
+            ahead = request(nxt) if max_steps is None or nxt < max_steps else None
+            for mb in batches:
+                if mb.microbatch >= skip:
+                    yield state, mb
+            skip = 0
+            step = nxt
+
+    def _seek(self, state: dict) -> None:
+        gen = _get(self.planner.seek.remote(state))
+        if gen != self._gen:
+            self._plan_refs.clear()
+        self._gen = gen
+        self._next_step = int(state["step"])
+
+    def state_dict(self) -> dict:
+        return _get(self.planner.state_at.remote(self._gen, self._next_step))
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seek(state)
+
+    def error_report(self) -> dict:
+        return _get(self.planner.error_report.remote())
+
+    # ----- introspection (tests, benchmarks) ----------------------------------------------------------
+    def stats(self) -> dict:
+        out = _get(self.planner.stats.remote())
+        out["loaders"] = _get(self.planner.loader_stats.remote())
+        out["constructors"] = {k: _get(c.stats.remote()) for k, c in self._constructors.items()}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ray = _ray()
+        try:
+            left = _get(self.planner.detach.remote(), timeout=30)
+            if left <= 0:
+                _get(self.planner.shutdown.remote(), timeout=60)
+                for c in self._constructors.values():
+                    ray.kill(c)
+                ray.kill(self.planner)
+        except Exception:  # noqa: BLE001 - closing is best effort; actors die with the driver anyway
+            pass
+        if self._started_ray:
+            ray.shutdown()
