@@ -1,14 +1,28 @@
 """Cost models: what one document (or chunk) of L tokens costs to train on.
 
-c(L) = linear * L + quadratic * L_att^2, where L_att is L rounded up to the attention kernel's tile
-(short documents waste part of a tile). For a decoder layer with hidden size h, n heads, g KV groups and
-FFN width f, forward FLOPs are L * [4h^2 (1 + g/n) + 6hf] + 2hL^2 (causal attention); training is ~3x
-forward. The two terms are equal at L* = 2h(1 + g/n) + 3f (~49k tokens for a 7B model).
+c(L) = per_doc + linear * L + quadratic * L_att^2, where L_att is L rounded up to the attention
+kernel's tile (short documents waste part of a tile). For a decoder layer with hidden size h, n heads,
+g KV groups and FFN width f, forward FLOPs are L * [4h^2 (1 + g/n) + 6hf] + 2hL^2 (causal attention);
+training is ~3x forward. The two terms are equal at L* = 2h(1 + g/n) + 3f (~49k tokens for a 7B model).
+
+Coefficients come from model dimensions (FLOPs), from the spec (explicit), or from measurements:
+`CostModel.fit` (and `plait fit-cost CSV`) solves a non-negative least-squares problem over rows of
+(sum_L, sum_L2, count, time) measured per micro-batch.
+
+Multimodal models add a vision encoder per image: e(P) = linear * P + quadratic * P^2 in the image's
+patches P (bidirectional attention inside each image). It is a separate component (`EncoderCost`)
+because the encoder runs on different shapes than the decoder; an item's total is c(L) + e(P), with
+P = 0 for text.
+
+Context parallelism: a replica's micro-batch is split over its `cp` ranks by head-tail sharding (each
+document cut into 2*cp pieces, CP rank i taking pieces i and 2*cp-1-i). Under causal attention the
+pair costs the same for every i, so each CP rank carries exactly c(L)/cp (`per_cp_rank`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
 
@@ -16,10 +30,30 @@ from plait.spec import CostSpec
 
 
 @dataclass(frozen=True)
+class EncoderCost:
+    """Per-image vision-encoder cost e(P) = linear * P + quadratic * P^2 (P: patches of one image)."""
+
+    linear: float
+    quadratic: float
+
+    @classmethod
+    def from_dims(cls, hidden: int, layers: int, ffn: int, heads: int | None = None) -> "EncoderCost":
+        """A ViT of these dimensions: 4h^2 (QKV+out) + 4hf (2-matrix MLP) per patch, 4hP^2 attention."""
+        h, f = float(hidden), float(ffn)
+        return cls(3.0 * layers * (8 * h * h + 4 * h * f), 3.0 * layers * 4 * h)
+
+    def __call__(self, patches: np.ndarray) -> np.ndarray:
+        P = np.asarray(patches, dtype=np.float64)
+        return self.linear * P + self.quadratic * P * P
+
+
+@dataclass(frozen=True)
 class CostModel:
     linear: float
     quadratic: float
     tile: int = 0
+    per_doc: float = 0.0  # fixed cost per document (kernel launches, varlen bookkeeping)
+    encoder: EncoderCost | None = None  # multimodal: per-image encoder term, see the module docstring
 
     @classmethod
     def from_spec(cls, spec: CostSpec) -> "CostModel":
@@ -39,7 +73,77 @@ class CostModel:
         """Document length at which attention costs as much as everything else."""
         return self.linear / self.quadratic if self.quadratic else float("inf")
 
-    def __call__(self, lengths: np.ndarray) -> np.ndarray:
+    def text(self, lengths: np.ndarray) -> np.ndarray:
         L = np.asarray(lengths, dtype=np.float64)
         La = np.ceil(L / self.tile) * self.tile if self.tile else L
-        return self.linear * L + self.quadratic * La * La
+        out = self.linear * L + self.quadratic * La * La
+        if self.per_doc:
+            out = out + self.per_doc * (L > 0)
+        return out
+
+    def __call__(self, lengths: np.ndarray, patches: np.ndarray | None = None) -> np.ndarray:
+        """Cost of each item: its text c(L) plus, with an encoder and patches, e(P) (0 patches: text)."""
+        out = self.text(lengths)
+        if self.encoder is not None and patches is not None:
+            out = out + self.encoder(patches)
+        return out
+
+    def per_cp_rank(self, lengths: np.ndarray, cp: int, patches: np.ndarray | None = None) -> np.ndarray:
+        """Cost each of the `cp` ranks of a CP group carries for an item under head-tail sharding."""
+        return self(lengths, patches) / max(1, int(cp))
+
+    @classmethod
+    def fit(
+        cls, sum_L: np.ndarray, sum_L2: np.ndarray, count: np.ndarray, time: np.ndarray, *, tile: int = 0
+    ) -> tuple["CostModel", dict]:
+        """Fit time ~ linear*sum_L + quadratic*sum_L2 + per_doc*count + overhead, all >= 0.
+
+        Rows are measured micro-batches (sum_L2: sum of squared, tile-rounded lengths). `overhead` is a
+        per-micro-batch constant: the same for every micro-batch, so it does not change balancing and is
+        reported, not kept. Returns the model and a report (coefficients, r2, rms and max relative error).
+        """
+        X = np.stack([np.asarray(a, dtype=np.float64) for a in (sum_L, sum_L2, count)], axis=1)
+        X = np.concatenate([X, np.ones((len(X), 1))], axis=1)
+        y = np.asarray(time, dtype=np.float64)
+        if len(y) < 2:
+            raise ValueError("need at least 2 measured rows to fit a cost model")
+        coef = nnls(X, y)
+        pred = X @ coef
+        ss_res = float(((y - pred) ** 2).sum())
+        ss_tot = float(((y - y.mean()) ** 2).sum())
+        rel = np.abs(pred - y) / np.where(y > 0, y, 1.0)
+        report = {
+            "linear": float(coef[0]),
+            "quadratic": float(coef[1]),
+            "per_doc": float(coef[2]),
+            "overhead": float(coef[3]),
+            "rows": int(len(y)),
+            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+            "rel_err_rms": float(np.sqrt((rel**2).mean())),
+            "rel_err_max": float(rel.max()),
+            "crossover": float(coef[0] / coef[1]) if coef[1] > 0 else float("inf"),
+        }
+        return cls(float(coef[0]), float(coef[1]), tile, float(coef[2])), report
+
+
+def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a handful of columns: the best feasible subset solution.
+
+    Columns are scaled to unit norm first (sum_L2 is ~1e9 x sum_L), so the solve is well conditioned.
+    """
+    k = X.shape[1]
+    scale = np.linalg.norm(X, axis=0)
+    scale[scale == 0] = 1.0
+    Xs = X / scale
+    best, best_res = np.zeros(k), float((y**2).sum())
+    for size in range(1, k + 1):
+        for cols in combinations(range(k), size):
+            c, *_ = np.linalg.lstsq(Xs[:, cols], y, rcond=None)
+            if (c < 0).any():
+                continue
+            res = float(((Xs[:, cols] @ c - y) ** 2).sum())
+            if res < best_res - 1e-12 * max(best_res, 1e-300):
+                best = np.zeros(k)
+                best[list(cols)] = c
+                best_res = res
+    return best / scale
