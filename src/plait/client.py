@@ -98,14 +98,48 @@ class Loader:
             "version": CLIENT_STATE_VERSION,
             "data": self._resume_state,
             "next_microbatch": self._resume_micro,
+            "layout": self._layout(self.spec),
         }
+
+    @staticmethod
+    def _layout(spec: Spec) -> dict:
+        """What shapes a step (not which samples come): the step at `data` was planned on this."""
+        return {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches, "seq_len": spec.packing.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != CLIENT_STATE_VERSION:
             raise PlaitError(f"loader state version {state.get('version')!r} is not supported")
-        self._runtime.load_state_dict(state["data"])  # validates the fingerprint now, not at iteration
-        self._resume_state = state["data"]
-        self._resume_micro = int(state["next_microbatch"])
+        data, micro = self._elastic(state)
+        self._runtime.load_state_dict(data)  # validates the fingerprint now, not at iteration
+        self._resume_state = data
+        self._resume_micro = micro
+
+    def _elastic(self, state: dict) -> tuple[dict, int]:
+        """Resume on another layout (DP size, micro-batches): only from a step boundary.
+
+        The data state is layout-free at a step's start. A state saved after a step's last micro-batch
+        names that step's start; the step is re-planned on the saved layout (metadata only) to get
+        the state after it, which then continues on the new layout: no sample lost or repeated.
+        """
+        data, micro = state["data"], int(state["next_microbatch"])
+        saved = state.get("layout")
+        if saved is None or saved == self._layout(self.spec):
+            return data, micro
+        if micro == 0:
+            return data, 0
+        if micro < saved["microbatches"]:
+            raise PlaitError(
+                f"this checkpoint was taken in the middle of a step (after micro-batch {micro - 1} of "
+                f"{saved['microbatches']}) on {saved['dp']} DP ranks; resuming on a different layout "
+                f"({self._layout(self.spec)}) needs a checkpoint taken at a step boundary"
+            )
+        from plait.checkpoint import advance
+
+        old = self.spec.with_overrides(
+            topology={"dp": saved["dp"]}, packing={"seq_len": saved["seq_len"], "microbatches": saved["microbatches"],
+                                                   "tokens_per_rank": None},
+        )
+        return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:
         return self._runtime.error_report()

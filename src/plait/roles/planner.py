@@ -190,3 +190,10 @@ class Planner:
             self.drawn[i] = src["drawn"]
         self.carry = Items.from_rows(state["carry"])
         self._meta.clear()
+        # The state is layout-free, with one limit: carried chunks were cut for the saved seq_len and
+        # must still fit a micro-batch, or they could never be delivered.
+        if len(self.carry) and int(self.carry.length.max()) > self.capacity:
+            raise PlaitError(
+                f"the data state carries chunks of up to {int(self.carry.length.max())} tokens, more than this "
+                f"layout's micro-batch capacity ({self.capacity}); resume with seq_len >= that"
+            )

@@ -14,17 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.checkpoint import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
 from plait.spec import Spec
 
 FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
-
-
-def partition_of(file_idx: int, num_partitions: int) -> int:
-    """The partition owning a file (index in the source's sorted file list): files are dealt out
-    round-robin, so every partition gets a similar share of a source's data."""
-    return file_idx % num_partitions
 
 
 @dataclass
@@ -42,21 +37,9 @@ class BlockMeta:
 
 
 class SourceLoader:
-    def __init__(
-        self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256,
-        partitions: dict[int, tuple[int, set[int]]] | None = None,
-    ):
-        """`partitions` (optional): source -> (its number of partitions, the partitions owned here).
-
-        A loader owning only some partitions of a source decodes only the blocks of the files those
-        partitions own (`partition_of`); it still reads other files' footers when the source's order
-        crosses them (block counts are metadata, needed to step a key past a file's end).
-        """
+    def __init__(self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256):
         self.spec = spec
         idx = range(len(spec.sources)) if source_indices is None else source_indices
-        if partitions is not None:
-            idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
-        self.partitions = {int(s): (int(n), frozenset(owned)) for s, (n, owned) in (partitions or {}).items()}
         self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed) for i in idx}
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
@@ -84,6 +67,7 @@ class SourceLoader:
         shuffled `position[i]` of that block.
         """
         length = np.asarray(length, dtype=np.int64)
+        self.delta_tracker.note_served(keys, block_index, position, np.asarray(offset) // self.spec.packing.seq_len)
         out = np.empty(int(length.sum()), dtype=np.int32)
         out_start = np.cumsum(length) - length
         for b in np.unique(block_index):
@@ -101,25 +85,10 @@ class SourceLoader:
             del self._blocks[k]
 
     # ----- internals ---------------------------------------------------------------------------
-    def owns(self, source: int, key: BlockKey) -> bool:
-        """Whether this loader decodes the block at `key` of `source` (always, without partitions)."""
-        if source not in self.sources:
-            return False
-        part = self.partitions.get(source)
-        if part is None:
-            return True
-        file_idx = int(self.sources[source].file_order(key[0])[key[1]])
-        return partition_of(file_idx, part[0]) in part[1]
-
-    def num_files(self) -> dict[int, int]:
-        return {i: len(s.files) for i, s in self.sources.items()}
-
     def _block(self, source: int, key: BlockKey) -> DocBlock:
         full = (source, *key)
         block = self._blocks.get(full)
         if block is None:
-            if self.partitions and not self.owns(source, tuple(key)):
-                raise ValueError(f"block {full} belongs to a partition this loader does not own")
             block = self.sources[source].read_block(tuple(key))
             self.blocks_read += 1
             self._blocks[full] = block
@@ -142,3 +111,31 @@ class SourceLoader:
     def close(self) -> None:
         for s in self.sources.values():
             s.close()
+
+    # ----- differential checkpoints (to shadows and the Planner) --------------------------------
+    @property
+    def delta_tracker(self) -> DeltaTracker:
+        tracker = self.__dict__.get("_delta_tracker")
+        if tracker is None:
+            tracker = self._delta_tracker = DeltaTracker(name=self.loader_name)
+        return tracker
+
+    @property
+    def loader_name(self) -> str:
+        return self.__dict__.get("_loader_name") or "loader[" + ",".join(str(i) for i in self.sources) + "]"
+
+    def checkpoint_delta(self, step: int | None = None) -> dict:
+        """What changed since the previous delta: read cursors, blocks buffered and dropped, samples
+        served (so the buffered samples not yet consumed are known). A few hundred bytes per interval;
+        a Shadow applies the deltas in order (plait.checkpoint)."""
+        return self.delta_tracker.take(set(self._blocks), step)
+
+    def checkpoint_snapshot(self, step: int | None = None) -> dict:
+        """Everything buffered now, for a Shadow that starts following this loader mid-run."""
+        return self.delta_tracker.snapshot(set(self._blocks), step)
+
+    def buffered_keys(self) -> list[FullKey]:
+        return list(self._blocks)
+
+    def ping(self) -> bool:
+        return True
