@@ -22,6 +22,12 @@ from plait.spec import Spec
 FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
 
 
+def partition_of(file_idx: int, num_partitions: int) -> int:
+    """The partition owning a file (index in the source's sorted file list): files are dealt out
+    round-robin, so every partition gets a similar share of a source's data."""
+    return file_idx % num_partitions
+
+
 @dataclass
 class BlockMeta:
     """What the Planner needs of a block: sizes and ids, never tokens."""
@@ -37,9 +43,21 @@ class BlockMeta:
 
 
 class SourceLoader:
-    def __init__(self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256):
+    def __init__(
+        self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256,
+        partitions: dict[int, tuple[int, set[int]]] | None = None,
+    ):
+        """`partitions` (optional): source -> (its number of partitions, the partitions owned here).
+
+        A loader owning only some partitions of a source decodes only the blocks of the files those
+        partitions own (`partition_of`); it still reads other files' footers when the source's order
+        crosses them (block counts are metadata, needed to step a key past a file's end).
+        """
         self.spec = spec
         idx = range(len(spec.sources)) if source_indices is None else source_indices
+        if partitions is not None:
+            idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
+        self.partitions = {int(s): (int(n), frozenset(owned)) for s, (n, owned) in (partitions or {}).items()}
         self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed) for i in idx}
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
@@ -85,10 +103,25 @@ class SourceLoader:
             del self._blocks[k]
 
     # ----- internals ---------------------------------------------------------------------------
+    def owns(self, source: int, key: BlockKey) -> bool:
+        """Whether this loader decodes the block at `key` of `source` (always, without partitions)."""
+        if source not in self.sources:
+            return False
+        part = self.partitions.get(source)
+        if part is None:
+            return True
+        file_idx = int(self.sources[source].file_order(key[0])[key[1]])
+        return partition_of(file_idx, part[0]) in part[1]
+
+    def num_files(self) -> dict[int, int]:
+        return {i: len(s.files) for i, s in self.sources.items()}
+
     def _block(self, source: int, key: BlockKey) -> DocBlock:
         full = (source, *key)
         block = self._blocks.get(full)
         if block is None:
+            if self.partitions and not self.owns(source, tuple(key)):
+                raise ValueError(f"block {full} belongs to a partition this loader does not own")
             block = self.sources[source].read_block(tuple(key))
             self.blocks_read += 1
             self._blocks[full] = block
