@@ -1,0 +1,101 @@
+"""The ray runtime: same batches as local, bit for bit, whatever the number of loaders; a shared,
+once-planned stream for many clients. One local Ray instance for the whole module (kept small)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import plait  # noqa: E402
+from plait.demo import generate  # noqa: E402
+from plait.metrics import combined_digest  # noqa: E402
+from plait.stream import stream  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    path = generate(tmp_path_factory.mktemp("demo"))
+    return plait.load_spec(path).with_overrides(
+        topology={"dp": 4}, packing={"seq_len": 4096, "microbatches": 2}, steps=6
+    )
+
+
+def _digest(spec, runtime, **options):
+    out = stream(spec, steps=spec.steps, runtime=runtime, progress=False, runtime_options=options)
+    return combined_digest(out["digests"])
+
+
+def test_file_order_matches_source(spec):
+    from plait.runtime.ray import file_order
+    from plait.sources import Source
+
+    src = Source(spec.sources[1], 1, spec.seed)
+    for epoch in range(3):
+        assert file_order(spec.seed, 1, epoch, len(src.files)).tolist() == src.file_order(epoch).tolist()
+
+
+def test_partitions_follow_cpu_work_not_source_count(spec):
+    from plait.runtime.ray import assign_partitions
+
+    many = spec.with_overrides(sources=[
+        {"name": f"s{i}", "path": spec.sources[3].path, "tokens_field": "input_ids", "weight": 1.0} for i in range(64)
+    ])
+    num, owned = assign_partitions(many, 2, None)
+    assert set(num.values()) == {1} and sorted(len(o) for o in owned) == [32, 32]
+    # More loaders than sources: the heaviest source is split; explicit partitions are honoured.
+    num, owned = assign_partitions(spec, 6, None)
+    assert sum(num.values()) == 6 and all(owned)
+    num, owned = assign_partitions(spec, 2, {"web": 3})
+    assert num[1] == 3 and sum(len(o) for o in owned) == 6
+
+
+@pytest.mark.parametrize("options", [{"loaders": 1}, {"loaders": 3, "partitions": {"web": 2, "long": 2}}])
+def test_ray_digest_equals_local(ray_instance, spec, options):
+    assert _digest(spec, "ray", **options) == _digest(spec, "local")
+
+
+def test_clients_share_one_planned_stream(ray_instance, spec):
+    """Trainer ranks attach to one job by name; each step is planned once; TP ranks share builds;
+    a resumed client continues bit for bit."""
+    spec = spec.with_overrides(topology={"dp": 2, "tp": 2})
+    local = {r: list(plait.Loader(spec, dp_rank=r, prefetch=0)) for r in range(2)}
+    loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, runtime="ray", job="test-job", loaders=2)
+               for r in range(2) for t in range(2)]
+    try:
+        for ld in loaders:
+            got = list(ld)
+            want = local[ld.dp_rank]
+            assert len(got) == len(want) == spec.steps * 2
+            for a, b in zip(got, want):
+                assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.sample_ids, b.sample_ids)
+        stats = loaders[0]._runtime.stats()
+        assert stats["planned"] == spec.steps  # planned once for all 4 clients
+        assert len(stats["loaders"]) == 2
+
+        # Resume mid-step from a checkpoint taken by a local client: same continuation.
+        it = iter(plait.Loader(spec, dp_rank=1, prefetch=0))
+        for _ in range(5):
+            next(it)
+        state = it.gi_frame.f_locals["self"].state_dict()
+        resumed = plait.Loader(spec, dp_rank=1, runtime="ray", job="test-job")
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert [b.sample_ids.tolist() for b in rest] == [b.sample_ids.tolist() for b in local[1][5:]]
+        resumed.close()
+    finally:
+        for ld in loaders:
+            ld.close()
+    with pytest.raises(ValueError):
+        ray.get_actor("test-job/planner", namespace="plait")
