@@ -102,6 +102,10 @@ class StepPlan:
     carried: int  # items left for a later step
     delayed_outliers: int = 0
     state_before: dict = field(default_factory=dict)  # the data state at the start of this step
+    # Micro-batches of each rank: all `microbatches` in balance mode `equal`; in `variable` mode each
+    # rank runs its own count (at most `microbatches`) and losses must be normalised by
+    # stats()["global_label_tokens"], the label tokens of the whole step over all ranks.
+    rank_microbatches: np.ndarray | None = None
 
     @property
     def tokens(self) -> int:
@@ -129,7 +133,8 @@ class StepPlan:
 
     def for_rank(self, dp_rank: int) -> "RankPlan":
         sel = np.flatnonzero(self.rank == dp_rank)
-        return RankPlan(self.step, dp_rank, self.microbatches, self.items.take(sel), self.micro[sel], self.stats())
+        count = self.microbatches if self.rank_microbatches is None else int(self.rank_microbatches[dp_rank])
+        return RankPlan(self.step, dp_rank, count, self.items.take(sel), self.micro[sel], self.stats())
 
     def stats(self) -> dict:
         return {
@@ -139,6 +144,8 @@ class StepPlan:
             "efficiency": self.efficiency,
             "max_over_mean": self.max_over_mean,
             "max_over_lb": self.max_over_lb,
+            "max_rank_cost": float(self.rank_cost.max()) if len(self.rank_cost) else 0.0,
+            "lower_bound": self.lower_bound,
             "tokens_max_over_mean": self.tokens_max_over_mean,
             "carried": self.carried,
             "delayed_outliers": self.delayed_outliers,

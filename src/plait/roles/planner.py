@@ -45,6 +45,7 @@ class Planner:
         self.microbatches = spec.packing.num_microbatches
         self.seq_len = spec.packing.seq_len
         self.capacity = self.seq_len
+        self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
         self.mixture = MixtureSchedule(spec)
         n = len(spec.sources)
@@ -68,20 +69,32 @@ class Planner:
         self.deficit += weights * budget
         new = Items.concat([self._draw(i) for i in range(len(self.spec.sources))])
         items = Items.concat([self.carry, new])
-        costs = self.cost_model(items.length)
         priority = np.concatenate([self.carry.delayed + 1, np.zeros(len(new), dtype=np.int64)])
+        held = self._hold_outliers(items)
+        if held.any():
+            # Held outliers wait in the carry; the mixture tops the step up with as many tokens.
+            topup = int(items.length[held].sum())
+            self.deficit += weights * topup
+            extra = Items.concat([self._draw(i) for i in range(len(self.spec.sources))])
+            outliers = items.take(np.flatnonzero(held))
+            items = Items.concat([items.take(np.flatnonzero(~held)), extra])
+            priority = np.concatenate([priority[~held], np.zeros(len(extra), dtype=np.int64)])
+        else:
+            outliers = Items.empty()
+        # Per-GPU cost: with context parallelism each CP rank of a replica carries cost / cp.
+        costs = self.cost_model.per_cp_rank(items.length, self.cp)
         result = balance.assign(
             items.length, costs, ranks=self.ranks, microbatches=self.microbatches, capacity=self.capacity,
-            priority=priority,
+            priority=priority, mode=self.spec.balance.mode,
         )
         placed = np.flatnonzero(result.placed)
         left = np.flatnonzero(~result.placed)
-        self.carry = items.take(left)
+        self.carry = Items.concat([outliers, items.take(left)])
         self.carry.delayed = self.carry.delayed + 1
         plan = StepPlan(
             step=self.step,
             ranks=self.ranks,
-            microbatches=self.microbatches,
+            microbatches=int(result.micro_cost.shape[1]),
             capacity=self.capacity,
             items=items.take(placed),
             cost=costs[placed],
@@ -91,11 +104,32 @@ class Planner:
             micro_cost=result.micro_cost,
             micro_tokens=result.micro_tokens,
             lower_bound=balance.lower_bound(costs[placed], self.ranks),
-            carried=len(left),
+            carried=len(self.carry),
+            delayed_outliers=len(outliers),
             state_before=state_before,
+            rank_microbatches=result.microbatches,
         )
         self.step += 1
         return plan
+
+    def _hold_outliers(self, items: Items) -> np.ndarray:
+        """Which items to delay: outliers (cost > outlier_factor x mean rank load), held until enough
+        gather to give every rank one, or until one has waited max_delay steps; then all go together.
+
+        One outlier in a step makes that step as slow as the outlier; gathering them makes one slow step
+        out of many instead of many slow steps. Off unless balance.max_delay > 0.
+        """
+        held = np.zeros(len(items), dtype=bool)
+        max_delay = self.spec.balance.max_delay
+        if max_delay <= 0 or not len(items):
+            return held
+        costs = self.cost_model(items.length)
+        outlier = costs > self.spec.balance.outlier_factor * float(costs.sum()) / self.ranks
+        if not outlier.any():
+            return held
+        if int(outlier.sum()) >= self.ranks or bool((items.delayed[outlier] >= max_delay).any()):
+            return held
+        return outlier
 
     def _draw(self, source: int) -> Items:
         """Take documents from one source until its deficit is used up (error diffusion)."""
