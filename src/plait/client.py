@@ -88,7 +88,7 @@ class Loader:
             for state, mb in source:
                 self._resume_state = state
                 self._resume_micro = mb.microbatch + 1
-                yield mb
+                yield self._for_this_rank(mb)
         finally:
             self._iterating = False
 
