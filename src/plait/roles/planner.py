@@ -134,6 +134,7 @@ class Planner:
     def _draw(self, source: int) -> Items:
         """Take documents from one source until its deficit is used up (error diffusion)."""
         parts: list[Items] = []
+        got = 0  # tokens: a source of only empty documents must fail, not loop forever
         start_epoch = int(self.cursor[source, 0])
         while self.deficit[source] > 0:
             epoch, fpos, bpos, pos = (int(x) for x in self.cursor[source])
@@ -145,6 +146,7 @@ class Planner:
                 sel = np.arange(first, first + k)
                 parts.append(self._docs_to_items(meta, sel))
                 taken = int(lengths[:k].sum())
+                got += taken
                 self.deficit[source] -= taken
                 self.drawn[source] += taken
             if first + k < len(meta.positions):
@@ -152,9 +154,9 @@ class Planner:
             else:
                 self.cursor[source] = (*meta.next_key, 0)
                 self._meta.pop(source, None)
-                if not parts and self.cursor[source, 0] > start_epoch + 1:
+                if not got and self.cursor[source, 0] > start_epoch + 1:
                     name = self.spec.sources[source].name
-                    raise SourceError(name, None, None, "no readable documents in a whole epoch")
+                    raise SourceError(name, None, None, "no readable, non-empty documents in a whole epoch")
         return Items.concat(parts)
 
     def _block_meta(self, source: int, key: tuple[int, int, int]):
