@@ -107,6 +107,7 @@ class Source:
         self._file_orders: OrderedDict[int, np.ndarray] = OrderedDict()
         self.errors: Counter[str] = Counter()
         self.error_log: list[str] = []
+        self._seen_bad: set[tuple[str, str | None]] = set()
         self._empty_keys_in_a_row = 0
 
     # ----- order -------------------------------------------------------------------------------
@@ -125,10 +126,11 @@ class Source:
             path = self.files[file_idx]
             try:
                 n = self.reader.num_blocks(path)
-            except SourceError:
-                raise
+            except SourceError as e:  # e.g. the column is missing: the policy decides, as for any bad shard
+                self._bad(path, e.record, e.reason)
+                n = 0
             except Exception as e:  # corrupt footer, unreadable file, ...
-                self._bad(path, None, f"cannot open: {type(e).__name__}: {e}")
+                self._bad(path, None, f"cannot open: {_describe(e)}")
                 n = 0
             self._num_blocks[file_idx] = n
         return n
@@ -156,7 +158,7 @@ class Source:
             fpos, bpos = fpos + 1, 0
             scanned += 1
             if scanned > len(self.files):
-                raise SourceError(self.name, None, None, "no readable blocks in any file")
+                raise SourceError(self.name, None, None, "no readable blocks in any file" + self._skipped_hint())
 
     # ----- decoding ----------------------------------------------------------------------------
     def read_block(self, key: BlockKey) -> DocBlock:
@@ -169,8 +171,8 @@ class Source:
         except SourceError:
             raise
         except Exception as e:
-            self._bad(path, f"block {block_idx}", f"cannot read: {type(e).__name__}: {e}")
-            raw = RawBlock(0, 0, np.zeros(0, np.int64), pa.array([], pa.string()))
+            self._bad(path, f"block {block_idx}", f"cannot read: {_describe(e)}")
+            raw = self._empty_raw()
         for record, reason in raw.bad:
             self._bad(path, str(record), reason)
         values = raw.values
@@ -184,7 +186,12 @@ class Source:
             keep = np.flatnonzero(~null_mask)
             values = values.take(pa.array(keep))
             ok_index = ok_index[keep]
-        tokens, offsets = self._tokens(values, path, raw.first_row)
+        try:
+            tokens, offsets = self._tokens(values, path, raw.first_row)
+        except SourceError as e:  # wrong column type, ids out of range: the whole block is bad
+            self._bad(path, e.record or f"block {block_idx}", e.reason)
+            raw, ok_index = self._empty_raw(), np.zeros(0, np.int64)
+            tokens, offsets = self._tokens(raw.values, path, 0)
         # Shuffle over every record position of the block, bad ones included, so that a record's
         # position never depends on which other records were readable.
         perm = _rng(self.seed, self.index, epoch, file_idx, block_idx + 1).permutation(raw.num_records)
@@ -228,17 +235,36 @@ class Source:
                 flat = flat.astype(np.int32)
         return add_special_tokens(flat, offsets, self.spec.bos, self.spec.eos)
 
+    def _skipped_hint(self) -> str:
+        if not self.error_log:
+            return ""
+        return f" ({self.errors['skipped']} skipped; first: {self.error_log[0]})"
+
+    def _empty_raw(self) -> RawBlock:
+        value_type = pa.string() if self.encoder is not None else pa.list_(pa.int32())
+        return RawBlock(0, 0, np.zeros(0, np.int64), pa.array([], value_type))
+
     # ----- errors ------------------------------------------------------------------------------
     def _bad(self, path: str, record: str | None, reason: str) -> None:
         err = SourceError(self.name, path, record, reason)
         if self.spec.on_error == "raise":
             raise err
+        # Count each bad record (or shard) once, however often it is read again (next epochs, a block
+        # evicted from the cache and decoded again, a resume), so the count is a fact about the data.
+        where = (path, record)
+        if where in self._seen_bad:
+            return
+        self._seen_bad.add(where)
         self.errors["skipped"] += 1
         if len(self.error_log) < 100:
             self.error_log.append(str(err))
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]:

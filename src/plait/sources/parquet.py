@@ -7,6 +7,8 @@ from collections import OrderedDict
 import numpy as np
 import pyarrow.parquet as pq
 
+from plait.errors import SourceError
+
 from plait.sources.base import FormatReader, RawBlock
 
 
@@ -21,13 +23,18 @@ class ParquetReader(FormatReader):
         entry = self._open.get(path)
         if entry is None:
             handle = self.fs.open(path, "rb") if "://" in path else None
-            pf = pq.ParquetFile(handle if handle is not None else path, memory_map=handle is None)
+            try:
+                pf = pq.ParquetFile(handle if handle is not None else path, memory_map=handle is None)
+                if self.field not in pf.schema_arrow.names:
+                    raise SourceError(
+                        self.spec.name, path, None, f"no column {self.field!r} (columns: {pf.schema_arrow.names})"
+                    )
+            except BaseException:
+                if handle is not None:  # a bad file must not leak its (remote) handle
+                    handle.close()
+                raise
             counts = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)], np.int64)
             starts = np.concatenate([[0], np.cumsum(counts)])
-            if self.field not in pf.schema_arrow.names:
-                from plait.errors import SourceError
-
-                raise SourceError(self.spec.name, path, None, f"no column {self.field!r} (columns: {pf.schema_arrow.names})")
             entry = (pf, handle, starts)
             self._open[path] = entry
             while len(self._open) > self.MAX_OPEN:
