@@ -28,6 +28,9 @@ class ShadowLoader(SourceLoader):
         primary: str | None = None, warm: bool = True, **loader_options,
     ):
         super().__init__(spec, source_indices, max_cached_blocks, **loader_options)
+        from plait.kernels import warm_up
+
+        warm_up()  # a standby must serve at full speed the moment it takes over: compile kernels now
         self.primary = primary or "loader[" + ",".join(str(i) for i in self.sources) + "]"
         self.view = FollowerView(name=self.primary)
         self.warm = warm

@@ -24,8 +24,10 @@ Ray is imported lazily (plait[ray] is optional); the local runtime never imports
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +43,7 @@ from plait.roles.source_loader import SourceLoader, partition_of
 from plait.spec import Spec, load_spec
 
 NAMESPACE = "plait"
+log = logging.getLogger("plait.recovery")
 PLAN_WINDOW = 64  # planned steps the Planner keeps (ranks of one job are at most `prefetch` apart)
 
 
@@ -62,6 +65,16 @@ def _get(refs, timeout: float | None = None):
         if isinstance(cause, PlaitError):
             raise cause from None
         raise
+
+
+def _dead_errors() -> tuple[type, ...]:
+    """Exceptions meaning "the actor you called is dead" (killed, crashed, its node lost)."""
+    ray = _ray()
+    return (ray.exceptions.RayActorError,)
+
+
+def _actor_id(handle) -> str:
+    return handle._actor_id.hex()
 
 
 # ----- partitions ------------------------------------------------------------------------------
@@ -178,21 +191,75 @@ class LoaderActor:
         with self._lock:
             self.loader.close()
 
+    # differential checkpoints, for this loader's shadows (plait.checkpoint)
+    def checkpoint_delta(self, step: int | None = None) -> dict:
+        with self._lock:
+            return self.loader.checkpoint_delta(step)
+
+    def checkpoint_snapshot(self, step: int | None = None) -> dict:
+        with self._lock:
+            return self.loader.checkpoint_snapshot(step)
+
+
+class ShadowActor(LoaderActor):
+    """A standby loader for the same partitions as its primary (plait.roles.shadow).
+
+    It follows the primary's deltas (decoding the blocks the primary buffers) and serves nothing until
+    the Planner `promote`s it, after which it is the partitions' owner, a LoaderActor like any other.
+    """
+
+    def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
+                 max_cached_blocks: int, primary: str):
+        from plait.roles.shadow import ShadowLoader
+
+        spec = load_spec(spec_dict)
+        parts: dict[int, tuple[int, set[int]]] = {}
+        for s, p in owned:
+            parts.setdefault(s, (num_partitions[s], set()))[1].add(p)
+        self.loader = ShadowLoader(spec, max_cached_blocks=max_cached_blocks, partitions=parts, primary=primary)
+        self._lock = threading.Lock()
+
+    def follow(self, delta: dict) -> int:
+        with self._lock:
+            return self.loader.follow(delta) if self.loader.standby else 0
+
+    def sync(self, snapshot: dict) -> int:
+        with self._lock:
+            return self.loader.sync(snapshot) if self.loader.standby else 0
+
+    def promote(self) -> dict:
+        with self._lock:
+            return self.loader.promote()
+
+    def shadow_stats(self) -> dict:
+        with self._lock:
+            ld = self.loader
+            return {"deltas": ld.deltas_applied, "delta_bytes": ld.delta_bytes, "prefetched": ld.blocks_prefetched,
+                    "standby": ld.standby, "buffered": len(ld.buffered_keys())}
+
 
 class _Metadata:
     """The Planner's MetadataProvider: asks the loader that owns each block."""
 
-    def __init__(self, loaders, pmap: PartitionMap, first_keys: dict[int, tuple]):
+    def __init__(self, loaders, pmap: PartitionMap, first_keys: dict[int, tuple], on_dead=None):
         self.loaders = loaders
         self.pmap = pmap
         self._first = first_keys
+        self.on_dead = on_dead  # (loader index, dead handle) -> None: replaces it in `loaders`
 
     def first_key(self, source: int):
         return self._first[source]
 
     def block_meta(self, source: int, key):
         owner = self.pmap.loader_of(source, key[0], key[1])
-        return _get(self.loaders[owner].block_meta.remote(source, tuple(key)))
+        while True:
+            handle = self.loaders[owner]
+            try:
+                return _get(handle.block_meta.remote(source, tuple(key)))
+            except _dead_errors():
+                if self.on_dead is None:
+                    raise
+                self.on_dead(owner, handle)  # metadata is a pure function of the key: ask the new owner
 
 
 class StaleGeneration(PlaitError):
@@ -231,7 +298,9 @@ class PlannerActor:
         first: dict[int, tuple] = {}
         for part in _get([self.loaders[k].first_keys.remote(srcs) for k, srcs in by_loader.items()]):
             first.update({int(s): tuple(v) for s, v in part.items()})
-        self.planner = Planner(self.spec, _Metadata(self.loaders, self.pmap, first), dp=options.get("dp"))
+        self.planner = Planner(self.spec, _Metadata(self.loaders, self.pmap, first, on_dead=self._loader_died),
+                               dp=options.get("dp"))
+        self._init_recovery(spec_dict, owned, num_parts, options)
         self.gen = 0
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.base_state = self.planner.state_dict()
@@ -279,6 +348,7 @@ class PlannerActor:
                 old, _ = self.window.popitem(last=False)
                 self.built.pop(old, None)
         self._release()
+        self._checkpoint()
         return self.window[step]
 
     def step_plan(self, gen: int, step: int) -> StepPlan:
@@ -335,7 +405,7 @@ class PlannerActor:
 
     def error_report(self) -> dict:
         out: dict[str, dict] = {}
-        for rep in _get([ld.error_report.remote() for ld in self.loaders]):
+        for rep in self._each_loader("error_report"):
             for name, r in rep.items():
                 agg = out.setdefault(name, {"skipped": 0, "messages": []})
                 agg["skipped"] += r["skipped"]
@@ -343,7 +413,122 @@ class PlannerActor:
         return out
 
     def loader_stats(self) -> list[dict]:
-        return _get([ld.stats.remote() for ld in self.loaders])
+        return self._each_loader("stats")
+
+    # ----- fault tolerance: shadows, deltas, loader replacement ---------------------------------------
+    def _init_recovery(self, spec_dict: dict, owned: list, num_parts: dict, options: dict) -> None:
+        self._loader_args = (spec_dict, owned, num_parts, int(options.get("max_cached_blocks", 256)))
+        self.checkpoint_interval = max(1, int(options.get("checkpoint_interval") or 1))
+        self.loader_gen = [0] * len(self.loaders)
+        self.loader_names = [f"{self.job}/loader-{k}" for k in range(len(self.loaders))]
+        self.recovery_log: list[dict] = []
+        self._last_delta_step = -1
+        self.respawn_delay = int(options.get("respawn_delay", 4))
+        self._respawn: dict[int, int] = {}  # loader index -> step at which to start its new shadow
+        self.shadows = [[self._new_shadow(k) for _ in range(self._shadow_count(k))] for k in range(len(self.loaders))]
+
+    def _shadow_count(self, k: int) -> int:
+        return max((self.spec.sources[s].shadows for s, _ in self._loader_args[1][k]), default=0)
+
+    def _new_shadow(self, k: int):
+        ray = _ray()
+        spec_dict, owned, num_parts, cached = self._loader_args
+        return ray.remote(ShadowActor).options(
+            num_cpus=self.options.get("loader_cpus", 0), max_concurrency=4, scheduling_strategy="SPREAD",
+        ).remote(spec_dict, owned[k], num_parts, cached, self.loader_names[k])
+
+    def _checkpoint(self) -> None:
+        """Every `checkpoint_interval` steps, each loader's delta goes to its shadows (object store,
+        loader to shadow; the Planner only passes the reference). Right after planning: the shadows
+        then decode the blocks the new steps need while the Constructors fetch them."""
+        step = self.planner.step
+        for k, at in list(self._respawn.items()):
+            if step >= at:
+                del self._respawn[k]
+                sh = self._new_shadow(k)
+                sh.sync.remote(self.loaders[k].checkpoint_snapshot.remote(step))
+                self.shadows[k].append(sh)
+        if step - self._last_delta_step < self.checkpoint_interval:
+            return
+        self._last_delta_step = step
+        for k, ld in enumerate(self.loaders):
+            if self.shadows[k]:
+                ref = ld.checkpoint_delta.remote(step)
+                for sh in self.shadows[k]:
+                    sh.follow.remote(ref)
+
+    def _loader_died(self, k: int, handle) -> None:
+        if _actor_id(self.loaders[k]) == _actor_id(handle):
+            self._replace_loader(k)
+
+    def replace_loader(self, k: int, dead_id: str) -> list:
+        """Called by a Constructor whose gather found loader k dead; returns the current handles."""
+        if _actor_id(self.loaders[k]) == dead_id:
+            self._replace_loader(k)
+        return self.loaders
+
+    def _replace_loader(self, k: int) -> None:
+        """Promote a shadow of loader k (or start a fresh loader) and give it loader k's partitions.
+
+        Exact either way: the new owner answers block_meta and gather for the same keys with the same
+        bytes. A promoted shadow already holds what the primary buffered at its last delta and re-reads
+        only what it lacks; a fresh loader re-reads every block still needed, on demand."""
+        ray = _ray()
+        t0 = time.perf_counter()
+        dead = self.loader_names[k]
+        sources = sorted({self.spec.sources[s].name for s, _ in self._loader_args[1][k]})
+        log.warning("failure: SourceLoader %s (sources %s) is dead; detected at step %d",
+                    dead, ",".join(sources), self.planner.step)
+        self.loader_gen[k] += 1
+        new, info = None, {}
+        while self.shadows[k] and new is None:
+            sh = self.shadows[k].pop(0)
+            try:
+                info = _get(sh.promote.remote())
+                new = sh
+            except _dead_errors():
+                continue
+        if new is not None:
+            how = f"shadow promoted, re-read {info['reread_blocks']} of {info['held_blocks']} buffered blocks"
+        else:
+            spec_dict, owned, num_parts, cached = self._loader_args
+            opts: dict[str, Any] = dict(name=f"{dead.split('~')[0]}~{self.loader_gen[k]}", namespace=NAMESPACE,
+                                        num_cpus=self.options.get("loader_cpus", 0), max_concurrency=4,
+                                        scheduling_strategy="SPREAD")
+            if self.options.get("lifetime"):
+                opts["lifetime"] = self.options["lifetime"]
+            new = ray.remote(LoaderActor).options(**opts).remote(spec_dict, owned[k], num_parts, cached)
+            how = "restarted cold (no shadow left): blocks are re-read on demand"
+        self.loaders[k] = new  # in place: the metadata provider shares this list
+        self.loader_names[k] = f"{dead.split('~')[0]}~{self.loader_gen[k]}"
+        self._release()
+        if self._shadow_count(k):
+            # Keep the standby count, but not now: starting a worker process costs a second of CPU
+            # that the failure step should not pay. It starts a few steps later, from a snapshot.
+            self._respawn[k] = self.planner.step + self.respawn_delay
+        took = time.perf_counter() - t0
+        log.warning("recovery: SourceLoader %s replaced by %s (%s) in %.3f s", dead, self.loader_names[k], how, took)
+        self.recovery_log.append({"role": "loader", "actor": dead, "replacement": self.loader_names[k],
+                                  "step": self.planner.step, "at": time.time(), "recovery_s": took, "how": how,
+                                  "reread_blocks": info.get("reread_blocks")})
+
+    def _each_loader(self, method: str, *args) -> list:
+        out = []
+        for k in range(len(self.loaders)):
+            while True:
+                handle = self.loaders[k]
+                try:
+                    out.append(_get(getattr(handle, method).remote(*args)))
+                    break
+                except _dead_errors():
+                    self._loader_died(k, handle)
+        return out
+
+    def recovery_events(self) -> list[dict]:
+        return list(self.recovery_log)
+
+    def shadow_stats(self) -> list[list[dict]]:
+        return [_get([sh.shadow_stats.remote() for sh in group]) for group in self.shadows]
 
     def shutdown(self) -> None:
         ray = _ray()
@@ -356,17 +541,18 @@ class PlannerActor:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
             except Exception:  # noqa: BLE001
                 pass
-        for ld in self.loaders:
+        for ld in self.loaders + [sh for group in getattr(self, "shadows", []) for sh in group]:
             ray.kill(ld)
 
 
 class _RayConstructor(Constructor):
     """The Constructor with payloads pulled from the owning loader actors, in parallel."""
 
-    def __init__(self, loaders, pmap: PartitionMap):
+    def __init__(self, loaders, pmap: PartitionMap, planner=None):
         super().__init__(lambda source: None)
         self.loaders = loaders
         self.pmap = pmap
+        self.planner = planner  # asked to replace a loader found dead (None: errors propagate)
 
     def _fetch(self, items) -> np.ndarray:
         from plait.packing import ragged_arange
@@ -376,13 +562,14 @@ class _RayConstructor(Constructor):
         keys, block_index = items.block_keys()
         owner_of_block = np.array([self.pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
         owner = owner_of_block[block_index]
-        refs, sels = [], []
+        refs, sels, owners = [], [], []
         for k in np.unique(owner):
             sel = np.flatnonzero(owner == k)
             sels.append(sel)
+            owners.append((int(k), self.loaders[int(k)]))
             refs.append(self.loaders[int(k)].gather.remote(
                 items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel]))
-        parts = _get(refs)
+        parts = self._collect(refs, sels, owners, items, keys, block_index)
         if len(parts) == 1:
             return parts[0]
         out = np.empty(int(items.length.sum()), dtype=np.int32)
@@ -390,6 +577,26 @@ class _RayConstructor(Constructor):
         for sel, part in zip(sels, parts):
             out[ragged_arange(starts[sel], items.length[sel])] = part
         return out
+
+    def _collect(self, refs, sels, owners, items, keys, block_index) -> list:
+        """Each loader's part; a part whose loader died is asked again of the loader's replacement."""
+        try:
+            return _get(refs)
+        except _dead_errors():
+            if self.planner is None:
+                raise
+        parts = []
+        for ref, sel, (k, handle) in zip(refs, sels, owners):
+            while True:
+                try:
+                    parts.append(_get(ref))
+                    break
+                except _dead_errors():
+                    self.loaders[:] = _get(self.planner.replace_loader.remote(k, _actor_id(handle)))
+                    handle = self.loaders[k]
+                    ref = handle.gather.remote(items.source[sel], keys, block_index[sel], items.position[sel],
+                                               items.offset[sel], items.length[sel])
+        return parts
 
 
 class ConstructorActor:
@@ -401,7 +608,7 @@ class ConstructorActor:
         info = _get(self.planner.info.remote())
         loaders = _get(self.planner.get_loaders.remote())
         pmap = PartitionMap(info["seed"], info["num_files"], info["num_partitions"], info["owner"])
-        self.constructor = _RayConstructor(loaders, pmap)
+        self.constructor = _RayConstructor(loaders, pmap, planner=self.planner)
         self.prefetch = max(0, int(prefetch))
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
         self.lock = threading.Lock()
@@ -463,12 +670,14 @@ class RayRuntime:
       dp            override the topology's DP size
       loader_cpus   CPUs each loader actor reserves (default 0: placement by spreading only)
       max_cached_blocks  decoded blocks a loader keeps (LRU; plus what plans still need)
+      checkpoint_interval  steps between loader deltas to their shadows (`shadows` per source in the spec)
     """
 
     def __init__(
         self, spec: Spec, *, job: str | None = None, address: str | None = None, loaders: int | None = None,
         partitions: int | dict[str, int] | None = None, prefetch: int = 2, constructors: str = "node",
         dp: int | None = None, loader_cpus: float = 0, max_cached_blocks: int = 256, init_options: dict | None = None,
+        checkpoint_interval: int = 1,
     ):
         ray = _ray()
         self.spec = load_spec(spec)
@@ -490,7 +699,8 @@ class RayRuntime:
             cpus = int(ray.cluster_resources().get("CPU", 2))
             loaders = max(1, min(len(self.spec.sources), cpus // 2))
         options = {"loaders": int(loaders), "partitions": partitions, "dp": self.dp, "loader_cpus": loader_cpus,
-                   "max_cached_blocks": max_cached_blocks, "lifetime": "detached" if self.shared else None}
+                   "max_cached_blocks": max_cached_blocks, "lifetime": "detached" if self.shared else None,
+                   "checkpoint_interval": checkpoint_interval}
         spec_dict = self.spec.model_dump(mode="json")
         self.planner = ray.remote(PlannerActor).options(
             name=f"{self.job}/planner", namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
