@@ -226,3 +226,21 @@ def test_plait_run_reports_skips(messy_jsonl, tmp_path, capsys):
     assert cli.main(["run", str(spec_path), "--steps", "3", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "source 'chat'" in err and "record 1" in err and "Traceback" not in err
+
+
+def test_bad_token_ids_are_per_record(tmp_path):
+    """A null inside a token list, or an id outside 0..2^31-1, is that record's problem, not silent garbage."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lists = [[1, 2], [3, None, 5], [6], [7, -1], [8, 2**31], [9, 10]]
+    path = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"ids": pa.array(lists, pa.list_(pa.int64()))}), path, row_group_size=3)
+    ds = Dataset({"name": "ids", "path": path, "tokens_field": "ids"}, [path],
+                 {(0, 0): [1, 2], (0, 2): [6], (0, 5): [9, 10]})
+    err = raises_source_error(ds, steps=1)
+    assert (err.source, err.shard, err.record) == ("ids", path, "1") and "null" in err.reason
+    got, report = stream_epoch0(ds.with_options(on_error="skip"), steps=2, seq_len=16)
+    assert_streams_the_rest(ds, got)
+    assert report["ids"]["skipped"] == 3
+    assert sorted(m.split("record ")[1].split(":")[0] for m in report["ids"]["messages"]) == ["1", "3", "4"]

@@ -180,12 +180,11 @@ class Source:
             values = values.combine_chunks()
         ok_index = raw.ok_index
         null_mask = np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-        if null_mask.any():
-            for i in np.flatnonzero(null_mask):
-                self._bad(path, str(raw.first_row + int(ok_index[i])), f"field {self.reader.field!r} is null or missing")
-            keep = np.flatnonzero(~null_mask)
-            values = values.take(pa.array(keep))
-            ok_index = ok_index[keep]
+        values, ok_index = self._drop(values, ok_index, null_mask, path, raw.first_row,
+                                      f"field {self.reader.field!r} is null or missing")
+        if self.encoder is None and _is_int_list(values.type):
+            for mask, reason in _bad_token_lists(values):
+                values, ok_index = self._drop(values, ok_index, mask, path, raw.first_row, reason)
         try:
             tokens, offsets = self._tokens(values, path, raw.first_row)
         except SourceError as e:  # wrong column type, ids out of range: the whole block is bad
@@ -210,6 +209,15 @@ class Source:
             lengths=np.diff(offsets)[order],
             num_positions=raw.num_records,
         )
+
+    def _drop(self, values: pa.Array, ok_index: np.ndarray, bad: np.ndarray, path: str, first_row: int, reason: str):
+        """Report the records flagged in `bad` (policy: raise, or skip and count) and leave them out."""
+        if not bad.any():
+            return values, ok_index
+        for i in np.flatnonzero(bad):
+            self._bad(path, str(first_row + int(ok_index[i])), reason)
+        keep = np.flatnonzero(~bad)
+        return values.take(pa.array(keep)), ok_index[keep]
 
     def _tokens(self, values: pa.Array, path: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
         if self.encoder is not None:
@@ -261,6 +269,36 @@ class Source:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+def _bad_token_lists(values: pa.Array) -> list[tuple[np.ndarray, str]]:
+    """Per-record masks of token lists holding a null or an id outside 0..2^31-1, with the reason.
+
+    Vectorised: one pass over the ids; only a block that has such ids pays for finding their records.
+    """
+    offsets = np.asarray(values.offsets.to_numpy(), dtype=np.int64)
+    ids = values.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    n = len(values)
+    out = []
+
+    def records(token_mask: np.ndarray) -> np.ndarray:
+        owner = np.repeat(np.arange(n), np.diff(offsets))
+        mask = np.zeros(n, dtype=bool)
+        mask[owner[token_mask]] = True
+        return mask
+
+    if ids.null_count:
+        out.append((records(np.asarray(ids.is_null().to_numpy(zero_copy_only=False), dtype=bool)),
+                    "token list holds a null id"))
+        ids = ids.fill_null(0)
+    flat = ids.to_numpy(zero_copy_only=False)
+    if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
+        out.append((records((flat < 0) | (flat > np.iinfo(np.int32).max)), "token id out of range 0..2^31-1"))
+    return out
 
 
 def _describe(e: Exception) -> str:
