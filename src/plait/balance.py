@@ -115,20 +115,27 @@ def assign(
         W = int(max_microbatches or 2 * microbatches)
     else:
         raise ValueError(f"unknown balance mode {mode!r} (equal or variable)")
-    order, urgent = _order(costs, priority)
-    state = _place(order, urgent, lengths, costs, R, W, int(capacity), np.inf)
+    order = _order(costs, priority)
+    # Work in placement order: the passes below then stream through contiguous arrays.
+    Ls, Cs = lengths[order], costs[order]
+    Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
+    state = _place(Us, Ls, Cs, R, W, int(capacity), np.inf)
     total = float(costs.sum())
     cap = max(total / R, float(costs.max(initial=0.0))) * (1.0 + CAP_SLACK)
     if n and state[2].max() > cap:
         # Tokens bind before cost: some ranks are full of cheap short documents while others hold the
         # expensive long ones. Cap rank cost near the bound and carry the cheapest leftovers instead,
         # when that certifies better.
-        capped = _place(order, urgent, lengths, costs, R, W, int(capacity), cap)
-        if _ratio(capped, costs, R) < _ratio(state, costs, R):
+        capped = _place(Us, Ls, Cs, R, W, int(capacity), cap)
+        if _ratio(capped, Cs, R) < _ratio(state, Cs, R):
             state = capped
-    rank, micro, rank_cost, micro_cost, room = state
+    rank_s, micro_s, rank_cost, micro_cost, room = state
     counts = np.full(R, W, dtype=np.int64)
-    _pack_micro(order, lengths, costs, rank, micro, micro_cost, room, int(capacity), mode == "variable", counts)
+    _pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, int(capacity), mode == "variable", counts)
+    rank = np.empty(n, dtype=np.int32)
+    micro = np.empty(n, dtype=np.int32)
+    rank[order] = rank_s
+    micro[order] = micro_s
     micro_tokens = int(capacity) - room
     new_pos = np.empty((R, W), dtype=np.int64)
     _middle_heavy(micro_cost, counts, new_pos)
@@ -146,14 +153,15 @@ def assign(
 CAP_SLACK = 0.002  # the capped pass allows rank costs this far above the lower bound
 
 
-def _place(order, urgent, lengths, costs, R, W, capacity, cap):
+def _place(urgent, lengths, costs, R, W, capacity, cap):
+    """One LPT pass over items already in placement order."""
     n = len(lengths)
     rank = np.full(n, -1, dtype=np.int32)
     micro = np.full(n, -1, dtype=np.int32)
     rank_cost = np.zeros(R)
     micro_cost = np.zeros((R, W))
     room = np.full((R, W), capacity, dtype=np.int64)
-    _lpt(order, urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
+    _lpt(urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
     return rank, micro, rank_cost, micro_cost, room
 
 
@@ -196,16 +204,23 @@ def warmup() -> float:
         assign(lengths, lengths * 1.5, ranks=2, microbatches=2, capacity=10, mode=mode,
                priority=np.array([0, 2, 0, 1, 0]))
     middle_heavy_order(np.ones((2, 3)))
+    first_fit(np.zeros(2, dtype=np.int64), lengths[:2], 2, 10, np.empty(2, dtype=np.int64))
     return time.perf_counter() - t
 
 
 def _order(costs: np.ndarray, priority: np.ndarray | None) -> np.ndarray:
-    """Placement order: urgent items first, then by decreasing cost; ties by index (deterministic)."""
-    n = len(costs)
-    if priority is None:
-        return np.argsort(-costs, kind="stable").astype(np.int64), np.zeros(n, dtype=np.bool_)
-    urgent = np.asarray(priority) >= 2
-    return np.lexsort((np.arange(n), -costs, ~urgent)).astype(np.int64), np.ascontiguousarray(urgent)
+    """Placement order: urgent items first, then by decreasing cost; ties by index.
+
+    A stable radix sort on the costs' bit patterns (monotone for non-negative floats): the same order on
+    every machine and numpy version, unlike an unstable quicksort on tied costs.
+    """
+    c = np.where(costs > 0, costs, 0.0)  # also turns -0.0 and NaN into 0.0
+    order = _radix_desc(c.view(np.int64))
+    if priority is not None:
+        urgent = (np.asarray(priority) >= 2)[order]
+        if urgent.any():
+            order = np.concatenate([order[urgent], order[~urgent]])
+    return order
 
 
 # ----- kernels (numba) ---------------------------------------------------------------------------
@@ -256,15 +271,14 @@ def _pop(heap, n, key):
 
 
 @_jit
-def _lpt(order, urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, micro_cost, room):
+def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, micro_cost, room):
     best = np.full(R, capacity, dtype=np.int64)  # each rank's largest hole
     neg_best = np.zeros(R)  # key of the "too full" heap: largest hole first
     heap = np.arange(R, dtype=np.int64)  # ranks by cost; all 0 now, so already a heap
     hn = R
     full = np.empty(R, dtype=np.int64)
     fn = 0
-    for t in range(len(order)):
-        i = order[t]
+    for i in range(len(lengths)):
         L = lengths[i]
         while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
             r, fn = _pop(full, fn, neg_best)
@@ -299,27 +313,25 @@ def _lpt(order, urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_c
 
 
 @_jit
-def _pack_micro(order, lengths, costs, rank, micro, micro_cost, room, capacity, compact, counts):
+def _pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact, counts):
     """Re-pack each rank's items cost-first onto its least costly micro-batch with room.
 
-    With `compact` (variable mode) a rank keeps only as many micro-batches as its best-fit packing
-    used, moved to the front; counts[r] says how many. The re-pack is kept only when it fits every
-    item and lowers the rank's heaviest micro-batch.
+    Items come in placement order (decreasing cost). With `compact` (variable mode) a rank keeps only
+    as many micro-batches as its best-fit packing used, moved to the front; counts[r] says how many.
+    The re-pack is kept only when it fits every item and lowers the rank's heaviest micro-batch.
     """
     R, W = room.shape
-    n = len(order)
-    # Items of each rank in placement order (decreasing cost), CSR.
+    n = len(lengths)
+    # Items of each rank, in placement order (CSR).
     start = np.zeros(R + 1, dtype=np.int64)
-    for t in range(n):
-        r = rank[order[t]]
-        if r >= 0:
-            start[r + 1] += 1
+    for i in range(n):
+        if rank[i] >= 0:
+            start[rank[i] + 1] += 1
     for r in range(R):
         start[r + 1] += start[r]
     fill = start[:-1].copy()
     items = np.empty(start[R], dtype=np.int64)
-    for t in range(n):
-        i = order[t]
+    for i in range(n):
         r = rank[i]
         if r >= 0:
             items[fill[r]] = i
@@ -397,6 +409,57 @@ def _pack_micro(order, lengths, costs, rank, micro, micro_cost, room, capacity, 
         for j in range(use):
             micro_cost[r, j] = c2[j]
             room[r, j] = room2[j]
+
+
+@_jit
+def _radix_desc(bits):
+    """Stable argsort of non-negative int64 keys, descending (ties: ascending index); LSD radix, 8 bits
+    a pass, passes whose digit is the same for every key skipped."""
+    n = len(bits)
+    MAXK = 0x7FFFFFFFFFFFFFFF
+    key = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        key[i] = MAXK - bits[i]
+    idx = np.arange(n)
+    key2 = np.empty(n, dtype=np.int64)
+    idx2 = np.empty(n, dtype=np.int64)
+    count = np.empty(257, dtype=np.int64)
+    for shift in range(0, 64, 8):
+        count[:] = 0
+        for i in range(n):
+            count[((key[i] >> shift) & 255) + 1] += 1
+        if count.max() == n:
+            continue
+        for d in range(256):
+            count[d + 1] += count[d]
+        for i in range(n):
+            d = (key[i] >> shift) & 255
+            p = count[d]
+            count[d] = p + 1
+            key2[p] = key[i]
+            idx2[p] = idx[i]
+        key, key2 = key2, key
+        idx, idx2 = idx2, idx
+    return idx
+
+
+@_jit
+def first_fit(rank, lengths, M, capacity, micro):
+    """Baseline packing (per-rank loaders): item i, in order, into rank[i]'s first micro-batch with
+    room; micro[i] = -1 when none has. Used by `plait bench balance`."""
+    R = 1
+    for i in range(len(rank)):
+        if rank[i] + 1 > R:
+            R = rank[i] + 1
+    room = np.full((R, M), capacity, dtype=np.int64)
+    for i in range(len(lengths)):
+        r = rank[i]
+        micro[i] = -1
+        for j in range(M):
+            if room[r, j] >= lengths[i]:
+                room[r, j] -= lengths[i]
+                micro[i] = j
+                break
 
 
 @_jit
