@@ -99,7 +99,8 @@ def _why(plan, r: int, items: list[dict], tokens: int) -> str:
         return f"one chunk of {items[0]['length']:,} tokens costs {items[0]['share']:.0%} of the rank: no split can beat it"
     if items and items[0]["share"] > 0.25:
         return (f"long chunk ({items[0]['length']:,} tokens, {items[0]['share']:.0%} of its cost) and "
-                f"{tokens / mean_tokens:.2f}x the mean tokens: micro-batches full, cheaper documents could not move here")
+                f"{tokens / mean_tokens:.2f}x the mean tokens; the lighter ranks' micro-batches are full, so its cheap "
+                "documents had nowhere to go (balance mode `variable` lets light ranks take more tokens)")
     return f"many documents ({tokens / mean_tokens:.2f}x the mean tokens)"
 
 
