@@ -715,6 +715,7 @@ class RayRuntime:
         self._plan_refs: dict[int, Any] = {}
         self._build_refs: dict[int, Any] = {}
         self._build_step: int | None = None
+        self.recovery_log: list[dict] = []  # this process's recoveries (Constructors); loaders: the Planner's
 
     # ----- placement -----------------------------------------------------------------------------
     def _constructor_for(self, dp_rank: int):
@@ -757,8 +758,53 @@ class RayRuntime:
         ref = self._build_refs.pop(dp_rank, None) if self._build_step == plan.step else None
         if ref is None:
             ref = self._constructor_for(dp_rank).get.remote(self._gen, plan.step, dp_rank)
-        _, batches = _get(ref)
+        _, batches = self._get_build(ref, plan.step, dp_rank)
         return [mb for mb in batches if only is None or mb.microbatch in only]
+
+    def _get_build(self, ref, step: int, dp_rank: int, limit: int | None = None):
+        """A build's result; if the Constructor died, a new one rebuilds the step (the Planner keeps a
+        window of plans and the loaders re-read whatever was released: same bytes)."""
+        while True:
+            try:
+                return _get(ref)
+            except _dead_errors():
+                self._constructor_died(dp_rank, step)
+                ref = self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, limit)
+
+    def _constructor_died(self, dp_rank: int, step: int) -> None:
+        ray = _ray()
+        t0 = time.perf_counter()
+        found = False
+        for key, handle in list(self._constructors.items()):
+            try:
+                _get(handle.stats.remote(), timeout=30)
+                continue
+            except _dead_errors():
+                found = True
+            log.warning("failure: Constructor %s/constructor-%s is dead; detected at step %d (rank %d)",
+                        self.job, key, step, dp_rank)
+            del self._constructors[key]
+            for _ in range(50):  # the dead actor's name is released asynchronously
+                try:
+                    ray.get_actor(f"{self.job}/constructor-{key}", namespace=NAMESPACE)
+                except ValueError:
+                    break
+                time.sleep(0.05)
+        if not found:
+            return  # already replaced (another rank's request found it first): just ask again
+        ranks = [r for r in range(self.dp) if self._constructor_key(r) not in self._constructors]
+        for r in ranks:
+            self._constructor_for(r)
+        took = time.perf_counter() - t0
+        log.warning("recovery: Constructor recreated in %.3f s; it rebuilds from step %d for ranks %s",
+                    took, step, ranks)
+        self.recovery_log.append({"role": "constructor", "step": step, "at": time.time(), "recovery_s": took,
+                                  "ranks": ranks})
+
+    def _constructor_key(self, dp_rank: int) -> str:
+        if self.constructor_mode == "replica":
+            return f"replica-{dp_rank}"
+        return f"node-{_ray().get_runtime_context().get_node_id()[:16]}"
 
     def release(self, *in_flight: StepPlan) -> None:
         """Nothing to do: the Planner tells loaders what is live as Constructors finish steps."""
@@ -769,14 +815,13 @@ class RayRuntime:
         once-planned stream; the DP replica's Constructor builds each step once for all its ranks."""
         self._seek(start_state)
         gen, step, skip = self._gen, int(start_state["step"]), start_micro
-        cons = self._constructor_for(dp_rank)
 
         def request(t):
-            return cons.get.remote(gen, t, dp_rank, max_steps)
+            return self._constructor_for(dp_rank).get.remote(gen, t, dp_rank, max_steps)
 
         ahead = request(step) if max_steps is None or step < max_steps else None
         while ahead is not None:
-            state, batches = _get(ahead)
+            state, batches = self._get_build(ahead, step, dp_rank, max_steps)
             nxt = step + 1
             ahead = request(nxt) if max_steps is None or nxt < max_steps else None
             for mb in batches:
@@ -802,6 +847,10 @@ class RayRuntime:
         return _get(self.planner.error_report.remote())
 
     # ----- introspection (tests, benchmarks) ----------------------------------------------------------
+    def recovery_events(self) -> list[dict]:
+        """Every failure survived so far: SourceLoaders (replaced by the Planner) and Constructors."""
+        return _get(self.planner.recovery_events.remote()) + list(self.recovery_log)
+
     def stats(self) -> dict:
         out = _get(self.planner.stats.remote())
         out["loaders"] = _get(self.planner.loader_stats.remote())

@@ -1,0 +1,95 @@
+"""Chaos: kill actors of a Ray-runtime run; the delivered stream of sample ids must not change.
+
+SourceLoaders are killed (`ray.kill(actor, no_restart=True)`) at seeded random steps, several times;
+with shadows a standby takes over, without them a fresh loader restarts cold. Either way the stream of
+sample ids equals that of a run without failures: none lost, none duplicated, same order. A second
+test kills the Constructor. One local Ray instance serves the whole module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from plait.bench.recovery import compare_streams, kill_points, make_spec  # noqa: E402
+from plait.runtime.local import LocalRuntime  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 14
+LOADERS = 3
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tmp_path_factory.mktemp("chaos")
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    spec = make_spec(data, dp=4)
+    rt = LocalRuntime(spec)
+    ids = []
+    for _ in range(STEPS):
+        plan = rt.plan()
+        for r in range(plan.ranks):
+            ids.extend(mb.sample_ids for mb in rt.build(plan, r))
+        rt.release()
+    rt.close()
+    return ids
+
+
+def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None = None):
+    from plait.runtime.ray import RayRuntime
+
+    rt = RayRuntime(spec, loaders=LOADERS)
+    ids = []
+    try:
+        for step in range(STEPS):
+            plan = rt.plan()
+            if step in kills:
+                loaders = ray.get(rt.planner.get_loaders.remote())
+                ray.kill(loaders[kills[step]], no_restart=True)
+            if step == kill_constructor_at:
+                for handle in rt._constructors.values():
+                    ray.kill(handle, no_restart=True)
+            for r in range(plan.ranks):
+                ids.extend(mb.sample_ids for mb in rt.build(plan, r))
+        events = rt.recovery_events()
+    finally:
+        rt.close()
+    return ids, events
+
+
+@pytest.mark.parametrize("shadows", [1, 0])
+def test_killing_source_loaders_changes_nothing(ray_instance, data, reference, shadows, caplog):
+    caplog.set_level(logging.WARNING, logger="plait.recovery")
+    spec = make_spec(data, dp=4, shadows=shadows)
+    kills = kill_points(STEPS, 3, seed=11, num_loaders=LOADERS)
+    ids, events = run_with_kills(spec, kills)
+    assert compare_streams(reference, ids) == {"delivered": sum(map(len, reference)), "lost": 0, "duplicated": 0,
+                                               "same_order": True}
+    loaders = [e for e in events if e["role"] == "loader"]
+    assert len(loaders) == len(kills)  # every death detected, each handled once
+    expected = "shadow promoted" if shadows else "restarted cold"
+    assert all(e["how"].startswith(expected) for e in loaders), loaders
+    assert all(e["recovery_s"] < 30 for e in loaders)
+
+
+def test_killing_the_constructor_changes_nothing(ray_instance, data, reference, caplog):
+    caplog.set_level(logging.WARNING, logger="plait.recovery")
+    ids, events = run_with_kills(make_spec(data, dp=4, shadows=1), {}, kill_constructor_at=5)
+    assert compare_streams(reference, ids)["same_order"]
+    assert [e["role"] for e in events] == ["constructor"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("failure: Constructor") for m in messages)
+    assert any(m.startswith("recovery: Constructor") for m in messages)
