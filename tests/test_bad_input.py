@@ -219,8 +219,10 @@ def test_plait_run_reports_skips(messy_jsonl, tmp_path, capsys):
     assert cli.main(["run", str(spec_path), "--steps", "3", "--json", str(out_json)]) == 0
     summary = json.loads(out_json.read_text())
     assert summary["errors"] == {"chat": 4}
+    assert len(summary["error_messages"]["chat"]) == 4
     printed = capsys.readouterr()
-    assert "bad records skipped" in printed.out and "4" in printed.out
+    assert "bad records skipped" in printed.out and "4 bad record(s) skipped" in printed.out
+    assert "record 1: malformed JSON" in printed.out
     # with raise, the run stops with the error and exit status 2, no stack trace
     spec_path.write_text(yaml.safe_dump(make_spec([messy_jsonl], seq_len=128)))
     assert cli.main(["run", str(spec_path), "--steps", "3", "--quiet"]) == 2

@@ -132,3 +132,27 @@ def test_mixture_on_real_files_matches_target(tmp_path):
     for mb in batches:
         np.add.at(toks, mb.source_ids, np.diff(mb.cu_seqlens))
     assert toks[0] / toks.sum() == pytest.approx(0.75, abs=0.03)
+
+
+def test_error_diffusion_on_real_sources(tmp_path):
+    """The same exact-tracking property with real readers, chunking and carry in play."""
+    from plait.roles.source_loader import SourceLoader
+
+    from helpers import expected_tokens, text_source
+
+    a = token_parquet(tmp_path / "a", name="a", files=2, docs_per_file=15, row_group_size=4, lo=5, hi=300, weight=1)
+    b = text_source(tmp_path / "b", fmt="jsonl", name="b", files=2, docs_per_file=20, weight=2, eos=256)
+    sched = [{"step": 0, "weights": {"a": 1, "b": 2}}, {"step": 8, "weights": {"a": 3, "b": 1}}]
+    spec = plait.load_spec(make_spec([a, b], seq_len=64, microbatches=2, dp=2, mixture={"schedule": sched}))
+    loader = SourceLoader(spec)
+
+    class Provider:
+        first_key = loader.first_key
+        block_meta = loader.block_meta
+
+        @staticmethod
+        def max_length(i):
+            return max(len(t) for t in expected_tokens((a, b)[i]).values())
+
+    check_error_diffusion(Planner(spec, Provider()), Provider(), steps=16)
+    loader.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.markup import escape
 from rich.table import Table
 
 from plait.metrics import RunStats
@@ -64,7 +65,9 @@ def stream(
                 per_step_shares.append(tok / max(1, tok.sum()))
                 bar.update(task, advance=1, rate=f"{stats.tokens / max(stats.elapsed, 1e-9) / 1e6:.2f} M tok/s")
         summary = stats.summary()
-        summary["errors"] = {k: v["skipped"] for k, v in rt.error_report().items()}
+        report = rt.error_report()
+        summary["errors"] = {k: v["skipped"] for k, v in report.items()}
+        summary["error_messages"] = {k: v["messages"][:20] for k, v in report.items() if v["messages"]}
         summary["runtime"] = runtime
         summary["dp"] = spec.topology.dp
         if save_state:
@@ -99,6 +102,11 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     for name, m in s["mixture"].items():
         mix.add_row(name, f"{m['target']:.4f}", f"{m['achieved']:.4f}", f"{m['achieved'] - m['target']:+.4f}")
     console.print(mix)
+    if skipped:  # skipped records are reported, never silent: say which
+        console.print(f"[bold yellow]{skipped} bad record(s) skipped[/] (on_error: skip); first ones:", highlight=False)
+        for name, messages in s.get("error_messages", {}).items():
+            for m in messages[:5]:
+                console.print(f"  {escape(m)}", highlight=False, soft_wrap=True)
 
 
 def _plot(spec: Spec, stats: RunStats, shares: np.ndarray, mixture: MixtureSchedule, path: str) -> None:
