@@ -16,8 +16,10 @@ Python functions run uncompiled otherwise, so results never depend on it):
    returns as soon as items become small enough for it. Items that fit nowhere stay unplaced (rank -1).
 2. **Cost cap.** When tokens bind before cost (a rank holding a 128k-token chunk is "full" at far more
    than the mean cost, while ranks of short documents are full at less), the pass is repeated with
-   every rank's cost capped just above the lower bound: the cheapest leftovers are carried to the next
-   step instead of piling onto the expensive ranks. The capped result is kept when it certifies better.
+   every rank's cost capped just above the lower bound: while some ranks are too full for an item, the
+   cheap leftovers that would push a rank past the cap are carried to the next step instead of piling
+   onto the expensive ranks. The capped result is kept when it certifies better. Carried items go
+   first in the next step, uncapped, so nothing waits more than a step for this.
 3. **Micro-batches.** Inside each rank the items are re-packed cost-first onto the least costly
    micro-batch with room (balanced micro-batch costs shorten pipeline bubbles), keeping the best-fit
    packing if that does not fit or is not more even; then the heaviest micro-batches go to the middle
@@ -290,8 +292,8 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
         if hn == 0:
             continue
         r = heap[0]
-        if rank_cost[r] + costs[i] > cap and not urgent[i]:
-            continue  # every rank with room would exceed the cap: carry this one
+        if rank_cost[r] + costs[i] > cap and fn > 0 and not urgent[i]:
+            continue  # the ranks with room would exceed the cap, others are full of tokens: carry it
         m = -1
         mr = capacity + 1
         for j in range(W):
