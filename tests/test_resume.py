@@ -7,6 +7,8 @@ from itertools import islice
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import plait
 from plait.errors import PlaitError
@@ -156,3 +158,37 @@ def test_exactly_once_through_interruptions(spec, reference):
                 break
             got += part
         assert_batches_equal(got, reference[rank])
+
+
+# ----- any layout (property) ----------------------------------------------------------------------
+@settings(max_examples=20)
+@given(
+    seq_len=st.sampled_from([48, 96, 200]),
+    microbatches=st.integers(1, 3),
+    dp=st.integers(1, 3),
+    balance=st.sampled_from([{}, {"mode": "variable"}, {"max_delay": 2, "outlier_factor": 0.5}]),
+    data=st.data(),
+)
+def test_resume_and_exactly_once_any_layout(spec, seq_len, microbatches, dp, balance, data):
+    layout = spec.with_overrides(packing={"seq_len": seq_len, "microbatches": microbatches}, topology={"dp": dp},
+                                 balance=balance)
+    rank = data.draw(st.integers(0, dp - 1))
+    steps = 4
+    ref = list(plait.Loader(layout, dp_rank=rank, steps=steps, prefetch=0))
+    n = data.draw(st.integers(0, len(ref)))
+    first = plait.Loader(layout, dp_rank=rank, steps=steps, prefetch=data.draw(st.integers(0, 2)))
+    head = take(first, n)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = plait.Loader(layout, dp_rank=rank, steps=steps, prefetch=data.draw(st.integers(0, 2)))
+    resumed.load_state_dict(state)
+    assert_batches_equal(head + list(resumed), ref)
+    # exactly once over all ranks
+    batches, rt, drawn = run_all_ranks(layout, steps, record_drawn=True)
+    delivered = [tuple(r) for mb in batches for r in mb.sample_ids.tolist()]
+    carried = {tuple(r) for r in rt.planner.carry.sample_ids().tolist()}
+    rt.close()
+    assert len(delivered) == len(set(delivered))
+    assert set(delivered) | carried == {tuple(r) for d in drawn for r in d.sample_ids().tolist()}
+    assert not (set(delivered) & carried)
+    for mb in batches:
+        assert len(mb.input_ids) <= seq_len
