@@ -38,15 +38,15 @@ STRATEGIES = ("naive", "sorted", "plait", "plait-var")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--dists", default=",".join(DISTS), help=f"length distributions (default {','.join(DISTS)})")
+    p.add_argument("--dists", default=None, help=f"length distributions (default {','.join(DISTS)})")
     p.add_argument("--lengths", metavar="FILE", help="also a distribution from your data: document lengths (.npy or text)")
-    p.add_argument("--dp", default=",".join(map(str, DPS)), help="DP sizes (comma-separated)")
-    p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="contexts (micro-batch token capacity)")
+    p.add_argument("--dp", default=None, help=f"DP sizes (default {','.join(map(str, DPS))})")
+    p.add_argument("--seq-len", default=None, help=f"contexts, micro-batch token capacity (default {','.join(map(str, SEQ_LENS))})")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank per step")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: adds (pp-1) x heaviest micro-batch to a rank's time")
     p.add_argument("--steps", type=int, default=1, help="steps per configuration (metrics averaged)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a small sweep (dp 8,64; seq_len 8k,32k; web, mix) for tests")
+    p.add_argument("--quick", action="store_true", help="a small sweep by default (dp 8,64; seq_len 8k,32k; web, mix)")
     p.add_argument("--json", metavar="PATH", help="write one row per (dist, dp, seq_len, strategy)")
     p.add_argument("--plot", metavar="PATH", help="per-rank cost bars of one step of each strategy (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
@@ -247,10 +247,10 @@ def run(args) -> int:
     from plait.errors import PlaitError
 
     err = Console(stderr=True)
-    dists = [d.strip() for d in args.dists.split(",") if d.strip()]
-    dps, seq_lens = _ints(args.dp), _ints(args.seq_len)
-    if args.quick:
-        dists, dps, seq_lens = ["web", "mix"], [8, 64], [8192, 32768]
+    q = args.quick
+    dists = [d.strip() for d in (args.dists or ("web,mix" if q else ",".join(DISTS))).split(",") if d.strip()]
+    dps = _ints(args.dp or ("8,64" if q else ",".join(map(str, DPS))))
+    seq_lens = _ints(args.seq_len or ("8192,32768" if q else ",".join(map(str, SEQ_LENS))))
     unknown = [d for d in dists if d not in DISTS]
     if unknown:
         raise PlaitError(f"unknown distribution(s) {unknown}; choose from {', '.join(DISTS)} or give --lengths FILE")

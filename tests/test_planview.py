@@ -1,0 +1,62 @@
+"""`plait plan` and `plait bench balance`: they run, report, and write what they promise."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from helpers import make_spec, token_parquet
+
+from plait.cli import main
+
+
+def spec_file(tmp_path, **extra) -> str:
+    short = token_parquet(tmp_path / "short", name="short", files=2, docs_per_file=60, lo=1, hi=40)
+    long = token_parquet(tmp_path / "long", name="long", files=2, docs_per_file=10, lo=100, hi=300, seed=1)
+    spec = make_spec([short, long], seq_len=128, microbatches=2, dp=4, **extra)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_plan_command(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    png = tmp_path / "plan.png"
+    assert main(["plan", spec_file(tmp_path), "--steps", "4", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "slowest ranks" in text and "max/LB" in text
+    data = json.loads(out.read_text())
+    assert [r["step"] for r in data["steps"]] == [0, 1, 2, 3]
+    for r in data["steps"]:
+        assert 0 < r["efficiency"] <= 1 and r["max_over_lb"] >= 1 - 1e-9
+    slow = data["slowest"]
+    assert slow and slow[0]["cost"] == max(data["rank_cost"])
+    doc = slow[0]["documents"][0]
+    assert doc["source"] in ("short", "long") and doc["shard"].endswith(".parquet") and doc["length"] > 0
+    assert png.exists() and png.stat().st_size > 0
+
+
+def test_plan_command_variable_mode_and_step(tmp_path, capsys):
+    path = spec_file(tmp_path, balance={"mode": "variable"})
+    assert main(["plan", path, "--steps", "2", "--step", "1", "--dp", "2", "--top", "1"]) == 0
+    assert "step 1" in capsys.readouterr().out
+    assert main(["plan", path, "--steps", "2", "--step", "5"]) == 2
+
+
+def test_bench_balance_quick(tmp_path, capsys):
+    out = tmp_path / "balance.json"
+    png = tmp_path / "balance.png"
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [50, 700, 3000, 120, 9000, 40, 20000] * 50))
+    args = ["bench", "balance", "--quick", "--dp", "8", "--seq-len", "8192", "--json", str(out), "--plot", str(png),
+            "--lengths", str(lengths), "--pp", "2"]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    keys = {"dist", "dp", "seq_len", "strategy", "max_over_mean", "max_over_lb", "plan_ms", "speedup_vs_naive"}
+    assert rows and all(keys <= set(r) for r in rows)
+    assert {r["strategy"] for r in rows} == {"naive", "sorted", "plait", "plait-var"}
+    assert any(r["dist"].startswith("file:") for r in rows)
+    for r in rows:
+        assert r["max_over_lb"] >= 1 - 1e-9 and r["max_over_mean"] >= 1 - 1e-9
+    assert png.exists()
+    assert "speedup" in capsys.readouterr().out
