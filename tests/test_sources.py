@@ -184,3 +184,22 @@ def test_epochs_roll_over_in_the_stream(tmp_path):
     for e in epochs[:-1]:  # the last epoch may be partial
         docs = [tuple(r) for r in first_chunks[first_chunks[:, 1] == e][:, 2:4].tolist()]
         assert len(docs) == len(set(docs)) == len(ds.docs), f"epoch {e}"
+
+
+def test_jsonl_other_keys_do_not_matter(tmp_path, monkeypatch):
+    """Only the needed key is parsed: messy other keys neither fail nor push reading to the slow path."""
+    import plait.sources.jsonl as jsonl_mod
+    from helpers import Dataset, write_jsonl
+
+    records = [{"text": "one", "meta": 1}, {"text": "two", "meta": "x"}, {"text": "three", "meta": {"a": [1, "b"]}}]
+    write_jsonl(tmp_path / "a.jsonl.gz", records)
+
+    class NoSlowPath:
+        @staticmethod
+        def loads(*a, **k):
+            raise AssertionError("the line-by-line slow path was used")
+
+    monkeypatch.setattr(jsonl_mod, "json", NoSlowPath)
+    path = str(tmp_path / "a.jsonl.gz")
+    ds = Dataset({"name": "m", "path": path, "text_field": "text"}, [path], {(0, i): r["text"] for i, r in enumerate(records)})
+    check_all_docs(source_of(ds), ds)

@@ -1,7 +1,8 @@
 """JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst): one block per file.
 
-Fast path: Arrow's native JSON reader parses the whole file. If it refuses (a malformed line, mixed
-types), a line-by-line pass finds exactly which records are bad so that the policy can name them.
+Fast path: Arrow's native JSON reader parses the whole file, converting only the needed field (other
+keys may hold anything). If it refuses (a malformed line, a value of the wrong type), a line-by-line
+pass finds exactly which records are bad so that the policy can name them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class JsonlReader(FormatReader):
         data = self._read_bytes(path)
         lines = None
         try:
-            table = pajson.read_json(io.BytesIO(data), read_options=pajson.ReadOptions(block_size=1 << 24))
+            table = pajson.read_json(
+                io.BytesIO(data), read_options=pajson.ReadOptions(block_size=1 << 24), parse_options=self._parse_options
+            )
             if self.field not in table.column_names:
                 raise KeyError(self.field)
             values = table.column(self.field).combine_chunks()
@@ -69,6 +72,14 @@ class JsonlReader(FormatReader):
             good_index.append(i)
         arr_type = pa.string() if self.spec.text_field else pa.list_(pa.int64())
         return RawBlock(0, len(lines), np.asarray(good_index, dtype=np.int64), pa.array(good, type=arr_type), bad)
+
+    @property
+    def _parse_options(self) -> pajson.ParseOptions:
+        # Only the needed field is converted; other keys are skipped however messy their types are.
+        value_type = pa.string() if self.spec.text_field else pa.list_(pa.int64())
+        return pajson.ParseOptions(
+            explicit_schema=pa.schema([(self.field, value_type)]), unexpected_field_behavior="ignore"
+        )
 
     def _type_ok(self, t: pa.DataType) -> bool:
         if self.spec.text_field:
