@@ -64,12 +64,18 @@ def test_missing_spec_file_and_bad_data(tmp_path, capsys):
     assert "source 'web'" in err and "matches no files" in err and "Traceback" not in err
 
 
-def test_dp_override_validated(tmp_path, capsys):
+def test_bad_arguments_exit_2(tmp_path, capsys):
     ds = token_parquet(tmp_path / "d", files=1, docs_per_file=4, row_group_size=4)
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(make_spec([ds])))
-    assert cli.main(["run", str(path), "--dp", "-1", "--quiet"]) == 2
-    assert "topology.dp" in capsys.readouterr().err
+    for bad in (["--dp", "0"], ["--dp", "-1"], ["--steps", "0"], ["--steps", "x"]):
+        with pytest.raises(SystemExit) as info:  # argparse: usage error, exit 2
+            cli.main(["run", str(path), "--quiet", *bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {bad[0]}" in err and "Traceback" not in err
+    assert cli.main(["run", str(path), "--quiet", "--dp", "3", "--steps", "1", "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["dp"] == 3
 
 
 @pytest.fixture

@@ -43,6 +43,17 @@ def _load(module_name: str):
         raise
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (`--steps 0` must not silently mean the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="plait", description="plait: compute-balanced, padding-free, exactly-once data loading for LLM training."
@@ -52,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="generate the embedded sample dataset (once) and stream it for 8 DP ranks",
                        description="Generate a small 4-source dataset in a cache folder (once), stream it for a "
                        "simulated job of 8 data-parallel ranks and print throughput, mixture and balance.")
-    d.add_argument("--steps", type=int, default=None, help="global steps to stream (default: the demo spec's 50)")
+    d.add_argument("--steps", type=positive_int, default=None, help="global steps to stream (default: the demo spec's 50)")
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     d.add_argument("--cache", metavar="DIR", help="where the sample dataset lives (default: ~/.cache/plait/demo-v1)")
     d.add_argument("--plot", metavar="PATH", help="draw per-step mixture and balance to a PNG (needs matplotlib)")
@@ -63,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream SPEC for every DP rank of its topology, as a job would, and report "
                        "throughput, mixture and balance. --digest prints a sha256 of each rank's batch stream.")
     r.add_argument("spec", help="the spec (YAML)")
-    r.add_argument("--steps", type=int, default=None, help="global steps (default: the spec's `steps`, else 100)")
-    r.add_argument("--dp", type=int, default=None, help="override topology.dp")
+    r.add_argument("--steps", type=positive_int, default=None, help="global steps (default: the spec's `steps`, else 100)")
+    r.add_argument("--dp", type=positive_int, default=None, help="override topology.dp")
     r.add_argument("--digest", action="store_true", help="print a stable sha256 of every rank's batch stream")
     r.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     r.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
