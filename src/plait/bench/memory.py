@@ -1,0 +1,302 @@
+"""`plait bench memory`: resident memory of data loading for R ranks over S sources, per-rank vs plait.
+
+Both setups stream the same spec (S pre-tokenized Parquet sources, equal weights, written to a temp
+dir) for a job of R data-parallel ranks, each rank a real trainer process, with the same readers and
+buffers per source (the same SourceLoader code and cache limits):
+
+  per-rank  each trainer starts one worker process (spawned, as a torch DataLoader worker) that runs
+            the local runtime over all S sources and hands the trainer its micro-batches by a queue.
+  plait     the ray runtime: one Planner, the SourceLoaders and one Constructor per node are Ray
+            actors; each trainer holds a plait.Loader attached to the job.
+
+After every rank has consumed `--steps` steps (all processes still alive, holding their buffers) it
+sums resident memory (psutil RSS; PSS alongside, which splits shared library pages fairly):
+  per-rank total = every worker process + what the loader added to each trainer process
+  plait total    = every plait actor process + what the client added to each trainer process
+                   (importing and connecting Ray included)
+Ray's own daemons (GCS, raylet, agents, idle workers) are reported separately; the ratio is given
+without and with them. Only processes started by this benchmark are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HELP = "resident memory of data loading: per-rank loaders vs plait's ray runtime (S sources, R ranks)"
+DESCRIPTION = __doc__
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--sources", type=int, default=64, help="number of sources (S)")
+    p.add_argument("--ranks", type=int, default=16, help="DP ranks, each a trainer process (R)")
+    p.add_argument("--steps", type=int, default=6, help="global steps every rank consumes before measuring")
+    p.add_argument("--block-mb", type=float, default=2.0, help="decoded size of one Parquet row group (a block)")
+    p.add_argument("--files", type=int, default=2, help="files per source")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--loaders", type=int, default=None, help="ray: SourceLoader actors (default: the runtime's)")
+    p.add_argument("--only", choices=["per-rank", "plait"], default=None, help="measure one setup only")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+
+
+# ----- data -------------------------------------------------------------------------------------------
+def make_sources(root: Path, sources: int, *, files: int = 2, row_groups: int = 2, block_mb: float = 2.0,
+                 doc_len: int = 1024, seed: int = 0) -> list[dict]:
+    """S folders of pre-tokenized Parquet (list<int32>); one row group decodes to about block_mb."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    docs = max(1, int(block_mb * 2**20 / 4 / doc_len))
+    entries = []
+    for s in range(sources):
+        folder = root / f"src{s:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in range(files):
+            lengths = np.clip(rng.lognormal(np.log(doc_len), 0.6, size=docs * row_groups), 16, 16 * doc_len).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            flat = rng.integers(2, 32000, size=int(offsets[-1]), dtype=np.int32)
+            col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+            pq.write_table(pa.table({"input_ids": col}), folder / f"part-{f:03d}.parquet", row_group_size=docs,
+                           compression="none")
+        entries.append({"name": f"src{s:04d}", "path": str(folder / "*.parquet"), "tokens_field": "input_ids",
+                        "eos": 1, "weight": 1.0})
+    return entries
+
+
+def make_spec_dict(root: Path, sources: int, ranks: int, *, seq_len: int = 2048, **data) -> dict:
+    entries = make_sources(root, sources, **data)
+    return {"sources": entries, "packing": {"seq_len": seq_len, "microbatches": 1}, "topology": {"dp": ranks},
+            "cost": {"hidden": 1024, "layers": 8, "ffn": 4096, "heads": 8}, "seed": 0}
+
+
+# ----- trainer processes ---------------------------------------------------------------------------------
+def _rank_worker(spec_dict: dict, rank: int, steps: int, q) -> None:
+    """A per-rank loader worker: the local runtime over every source, batches to the trainer by a queue."""
+    from plait.runtime.local import LocalRuntime
+    from plait.spec import load_spec
+
+    rt = LocalRuntime(load_spec(spec_dict))
+    for _, mb in rt.iter_rank(rank, rt.state_dict(), 0, steps):
+        q.put(mb)
+    q.put(None)
+    time.sleep(3600)  # keep the loader's state alive until measured (killed by the trainer)
+
+
+def _trainer() -> None:
+    """One trainer process (`python -m plait.bench.memory --trainer JSON`): loads, reports, waits."""
+    import psutil
+
+    cfg = json.loads(sys.argv[2])
+    import plait  # noqa: F401 - the trainer has plait imported in both setups: not counted
+    from plait.spec import load_spec
+
+    spec = load_spec(cfg["spec"])
+    me = psutil.Process()
+    base = me.memory_full_info()
+    worker = None
+    if cfg["mode"] == "per-rank":
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue(maxsize=2)
+        worker = ctx.Process(target=_rank_worker, args=(cfg["spec"], cfg["rank"], cfg["steps"], q), daemon=True)
+        worker.start()
+        n = 0
+        while q.get() is not None:
+            n += 1
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="ray", job=cfg["job"], address=cfg["address"],
+                              steps=cfg["steps"], **({"loaders": cfg["loaders"]} if cfg.get("loaders") else {}))
+        n = sum(1 for _ in loader)
+    print(json.dumps({"pid": os.getpid(), "worker": worker.pid if worker else None, "batches": n,
+                      "base_rss": base.rss, "base_pss": base.pss}), flush=True)
+    sys.stdin.readline()  # the harness measures, then tells us to go
+    if worker is not None:
+        worker.kill()
+    else:
+        loader.close()
+
+
+def _mem(pid: int) -> tuple[int, int]:
+    import psutil
+
+    try:
+        m = psutil.Process(pid).memory_full_info()
+        return m.rss, m.pss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0, 0
+
+
+def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dict) -> tuple[list, list]:
+    procs = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for r in range(ranks):
+        cfg = {"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra}
+        procs.append(subprocess.Popen([sys.executable, "-m", "plait.bench.memory", "--trainer", json.dumps(cfg)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+    reports = []
+    for p in procs:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a {mode} trainer failed (exit {p.wait()})")
+        reports.append(json.loads(line))
+    return procs, reports
+
+
+def _finish(procs) -> None:
+    for p in procs:
+        try:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        except BrokenPipeError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def measure_per_rank(spec_dict: dict, ranks: int, steps: int) -> dict:
+    procs, reports = _run_trainers("per-rank", spec_dict, ranks, steps, {})
+    try:
+        rss = pss = 0
+        workers = []
+        for rep in reports:
+            t_rss, t_pss = _mem(rep["pid"])
+            w_rss, w_pss = _mem(rep["worker"])
+            workers.append(w_rss)
+            rss += max(0, t_rss - rep["base_rss"]) + w_rss
+            pss += max(0, t_pss - rep["base_pss"]) + w_pss
+        return {"total_rss": rss, "total_pss": pss, "worker_rss_mean": float(np.mean(workers)),
+                "batches": sum(r["batches"] for r in reports)}
+    finally:
+        _finish(procs)
+
+
+def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None) -> dict:
+    import psutil
+    import ray
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
+             log_to_driver=False, configure_logging=False)
+    job = f"bench-memory-{os.getpid()}"
+    try:
+        address = ray.get_runtime_context().gcs_address
+        procs, reports = _run_trainers("plait", spec_dict, ranks, steps,
+                                       {"job": job, "address": address, "loaders": loaders})
+        try:
+            trainer_pids = {r["pid"] for r in reports}
+            client_rss = client_pss = 0
+            for rep in reports:
+                t_rss, t_pss = _mem(rep["pid"])
+                client_rss += max(0, t_rss - rep["base_rss"])
+                client_pss += max(0, t_pss - rep["base_pss"])
+            actors: dict[str, list[int]] = {}
+            daemons: dict[str, list[int]] = {}
+            for child in psutil.Process().children(recursive=True):
+                if child.pid in trainer_pids:
+                    continue
+                try:
+                    cmd = " ".join(child.cmdline())
+                except psutil.Error:
+                    continue
+                role = next((r for r in ("PlannerActor", "LoaderActor", "ConstructorActor") if f"ray::{r}" in cmd), None)
+                rss, pss = _mem(child.pid)
+                if role:
+                    actors.setdefault(role, []).append((rss, pss))
+                else:
+                    name = os.path.basename(cmd.split()[0]) if cmd else "?"
+                    if "ray::" in cmd:
+                        name = "worker (idle/other)"
+                    elif "dashboard" in cmd or "agent" in cmd:
+                        name = "agents"
+                    daemons.setdefault(name, []).append((rss, pss))
+            actor_rss = sum(r for v in actors.values() for r, _ in v)
+            actor_pss = sum(p for v in actors.values() for _, p in v)
+            return {
+                "total_rss": actor_rss + client_rss, "total_pss": actor_pss + client_pss,
+                "actors": {k: {"count": len(v), "rss": sum(r for r, _ in v)} for k, v in actors.items()},
+                "client_rss": client_rss, "client_rss_per_rank": client_rss / ranks,
+                "daemons_rss": sum(r for v in daemons.values() for r, _ in v),
+                "daemons_pss": sum(p for v in daemons.values() for _, p in v),
+                "daemons": {k: {"count": len(v), "rss": sum(r for r, _ in v)} for k, v in daemons.items()},
+                "batches": sum(r["batches"] for r in reports),
+            }
+        finally:
+            _finish(procs)
+    finally:
+        ray.shutdown()
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    mb = 2**20
+    with tempfile.TemporaryDirectory(prefix="plait-bench-memory-") as tmp:
+        t0 = time.perf_counter()
+        spec_dict = make_spec_dict(Path(tmp), args.sources, args.ranks, seq_len=args.seq_len, files=args.files,
+                                   block_mb=args.block_mb)
+        console.print(f"{args.sources} sources written in {time.perf_counter() - t0:.1f} s; "
+                      f"{args.ranks} trainer processes per setup, {args.steps} steps each")
+        result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb}
+        if args.only != "plait":
+            a = measure_per_rank(spec_dict, args.ranks, args.steps)
+            result["per_rank"] = a
+            result["per_rank_total_bytes"] = a["total_rss"]
+        if args.only != "per-rank":
+            b = measure_plait(spec_dict, args.ranks, args.steps, args.loaders)
+            result["plait"] = b
+            result["plait_total_bytes"] = b["total_rss"]
+            result["ray_daemons_bytes"] = b["daemons_rss"]
+    if "per_rank" in result and "plait" in result:
+        a, b = result["per_rank"], result["plait"]
+        result["ratio"] = a["total_rss"] / max(1, b["total_rss"])
+        result["ratio_with_daemons"] = a["total_rss"] / max(1, b["total_rss"] + b["daemons_rss"])
+        result["ratio_pss"] = a["total_pss"] / max(1, b["total_pss"])
+        result["ratio_pss_with_daemons"] = a["total_pss"] / max(1, b["total_pss"] + b["daemons_pss"])
+        assert a["batches"] == b["batches"], (a["batches"], b["batches"])
+    table = Table(title=f"data-loading memory, {args.sources} sources x {args.ranks} ranks")
+    for col in ("what", "RSS MiB", "PSS MiB", "note"):
+        table.add_column(col, justify="left" if col in ("what", "note") else "right")
+    if "per_rank" in result:
+        a = result["per_rank"]
+        table.add_row("per-rank loaders", f"{a['total_rss'] / mb:,.0f}", f"{a['total_pss'] / mb:,.0f}",
+                      f"{args.ranks} workers, {a['worker_rss_mean'] / mb:.0f} MiB RSS each")
+    if "plait" in result:
+        b = result["plait"]
+        roles = ", ".join(f"{v['count']} {k.replace('Actor', '')}" for k, v in sorted(b["actors"].items()))
+        table.add_row("plait (ray runtime)", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
+                      f"{roles}; client {b['client_rss_per_rank'] / mb:.0f} MiB/rank")
+        table.add_row("Ray daemons (separate)", f"{b['daemons_rss'] / mb:,.0f}", f"{b['daemons_pss'] / mb:,.0f}",
+                      ", ".join(f"{v['count']} {k}" for k, v in b["daemons"].items()))
+    console.print(table)
+    if "ratio" in result:
+        console.print(f"ratio per-rank / plait: {result['ratio']:.1f}x RSS ({result['ratio_pss']:.1f}x PSS) without "
+                      f"Ray's daemons; {result['ratio_with_daemons']:.1f}x RSS "
+                      f"({result['ratio_pss_with_daemons']:.1f}x PSS) with them")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--trainer":
+        _trainer()
+    else:  # pragma: no cover
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))
