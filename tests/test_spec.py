@@ -124,6 +124,11 @@ def test_invalid_yaml_and_missing_file(tmp_path):
     assert field == "<file>" and "YAML" in reason
     [(field, reason)] = problems(tmp_path / "nope.yaml")
     assert "no such spec file" in reason
+    [(field, reason)] = problems(tmp_path)  # a folder
+    assert field == "<file>" and "cannot read" in reason
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    [(field, reason)] = problems(tmp_path / "bin.yaml")
+    assert field == "<file>"
 
 
 def test_error_message_lists_origin_field_and_reason(tmp_path):

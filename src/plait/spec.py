@@ -281,6 +281,8 @@ def load_spec(source: str | os.PathLike | dict | Spec, *, base_dir: str | None =
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise SpecError([("<file>", f"not valid YAML: {e}")], origin) from None
+        except (OSError, UnicodeDecodeError) as e:  # a folder, no permission, binary file
+            raise SpecError([("<file>", f"cannot read: {type(e).__name__}: {e}")], origin) from None
         base_dir = base_dir or str(path.parent.resolve())
         if not isinstance(data, dict):
             raise SpecError([("<file>", "the spec must be a mapping at the top level")], origin)
