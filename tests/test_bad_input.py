@@ -246,3 +246,15 @@ def test_bad_token_ids_are_per_record(tmp_path):
     assert_streams_the_rest(ds, got)
     assert report["ids"]["skipped"] == 3
     assert sorted(m.split("record ")[1].split(":")[0] for m in report["ids"]["messages"]) == ["1", "3", "4"]
+
+
+def test_unusable_tokenizer_or_filesystem_names_the_source(tmp_path):
+    ds = text_source(tmp_path / "t", files=1, docs_per_file=3)
+    (tmp_path / "broken.json").write_text("{not json")
+    for tok, reason in ((tmp_path / "none.json", "FileNotFoundError"), (tmp_path / "broken.json", "cannot load tokenizer")):
+        with pytest.raises(SourceError) as info:
+            plait.Loader(make_spec([ds.with_options(tokenizer=str(tok))]))
+        assert info.value.source == "txt" and reason in str(info.value) and str(tok) in str(info.value)
+    with pytest.raises(SourceError) as info:
+        plait.Loader(make_spec([ds.with_options(path="nosuchproto://bucket/*.jsonl")]))
+    assert info.value.source == "txt" and "Protocol not known" in info.value.reason

@@ -102,7 +102,7 @@ class Source:
         self.seed = seed
         self.files, self.fs = _list_files(spec)
         self.reader: FormatReader = reader_for(spec, self.files[0], self.fs)
-        self.encoder = TextEncoder(spec.tokenizer, spec.storage_options) if spec.text_field else None
+        self.encoder = _make_encoder(spec)
         self._num_blocks: dict[int, int] = {}
         self._file_orders: OrderedDict[int, np.ndarray] = OrderedDict()
         self.errors: Counter[str] = Counter()
@@ -301,6 +301,15 @@ def _bad_token_lists(values: pa.Array) -> list[tuple[np.ndarray, str]]:
     return out
 
 
+def _make_encoder(spec: SourceSpec) -> TextEncoder | None:
+    if not spec.text_field:
+        return None
+    try:
+        return TextEncoder(spec.tokenizer, spec.storage_options)
+    except Exception as e:  # missing or invalid tokenizer.json: a problem with this source, named as such
+        raise SourceError(spec.name, None, None, f"cannot load tokenizer {spec.tokenizer!r}: {_describe(e)}") from None
+
+
 def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
@@ -309,7 +318,10 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
     files: list[str] = []
     fs = None
     for pattern in spec.paths:
-        fs_i, _ = fsspec.core.url_to_fs(pattern, **spec.storage_options)
+        try:
+            fs_i, _ = fsspec.core.url_to_fs(pattern, **spec.storage_options)
+        except Exception as e:  # unknown protocol, its package missing, bad storage_options
+            raise SourceError(spec.name, pattern, None, f"cannot open the filesystem: {_describe(e)}") from None
         fs = fs or fs_i
         try:
             if any(ch in pattern for ch in "*?["):
