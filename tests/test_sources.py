@@ -91,8 +91,9 @@ def test_parquet_int32_tokens_are_zero_copy(tmp_path):
     check_all_docs(source_of(ds), ds)
 
 
-def test_parquet_int64_tokens_and_bos_eos(tmp_path):
-    ds = token_parquet(tmp_path, files=2, docs_per_file=12, row_group_size=5, value_type=pa.int64(), bos=1001, eos=1002)
+@pytest.mark.parametrize("value_type", [pa.int64(), pa.uint16(), pa.uint32()])
+def test_parquet_other_int_tokens_and_bos_eos(tmp_path, value_type):
+    ds = token_parquet(tmp_path, files=2, docs_per_file=12, row_group_size=5, value_type=value_type, bos=1001, eos=1002)
     src = source_of(ds)
     assert src.read_block(src.first_key()).tokens.dtype == np.int32
     check_all_docs(src, ds)
@@ -203,3 +204,13 @@ def test_jsonl_other_keys_do_not_matter(tmp_path, monkeypatch):
     path = str(tmp_path / "a.jsonl.gz")
     ds = Dataset({"name": "m", "path": path, "text_field": "text"}, [path], {(0, i): r["text"] for i, r in enumerate(records)})
     check_all_docs(source_of(ds), ds)
+
+
+def test_folder_with_several_formats(tmp_path):
+    tok = token_parquet(tmp_path, files=2, docs_per_file=4, row_group_size=4)
+    txt = text_source(tmp_path, fmt="ndjson", files=1, docs_per_file=4)
+    (tmp_path / "_SUCCESS").write_text("")
+    with pytest.raises(plait.SourceError, match="several formats"):
+        source_of(tok.with_options(path=str(tmp_path)))
+    assert source_of(tok.with_options(path=str(tmp_path), format="parquet")).files == tok.files
+    assert source_of(txt.with_options(path=str(tmp_path), format="jsonl")).files == txt.files

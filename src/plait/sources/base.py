@@ -327,7 +327,7 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
             if any(ch in pattern for ch in "*?["):
                 matches = fs_i.glob(pattern)
             elif fs_i.isdir(pattern):
-                matches = [p for p in fs_i.find(pattern) if _known_extension(p)]
+                matches = _data_files(fs_i.find(pattern), spec)
             elif fs_i.exists(pattern):
                 matches = [pattern]
             else:
@@ -345,5 +345,13 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
     return files, fs
 
 
-def _known_extension(path: str) -> bool:
-    return path.endswith((".parquet", ".pq", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json"))
+def _data_files(paths: list[str], spec: SourceSpec) -> list[str]:
+    """The files of a folder that hold this source's data: those of its format (by extension)."""
+    from plait.sources import infer_format
+
+    kinds = {p: infer_format(p) for p in paths}
+    formats = {k for k in kinds.values() if k is not None}
+    if spec.format is None and len(formats) > 1:
+        raise SourceError(spec.name, None, None, f"the folder holds several formats {sorted(formats)}; set `format`")
+    wanted = spec.format or (formats.pop() if formats else None)
+    return [p for p, k in kinds.items() if k is not None and k == wanted]
