@@ -38,9 +38,10 @@ import numpy as np
 from plait.errors import PlaitError
 from plait.plan import RankPlan, StepPlan
 from plait.roles.constructor import Constructor, MicroBatch
-from plait.roles.planner import Planner
-from plait.roles.source_loader import SourceLoader, partition_of
 from plait.spec import Spec, load_spec
+
+# The Planner and SourceLoader (format readers, tokenizers, pyarrow) are imported inside the actors
+# that run them: a trainer process holding a client never loads them.
 
 NAMESPACE = "plait"
 log = logging.getLogger("plait.recovery")
@@ -97,6 +98,9 @@ class PartitionMap:
         self.num_files = dict(num_files)
         self.num_partitions = dict(num_partitions)
         self.owner = dict(owner)  # (source, partition) -> loader index
+        from plait.roles.source_loader import partition_of
+
+        self._partition_of = partition_of
         self._orders: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
     def loader_of(self, source: int, epoch: int, fpos: int) -> int:
@@ -106,7 +110,7 @@ class PartitionMap:
             self._orders[(source, epoch)] = order
             while len(self._orders) > 4 * max(1, len(self.num_files)):
                 self._orders.popitem(last=False)
-        part = partition_of(int(order[fpos]), self.num_partitions[source])
+        part = self._partition_of(int(order[fpos]), self.num_partitions[source])
         return self.owner[(source, part)]
 
     def loaders_of(self, source: int) -> list[int]:
@@ -151,6 +155,8 @@ class LoaderActor:
 
     def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
                  max_cached_blocks: int):
+        from plait.roles.source_loader import SourceLoader
+
         spec = load_spec(spec_dict)
         parts: dict[int, tuple[int, set[int]]] = {}
         for s, p in owned:
@@ -298,6 +304,8 @@ class PlannerActor:
         first: dict[int, tuple] = {}
         for part in _get([self.loaders[k].first_keys.remote(srcs) for k, srcs in by_loader.items()]):
             first.update({int(s): tuple(v) for s, v in part.items()})
+        from plait.roles.planner import Planner
+
         self.planner = Planner(self.spec, _Metadata(self.loaders, self.pmap, first, on_dead=self._loader_died),
                                dp=options.get("dp"))
         self._init_recovery(spec_dict, owned, num_parts, options)
