@@ -18,8 +18,9 @@ Python functions run uncompiled otherwise, so results never depend on it):
    than the mean cost, while ranks of short documents are full at less), the pass is repeated with
    every rank's cost capped just above the lower bound: while some ranks are too full for an item, the
    cheap leftovers that would push a rank past the cap are carried to the next step instead of piling
-   onto the expensive ranks. The capped result is kept when it certifies better. Carried items go
-   first in the next step, uncapped, so nothing waits more than a step for this.
+   onto the expensive ranks. The capped result is kept when it certifies better; a second capped pass
+   at the new (lower) bound may follow if it carries at most 2% more of the step's tokens. Carried
+   items go first in the next step, uncapped, so nothing waits more than a step for this.
 3. **Micro-batches.** Inside each rank the items are re-packed cost-first onto the least costly
    micro-batch with room (balanced micro-batch costs shorten pipeline bubbles), keeping the best-fit
    packing if that does not fit or is not more even; then the heaviest micro-batches go to the middle
@@ -127,10 +128,18 @@ def assign(
     if n and state[2].max() > cap:
         # Tokens bind before cost: some ranks are full of cheap short documents while others hold the
         # expensive long ones. Cap rank cost near the bound and carry the cheapest leftovers instead,
-        # when that certifies better.
+        # when that certifies better. Carrying lowers the bound itself, so a second pass caps at the
+        # new bound, if that carries at most RECAP_TOKENS more of the step's tokens.
         capped = _place(Us, Ls, Cs, R, W, int(capacity), cap)
         if _ratio(capped, Cs, R) < _ratio(state, Cs, R):
             state = capped
+            if _ratio(capped, Cs, R) > 1.0 + RECAP_ABOVE:
+                placed = capped[0] >= 0
+                recap = lower_bound(Cs[placed], R) * (1.0 + CAP_SLACK)
+                again = _place(Us, Ls, Cs, R, W, int(capacity), recap)
+                lost = int(Ls[placed].sum()) - int(Ls[again[0] >= 0].sum())
+                if _ratio(again, Cs, R) < _ratio(capped, Cs, R) and lost <= RECAP_TOKENS * int(Ls.sum()):
+                    state = again
     rank_s, micro_s, rank_cost, micro_cost, room = state
     counts = np.full(R, W, dtype=np.int64)
     _pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, int(capacity), mode == "variable", counts)
@@ -153,6 +162,8 @@ def assign(
 
 
 CAP_SLACK = 0.002  # the capped pass allows rank costs this far above the lower bound
+RECAP_ABOVE = 0.005  # a second capped pass runs when the first certifies worse than 1 + this
+RECAP_TOKENS = 0.02  # ... and is kept if it carries at most this fraction of the step's tokens more
 
 
 def _place(urgent, lengths, costs, R, W, capacity, cap):
