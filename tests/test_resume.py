@@ -192,3 +192,29 @@ def test_resume_and_exactly_once_any_layout(spec, seq_len, microbatches, dp, bal
     assert not (set(delivered) & carried)
     for mb in batches:
         assert len(mb.input_ids) <= seq_len
+
+
+def test_stopping_early_leaves_no_prefetch_thread_behind(spec, reference):
+    """Breaking out of a prefetching Loader stops its worker (no stall, no thread still stepping the
+    runtime), and the same Loader then continues exactly where the consumer stopped."""
+    import threading
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name == "plait-prefetch" and t.is_alive()]
+
+    import time
+
+    before = len(workers())
+    for n in (STEPS * M - 2, STEPS * M - 1, 1):
+        loader = plait.Loader(spec, dp_rank=0, steps=STEPS, prefetch=2)
+        it = iter(loader)
+        head = list(islice(it, n))
+        if n >= STEPS * M - 2:  # let the worker finish the stream: it then waits for room in the queue
+            for _ in range(2000):
+                if loader._runtime.planner.step == STEPS:
+                    break
+                time.sleep(0.005)
+        it.close()
+        assert len(workers()) == before
+        assert_batches_equal(head + list(loader), reference[0])
+        assert len(workers()) == before

@@ -153,24 +153,36 @@ class _Done:
 
 
 def _prefetched(gen: Iterator, depth: int) -> Iterator:
-    """Run a generator in a background thread, `depth` items ahead. Exceptions re-raise here."""
+    """Run a generator in a background thread, `depth` items ahead. Exceptions re-raise here.
+
+    When the consumer stops early, the worker stops at its next hand-over (it never blocks on a full
+    queue once told to stop) and closes the generator in its own thread; the consumer waits for that,
+    so no half-finished step can still be touching the runtime when iteration resumes.
+    """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def work():
         try:
             for item in gen:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(_Done())
+            put(_Done())
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put(e)
+            put(e)
+        finally:
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
 
     t = threading.Thread(target=work, daemon=True, name="plait-prefetch")
     t.start()
@@ -184,7 +196,4 @@ def _prefetched(gen: Iterator, depth: int) -> Iterator:
             yield item
     finally:
         stop.set()
-        gen_close = getattr(gen, "close", None)
-        t.join(timeout=5)
-        if gen_close and not t.is_alive():
-            gen_close()
+        t.join()
