@@ -456,6 +456,9 @@ class PlannerActor:
                 sh = self._new_shadow(k)
                 sh.sync.remote(self.loaders[k].checkpoint_snapshot.remote(step))
                 self.shadows[k].append(sh)
+                log.info("standby: a new shadow of %s starts at step %d", self.loader_names[k], step)
+                self.recovery_log.append({"role": "shadow-start", "actor": self.loader_names[k], "step": step,
+                                          "at": time.time()})
         if step - self._last_delta_step < self.checkpoint_interval:
             return
         self._last_delta_step = step
