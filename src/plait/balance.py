@@ -106,7 +106,8 @@ def assign(
 ) -> Assignment:
     """Place items on (rank, micro-batch) minimising the largest rank cost; see the module docstring.
 
-    Items with `priority` >= 2 (carried for two steps or more) are placed before all others.
+    Items with `priority` >= 2 (the Planner gives every carried item that: steps waited + 1) are placed
+    before all others and are never held back by the cost cap, so nothing is carried twice for balance.
     """
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     costs = np.ascontiguousarray(costs, dtype=np.float64)
