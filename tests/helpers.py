@@ -40,7 +40,7 @@ class Dataset:
 
     def with_options(self, **options) -> "Dataset":
         """The same files with other spec options (bos, eos, tokenizer, on_error, weight, name, ...)."""
-        return Dataset({**self.source, **options}, self.files, self.docs, self.bad)
+        return Dataset({**self.source, **options}, list(self.files), dict(self.docs), set(self.bad))
 
 
 # ----- raw values --------------------------------------------------------------------------------
@@ -174,7 +174,36 @@ def train_tokenizer(path, vocab_size: int = 300) -> str:
     return str(path)
 
 
+def write_spec(path, spec: dict) -> str:
+    """Write a spec dict as YAML (for CLI tests); returns the path."""
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
 # ----- expectations, independent of plait ---------------------------------------------------------
+def read_back(ds: Dataset) -> dict[tuple[int, int], Any]:
+    """The source's documents read straight from its files (pyarrow / json), keyed like `Dataset.docs`."""
+    field = ds.source.get("text_field") or ds.source.get("tokens_field")
+    out = {}
+    for shard, path in enumerate(ds.files):
+        if path.endswith((".parquet", ".pq")):
+            values = pq.read_table(path, columns=[field]).column(0).to_pylist()
+        else:
+            data = Path(path).read_bytes()
+            if path.endswith(".gz"):
+                data = gzip.decompress(data)
+            elif path.endswith(".zst"):
+                import zstandard
+
+                data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            values = [json.loads(line).get(field) for line in data.decode().splitlines() if line.strip()]
+        for row, v in enumerate(values):
+            out[(shard, row)] = v if isinstance(v, str) or v is None else np.asarray(v, dtype=np.int64)
+    return out
+
+
 def encode_expected(value, source: dict) -> np.ndarray:
     """What plait must deliver for one raw document value under a source's options."""
     if isinstance(value, str):

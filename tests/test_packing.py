@@ -12,8 +12,10 @@ import plait
 from plait.packing import IGNORE_INDEX, pack_fields, ragged_arange, ragged_gather
 from helpers import (
     docs_in_batch,
+    encode_expected,
     expected_tokens,
     make_spec,
+    read_back,
     run_all_ranks,
     text_source,
     token_jsonl,
@@ -106,7 +108,9 @@ def test_long_documents_reassemble_from_chunks(tmp_path):
     ds = token_jsonl(tmp_path, files=2, docs_per_file=6, lo=100, hi=700, eos=9999)
     seq_len = 64
     spec = plait.load_spec(make_spec([ds], seq_len=seq_len, microbatches=4, dp=2))
-    expected = expected_tokens(ds)
+    from_file = read_back(ds)  # the documents as the file holds them, read without plait
+    assert from_file.keys() == ds.docs.keys()
+    expected = {k: encode_expected(v, ds.source) for k, v in from_file.items()}
     total = sum(len(v) for v in expected.values())
     batches, rt, _ = run_all_ranks(spec, total // (seq_len * 8) + 3)
     carried = rt.planner.carry
