@@ -155,3 +155,11 @@ def test_fingerprint_ignores_layout_but_not_data():
     assert a.data_fingerprint() == a.with_overrides(topology={"dp": 8}).data_fingerprint()
     assert a.data_fingerprint() != a.with_overrides(seed=1).data_fingerprint()
     assert a.with_overrides(topology={"dp": 8}).topology.dp == 8
+
+
+def test_bos_eos_must_be_valid_token_ids():
+    [(field, reason)] = problems({"sources": [{**GOOD, "bos": -1}]})
+    assert field == "sources[0](web).bos" and "greater than or equal to 0" in reason
+    [(field, reason)] = problems({"sources": [{**GOOD, "eos": 2**31}]})
+    assert field == "sources[0](web).eos"
+    assert plait.load_spec({"sources": [{**GOOD, "bos": 0, "eos": 2**31 - 1}]}).sources[0].eos == 2**31 - 1
