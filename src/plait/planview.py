@@ -51,12 +51,14 @@ def collect(spec, steps: int) -> tuple[list, list[float], list[list[str]]]:
         rt.close()
 
 
-def step_row(plan, seconds: float) -> dict:
+def step_row(plan, seconds: float, microbatches: int) -> dict:
+    """One step's numbers; fill is tokens over the nominal ranks x microbatches x seq_len slots (in
+    variable mode ranks may use more micro-batches than nominal, or fewer)."""
     s = plan.stats()
     return {
         "step": plan.step, "docs": int(len(plan.items)), "tokens": int(plan.tokens),
-        "fill": plan.tokens / max(1, plan.ranks * plan.microbatches * plan.capacity) if plan.rank_microbatches is None
-        else plan.tokens / max(1, plan.ranks * plan.capacity * float(np.mean(plan.rank_microbatches))),
+        "fill": plan.tokens / max(1, plan.ranks * microbatches * plan.capacity),
+        "microbatches": int(plan.ranks * plan.microbatches if plan.rank_microbatches is None else plan.rank_microbatches.sum()),
         "efficiency": s["efficiency"], "max_over_lb": s["max_over_lb"], "tokens_max_over_mean": s["tokens_max_over_mean"],
         "carried": s["carried"], "delayed_outliers": s["delayed_outliers"], "plan_ms": seconds * 1e3,
     }
@@ -123,7 +125,7 @@ def run(args) -> int:
 
     warm = balance.warmup()
     plans, seconds, files = collect(spec, args.steps)
-    rows = [step_row(p, s) for p, s in zip(plans, seconds)]
+    rows = [step_row(p, s, spec.packing.num_microbatches) for p, s in zip(plans, seconds)]
     if args.step is not None:
         if not 0 <= args.step < len(plans):
             raise PlaitError(f"--step {args.step} is outside the {len(plans)} planned steps")
@@ -145,11 +147,13 @@ def run(args) -> int:
         + (f", per CP rank / {topo.cp}" if topo.cp > 1 else ""), highlight=False,
     )
     t = Table(title=f"{len(rows)} planned steps (efficiency = mean/max rank cost; LB = max(sum c / R, max c))")
-    for col in ("step", "docs", "tokens", "fill", "efficiency", "max/LB", "tokens max/mean", "carried", "delayed", "plan ms*"):
+    for col in ("step", "docs", "tokens", "fill", "micro-batches", "efficiency", "max/LB", "tokens max/mean", "carried",
+                "delayed", "plan ms*"):
         t.add_column(col, justify="right")
     for r in rows:
         mark = "[bold yellow]" if r["step"] == plan.step else ""
-        t.add_row(f"{mark}{r['step']}", f"{r['docs']:,}", f"{r['tokens']:,}", f"{r['fill']:.3f}", f"{r['efficiency']:.4f}",
+        t.add_row(f"{mark}{r['step']}", f"{r['docs']:,}", f"{r['tokens']:,}", f"{r['fill']:.3f}", f"{r['microbatches']:,}",
+                  f"{r['efficiency']:.4f}",
                   f"{r['max_over_lb']:.4f}", f"{r['tokens_max_over_mean']:.3f}", str(r["carried"]),
                   str(r["delayed_outliers"]), f"{r['plan_ms']:.1f}")
     out.print(t)
