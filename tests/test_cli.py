@@ -114,3 +114,26 @@ def test_inspect(spec_path, capsys):
     out = capsys.readouterr().out
     assert "sources of" in out and "first documents" in out
     assert "parquet" in out and "jsonl" in out
+
+
+def test_resume_from_a_trainer_checkpoint(spec_path, tmp_path):
+    """`plait run --resume` accepts a Loader.state_dict() taken at a step boundary, refuses a mid-step one."""
+    import plait
+
+    full = tmp_path / "full.json"
+    assert cli.main(["run", str(spec_path), "--steps", "5", "--quiet", "--save-state", str(full)]) == 0
+    loader = plait.Loader(str(spec_path), dp_rank=0, steps=5, prefetch=0)
+    it = iter(loader)
+    for _ in range(2 * 2):  # two whole steps of 2 micro-batches
+        next(it)
+    boundary = tmp_path / "boundary.json"
+    boundary.write_text(json.dumps(loader.state_dict()))
+    next(it)
+    middle = tmp_path / "middle.json"
+    middle.write_text(json.dumps(loader.state_dict()))
+    it.close()
+    rest = tmp_path / "rest.json"
+    assert cli.main(["run", str(spec_path), "--steps", "3", "--quiet", "--resume", str(boundary),
+                     "--save-state", str(rest)]) == 0
+    assert json.loads(rest.read_text()) == json.loads(full.read_text())
+    assert cli.main(["run", str(spec_path), "--steps", "3", "--quiet", "--resume", str(middle)]) == 2

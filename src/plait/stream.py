@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.markup import escape
 from rich.table import Table
 
+from plait.errors import PlaitError
 from plait.metrics import RunStats
 from plait.mixture import MixtureSchedule
 from plait.spec import Spec
@@ -45,7 +46,7 @@ def stream(
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
     try:
         if resume is not None:
-            rt.load_state_dict(resume.get("data", resume))
+            _resume(rt, resume)
         mixture = MixtureSchedule(spec)
         stats = RunStats(spec.source_names, spec.topology.dp)
         per_step_shares = []
@@ -78,6 +79,25 @@ def stream(
         return summary
     finally:
         rt.close()
+
+
+def _resume(rt, resume: dict) -> None:
+    """Start from a saved state: a data state (--save-state) or a trainer's Loader.state_dict().
+
+    A Loader state names the step in progress and how many of its micro-batches were consumed. This
+    driver streams whole steps, so it continues after that step when it was fully consumed, and
+    refuses a mid-step state rather than deliver the consumed micro-batches again.
+    """
+    rt.load_state_dict(resume.get("data", resume))
+    consumed = int(resume.get("next_microbatch", 0))
+    if consumed:
+        plan = rt.plan()  # metadata only: moves the data state past the consumed step
+        if consumed < plan.microbatches:
+            raise PlaitError(
+                f"the state was saved in the middle of step {plan.step} (after micro-batch {consumed - 1} of "
+                f"{plan.microbatches}); `plait run` resumes from step boundaries"
+            )
+        rt.release()
 
 
 def print_summary(spec: Spec, s: dict, console: Console) -> None:
