@@ -214,3 +214,22 @@ def test_folder_with_several_formats(tmp_path):
         source_of(tok.with_options(path=str(tmp_path)))
     assert source_of(tok.with_options(path=str(tmp_path), format="parquet")).files == tok.files
     assert source_of(txt.with_options(path=str(tmp_path), format="jsonl")).files == txt.files
+
+
+def test_blocks_and_rows_are_shuffled_too(tmp_path):
+    ds = token_parquet(tmp_path, files=3, docs_per_file=12, row_group_size=4)
+    src = source_of(ds)
+    per_epoch = {}
+    key = src.first_key()
+    while key[0] < 2:
+        block = src.read_block(key)
+        rg = int(block.rows.min()) // 4
+        per_epoch.setdefault(key[0], []).append((block.shard, rg, tuple(block.rows.tolist())))
+        key = src.next_key(key)
+    for epoch, blocks in per_epoch.items():
+        assert len(blocks) == 9 and len({b[:2] for b in blocks}) == 9
+        within_file = [[b[1] for b in blocks if b[0] == f] for f in range(3)]
+        rows_sorted = [list(b[2]) == sorted(b[2]) for b in blocks]
+        assert not all(order == sorted(order) for order in within_file), "row groups are visited in a shuffled order"
+        assert not all(rows_sorted), "rows inside a row group are shuffled"
+    assert [b[:2] for b in per_epoch[0]] != [b[:2] for b in per_epoch[1]]
