@@ -3,7 +3,7 @@
 SourceLoaders are killed (`ray.kill(actor, no_restart=True)`) at seeded random steps, several times;
 with shadows a standby takes over, without them a fresh loader restarts cold. Either way the stream of
 sample ids equals that of a run without failures: none lost, none duplicated, same order. A second
-test kills the Constructor. One local Ray instance serves the whole module.
+test kills the Constructor, a third the Planner. One local Ray instance serves the whole module.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def reference(data):
     return ids
 
 
-def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None = None):
+def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None = None,
+                   kill_planner_at: int | None = None):
     from plait.runtime.ray import RayRuntime
 
     rt = RayRuntime(spec, loaders=LOADERS)
@@ -62,6 +63,8 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
             if step == kill_constructor_at:
                 for handle in rt._constructors.values():
                     ray.kill(handle, no_restart=True)
+            if step == kill_planner_at:
+                ray.kill(rt.planner, no_restart=True)
             for r in range(plan.ranks):
                 ids.extend(mb.sample_ids for mb in rt.build(plan, r))
         events = rt.recovery_events()
@@ -93,3 +96,15 @@ def test_killing_the_constructor_changes_nothing(ray_instance, data, reference, 
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("failure: Constructor") for m in messages)
     assert any(m.startswith("recovery: Constructor") for m in messages)
+
+
+def test_killing_the_planner_changes_nothing(ray_instance, data, reference, caplog):
+    """The Planner (and the loaders it owns) die; it is rebuilt from the last data state and re-plans."""
+    caplog.set_level(logging.WARNING, logger="plait.recovery")
+    ids, events = run_with_kills(make_spec(data, dp=4), {}, kill_planner_at=6)
+    assert compare_streams(reference, ids)["same_order"]
+    planner = [e for e in events if e["role"] == "planner"]
+    assert len(planner) == 1 and planner[0]["from_step"] <= 6
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("failure: Planner") for m in messages)
+    assert any(m.startswith("recovery: Planner") for m in messages)

@@ -78,6 +78,18 @@ def _actor_id(handle) -> str:
     return handle._actor_id.hex()
 
 
+def _wait_name_free(name: str, timeout: float = 10.0) -> None:
+    """A dead actor's name is released asynchronously; reusing it too early would find the corpse."""
+    ray = _ray()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+
+
 # ----- partitions ------------------------------------------------------------------------------
 def file_order(seed: int, source: int, epoch: int, num_files: int) -> np.ndarray:
     """A source's file order in an epoch; must equal Source.file_order (tested)."""
@@ -727,6 +739,11 @@ class RayRuntime:
         self._build_refs: dict[int, Any] = {}
         self._build_step: int | None = None
         self.recovery_log: list[dict] = []  # this process's recoveries (Constructors); loaders: the Planner's
+        # To rebuild a dead Planner: how it was made, and the data state of the steps this process is at.
+        from plait.checkpoint import PlannerLog
+
+        self._planner_args = (spec_dict, self.job, options)
+        self._planner_log = PlannerLog(base)
 
     # ----- placement -----------------------------------------------------------------------------
     def _constructor_for(self, dp_rank: int):
@@ -757,7 +774,14 @@ class RayRuntime:
         for k in range(self.prefetch + 1):
             if step + k not in self._plan_refs:
                 self._plan_refs[step + k] = self.planner.step_plan.remote(self._gen, step + k)
-        plan = _get(self._plan_refs.pop(step))
+        while True:
+            try:
+                plan = _get(self._plan_refs.pop(step))
+                break
+            except _dead_errors():
+                self._planner_died(step)
+                self._plan_refs[step] = self.planner.step_plan.remote(self._gen, step)
+        self._planner_log.record(plan.state_before)
         self._next_step = step + 1
         # Ask for every rank's build now (the Constructors also start the next `prefetch` steps):
         # build() then only waits.
@@ -779,8 +803,57 @@ class RayRuntime:
             try:
                 return _get(ref)
             except _dead_errors():
-                self._constructor_died(dp_rank, step)
+                if self._planner_alive():
+                    self._constructor_died(dp_rank, step)
+                else:  # the Constructor failed because the Planner (and its loaders) are gone
+                    self._planner_died(step)
                 ref = self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, limit)
+
+    def _planner_alive(self) -> bool:
+        try:
+            _get(self.planner.stats.remote(), timeout=60)
+            return True
+        except _dead_errors():
+            return False
+
+    def _planner_died(self, step: int) -> None:
+        """Recreate the Planner from the data state this process last saw, plus re-planning.
+
+        The Planner's loaders and shadows die with it (Ray fate-shares actors with their creator;
+        detached ones, in a shared job, survive and are found again by name), so the new Planner
+        starts loaders that re-read what is needed. The Constructors held the dead Planner's handle
+        and are recreated too. Planning is a pure function of the data state: the new Planner plans
+        the same steps again, exactly."""
+        ray = _ray()
+        t0 = time.perf_counter()
+        name = f"{self.job}/planner"
+        log.warning("failure: Planner %s is dead; detected at step %d", name, step)
+        for c in self._constructors.values():
+            try:
+                ray.kill(c)
+            except Exception:  # noqa: BLE001 - may be gone already
+                pass
+        names = [name] + [f"{self.job}/constructor-{k}" for k in self._constructors]
+        if not self.shared:
+            names += [f"{self.job}/loader-{k}" for k in range(int(self._planner_args[2]["loaders"]))]
+        for n in names:
+            _wait_name_free(n)
+        self._constructors.clear()
+        state = self._planner_log.latest()
+        self.planner = ray.remote(PlannerActor).options(
+            name=name, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+            **({"lifetime": "detached"} if self.shared else {}),
+        ).remote(*self._planner_args)
+        self.info = _get(self.planner.info.remote())
+        _get(self.planner.attach.remote(self.spec.data_fingerprint()))
+        self._gen = _get(self.planner.seek.remote(state))
+        self._plan_refs.clear()
+        self._build_refs = {}
+        took = time.perf_counter() - t0
+        log.warning("recovery: Planner recreated from the data state of step %d (re-plans to step %d; loaders "
+                    "restarted) in %.3f s", state["step"], step, took)
+        self.recovery_log.append({"role": "planner", "step": step, "from_step": int(state["step"]), "at": time.time(),
+                                  "recovery_s": took})
 
     def _constructor_died(self, dp_rank: int, step: int) -> None:
         ray = _ray()
@@ -825,14 +898,15 @@ class RayRuntime:
         """One rank's micro-batches from a data state on. Every rank of the job reads the same,
         once-planned stream; the DP replica's Constructor builds each step once for all its ranks."""
         self._seek(start_state)
-        gen, step, skip = self._gen, int(start_state["step"]), start_micro
+        step, skip = int(start_state["step"]), start_micro
 
         def request(t):
-            return self._constructor_for(dp_rank).get.remote(gen, t, dp_rank, max_steps)
+            return self._constructor_for(dp_rank).get.remote(self._gen, t, dp_rank, max_steps)
 
         ahead = request(step) if max_steps is None or step < max_steps else None
         while ahead is not None:
             state, batches = self._get_build(ahead, step, dp_rank, max_steps)
+            self._planner_log.record(state)
             nxt = step + 1
             ahead = request(nxt) if max_steps is None or nxt < max_steps else None
             for mb in batches:
