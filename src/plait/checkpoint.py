@@ -152,8 +152,13 @@ class DeltaTracker:
     reported_blocks: set = field(default_factory=set)
     read: dict = field(default_factory=dict)  # source -> furthest block key read, as last reported
     _served: dict = field(default_factory=dict)  # FullKey -> list of (positions, chunks) arrays
+    # Nothing is recorded until someone follows (the first take or snapshot): a loader without
+    # shadows must not accumulate served ids forever.
+    active: bool = False
 
     def note_served(self, keys: list, block_index: np.ndarray, position: np.ndarray, chunk: np.ndarray) -> None:
+        if not self.active:
+            return
         block_index = np.asarray(block_index)
         for b in np.unique(block_index):
             sel = block_index == b
@@ -166,12 +171,14 @@ class DeltaTracker:
 
         It carries the number of the last delta taken: the next `take` follows it. Applying deltas is
         idempotent for blocks (sets), so overlap between the snapshot and the next delta is harmless."""
+        self.active = True
         return {"v": DELTA_VERSION, "loader": self.name, "seq": self.seq - 1, "step": step,
                 "read": {str(s): list(k) for s, k in sorted(self.read.items())},
                 "add": sorted(list(map(int, k)) for k in buffered), "drop": [], "served": []}
 
     def take(self, buffered: set, step: int | None = None) -> dict:
         """The delta since the previous take, and start a new interval."""
+        self.active = True
         buffered = {tuple(int(x) for x in k) for k in buffered}
         added = sorted(buffered - self.reported_blocks)
         dropped = sorted(self.reported_blocks - buffered)

@@ -103,6 +103,7 @@ class ShadowLoader(SourceLoader):
         tracker.seq = self.view.seq + 1
         tracker.reported_blocks = set(self.view.buffered)
         tracker.read = dict(self.view.read)
+        tracker.active = True
         return {
             "primary": self.primary,
             "reread_blocks": len(missing),
