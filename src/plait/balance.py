@@ -123,25 +123,27 @@ def assign(
     # Work in placement order: the passes below then stream through contiguous arrays.
     Ls, Cs = lengths[order], costs[order]
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
-    state = _place(Us, Ls, Cs, R, W, int(capacity), np.inf)
     total = float(costs.sum())
     cap = max(total / R, float(costs.max(initial=0.0))) * (1.0 + CAP_SLACK)
-    if n and state[2].max() > cap:
-        # Tokens bind before cost: some ranks are full of cheap short documents while others hold the
-        # expensive long ones. Cap rank cost near the bound and carry the cheapest leftovers instead,
-        # when that certifies better. Carrying lowers the bound itself, so a second pass caps at the
-        # new bound, if that carries at most RECAP_TOKENS more of the step's tokens.
-        capped = _place(Us, Ls, Cs, R, W, int(capacity), cap)
-        if _ratio(capped, Cs, R) < _ratio(state, Cs, R):
-            state = capped
-            if _ratio(capped, Cs, R) > 1.0 + RECAP_ABOVE:
-                placed = capped[0] >= 0
-                recap = lower_bound(Cs[placed], R) * (1.0 + CAP_SLACK)
-                again = _place(Us, Ls, Cs, R, W, int(capacity), recap)
-                lost = int(Ls[placed].sum()) - int(Ls[again[0] >= 0].sum())
-                if _ratio(again, Cs, R) < _ratio(capped, Cs, R) and lost <= RECAP_TOKENS * int(Ls.sum()):
-                    state = again
-    rank_s, micro_s, rank_cost, micro_cost, room = state
+    # Tokens may bind before cost: some ranks full of cheap short documents while others hold the
+    # expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto
+    # the expensive ranks. Where it holds nothing back it *is* the plain pass; where it certifies
+    # within the slack it beats it (the plain pass then exceeds the cap); otherwise both are compared.
+    state = _place(Us, Ls, Cs, R, W, int(capacity), cap)
+    if state[5] and _ratio(state, Cs, R) > 1.0 + CAP_SLACK:
+        plain = _place(Us, Ls, Cs, R, W, int(capacity), np.inf)
+        if _ratio(plain, Cs, R) <= _ratio(state, Cs, R):
+            state = plain
+        elif _ratio(state, Cs, R) > 1.0 + RECAP_ABOVE:
+            # Carrying lowered the bound itself: cap again at the new bound, if that carries at most
+            # RECAP_TOKENS more of the step's tokens.
+            placed = state[0] >= 0
+            recap = lower_bound(Cs[placed], R) * (1.0 + CAP_SLACK)
+            again = _place(Us, Ls, Cs, R, W, int(capacity), recap)
+            lost = int(Ls[placed].sum()) - int(Ls[again[0] >= 0].sum())
+            if _ratio(again, Cs, R) < _ratio(state, Cs, R) and lost <= RECAP_TOKENS * int(Ls.sum()):
+                state = again
+    rank_s, micro_s, rank_cost, micro_cost, room, _ = state
     counts = np.full(R, W, dtype=np.int64)
     _pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, int(capacity), mode == "variable", counts)
     rank = np.empty(n, dtype=np.int32)
@@ -175,8 +177,8 @@ def _place(urgent, lengths, costs, R, W, capacity, cap):
     rank_cost = np.zeros(R)
     micro_cost = np.zeros((R, W))
     room = np.full((R, W), capacity, dtype=np.int64)
-    _lpt(urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
-    return rank, micro, rank_cost, micro_cost, room
+    skipped = _lpt(urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
+    return rank, micro, rank_cost, micro_cost, room, skipped
 
 
 def _ratio(state, costs, R) -> float:
@@ -292,6 +294,7 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
     hn = R
     full = np.empty(R, dtype=np.int64)
     fn = 0
+    skipped = 0  # items the cap held back
     for i in range(len(lengths)):
         L = lengths[i]
         while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
@@ -305,6 +308,7 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
             continue
         r = heap[0]
         if rank_cost[r] + costs[i] > cap and fn > 0 and not urgent[i]:
+            skipped += 1
             continue  # the ranks with room would exceed the cap, others are full of tokens: carry it
         m = -1
         mr = capacity + 1
@@ -324,6 +328,7 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
                     b = room[r, j]
             best[r] = b
         _sift_down(heap, hn, rank_cost, 0)
+    return skipped
 
 
 @_jit
