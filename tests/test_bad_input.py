@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import plait
 from plait import cli
@@ -258,3 +260,37 @@ def test_unusable_tokenizer_or_filesystem_names_the_source(tmp_path):
     with pytest.raises(SourceError) as info:
         plait.Loader(make_spec([ds.with_options(path="nosuchproto://bucket/*.jsonl")]))
     assert info.value.source == "txt" and "Protocol not known" in info.value.reason
+
+
+_KINDS = {
+    "good": lambda i: json.dumps({"text": f"doc {i}", "n": i}),
+    "malformed": lambda i: '{"text": "cut',
+    "null": lambda i: json.dumps({"text": None}),
+    "missing": lambda i: json.dumps({"body": "x"}),
+    "number": lambda i: json.dumps({"text": i}),
+    "list": lambda i: '["not", "an", "object"]',
+}
+
+
+@settings(max_examples=25)
+@given(kinds=st.lists(st.sampled_from(sorted(_KINDS)), min_size=1, max_size=12), blank_every=st.integers(0, 4))
+def test_any_mix_of_bad_lines(tmp_path_factory, kinds, blank_every):
+    """Whatever the mix: with skip, exactly the good records arrive and each bad one is counted once,
+    with its record index (blank lines do not count as records)."""
+    if "good" not in kinds:
+        kinds = [*kinds, "good"]
+    root = tmp_path_factory.mktemp("mix")
+    lines = []
+    for i, kind in enumerate(kinds):
+        if blank_every and i % blank_every == 0:
+            lines.append("")
+        lines.append(_KINDS[kind](i))
+    (root / "a.jsonl").write_text("\n".join(lines) + "\n")
+    path = str(root / "a.jsonl")
+    ds = Dataset({"name": "mix", "path": path, "text_field": "text", "on_error": "skip"}, [path],
+                 {(0, i): f"doc {i}" for i, k in enumerate(kinds) if k == "good"})
+    got, report = stream_epoch0(ds, steps=2, seq_len=max(16, 8 * len(kinds)))  # step 2 delivers any carry
+    assert_streams_the_rest(ds, got)
+    bad = [i for i, k in enumerate(kinds) if k != "good"]
+    assert report["mix"]["skipped"] == len(bad)
+    assert sorted(int(m.split("record ")[1].split(":")[0]) for m in report["mix"]["messages"]) == bad
