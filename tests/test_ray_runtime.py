@@ -80,6 +80,8 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
             assert len(got) == len(want) == spec.steps * 2
             for a, b in zip(got, want):
                 assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.sample_ids, b.sample_ids)
+        with pytest.raises(plait.PlaitError, match="DP ranks"):  # a client with another layout is refused
+            plait.Loader(spec.with_overrides(topology={"dp": 4}), runtime="ray", job="test-job")
         stats = loaders[0]._runtime.stats()
         assert stats["planned"] == spec.steps  # planned once for all 4 clients
         assert len(stats["loaders"]) == 2

@@ -730,6 +730,9 @@ class RayRuntime:
             **({"lifetime": "detached"} if self.shared else {}),
         ).remote(spec_dict, self.job, options)
         self.info = _get(self.planner.info.remote())
+        if self.info["ranks"] != self.dp:
+            raise PlaitError(f"job {self.job!r} plans for {self.info['ranks']} DP ranks, this client's topology has "
+                             f"{self.dp}: every trainer process of a job must use the same spec and layout")
         self._constructors: dict[str, Any] = {}
         self._closed = False
         _get(self.planner.attach.remote(self.spec.data_fingerprint()))
