@@ -61,25 +61,25 @@ def advance(spec, state: dict, *, dp: int, steps: int = 1, provider=None) -> dic
 
 # ----- data state: per-step diffs (Planner recovery) --------------------------------------------------
 def diff_state(old: dict, new: dict) -> dict:
-    """What changed from one data state to the next: step, moved cursors, deficits, carry rows in/out."""
-    d: dict = {"step": new["step"], "sources": {}}
-    for name, s in new["sources"].items():
-        o = old["sources"].get(name)
-        if o != s:
-            d["sources"][name] = s
-    old_rows = {tuple(r) for r in old["carry"]}
+    """What changed from one data state to the next: step, moved cursors and deficits, and the carry as
+    (indices of the old carry rows kept, rows added). Never larger than the new state itself."""
+    d: dict = {"step": new["step"], "sources": {n: s for n, s in new["sources"].items() if old["sources"].get(n) != s}}
+    position = {tuple(r): i for i, r in enumerate(old["carry"])}
     new_rows = [tuple(r) for r in new["carry"]]
-    new_set = set(new_rows)
-    d["carry_add"] = [list(r) for r in new_rows if r not in old_rows]
-    d["carry_del"] = [list(r) for r in old["carry"] if tuple(r) not in new_set]
-    # Carry order matters (balance ties): record it when it is not simply old-minus-deleted plus added.
-    rebuilt = [tuple(r) for r in old["carry"] if tuple(r) in new_set] + [tuple(r) for r in d["carry_add"]]
-    if rebuilt != new_rows:
-        d["carry"] = [list(r) for r in new_rows]
+    keep = [position[r] for r in new_rows if r in position]
+    added = [list(r) for r in new_rows if r not in position]
+    if keep == sorted(keep) and [tuple(old["carry"][i]) for i in keep] + [tuple(r) for r in added] == new_rows:
+        d["carry_keep"], d["carry_add"] = keep, added
+    else:  # reordered: ship the carry itself
+        d["carry"] = copy.deepcopy(new["carry"])
+    if nbytes(d) >= nbytes(new):
+        return {"full": copy.deepcopy(new)}
     return d
 
 
 def apply_state_diff(state: dict, d: dict) -> dict:
+    if "full" in d:
+        return copy.deepcopy(d["full"])
     out = copy.deepcopy(state)
     out["step"] = d["step"]
     for name, s in d["sources"].items():
@@ -87,8 +87,7 @@ def apply_state_diff(state: dict, d: dict) -> dict:
     if "carry" in d:
         out["carry"] = copy.deepcopy(d["carry"])
     else:
-        gone = {tuple(r) for r in d["carry_del"]}
-        out["carry"] = [r for r in out["carry"] if tuple(r) not in gone] + copy.deepcopy(d["carry_add"])
+        out["carry"] = [out["carry"][i] for i in d["carry_keep"]] + copy.deepcopy(d["carry_add"])
     return out
 
 
