@@ -123,27 +123,29 @@ def assign(
     # Work in placement order: the passes below then stream through contiguous arrays.
     Ls, Cs = lengths[order], costs[order]
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
-    total = float(costs.sum())
-    cap = max(total / R, float(costs.max(initial=0.0))) * (1.0 + CAP_SLACK)
+    cap = lower_bound(costs, R) * (1.0 + CAP_SLACK)
     # Tokens may bind before cost: some ranks full of cheap short documents while others hold the
     # expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto
-    # the expensive ranks. Where it holds nothing back it *is* the plain pass; where it certifies
-    # within the slack it beats it (the plain pass then exceeds the cap); otherwise both are compared.
+    # the expensive ranks. Where it holds nothing back it *is* the plain pass. Where it does, the plain
+    # pass would have put the first held-back item on top, reaching first_over, and its bound is at
+    # most the bound of all items: if the capped pass certifies below first_over / LB(all) it wins
+    # without running the plain one; otherwise both are compared.
     state = _place(Us, Ls, Cs, R, W, int(capacity), cap)
-    if state[5] and _ratio(state, Cs, R) > 1.0 + CAP_SLACK:
+    lb_all = lower_bound(Cs, R)
+    if state[5] and _ratio(state, Cs, R) > state[6] / lb_all:
         plain = _place(Us, Ls, Cs, R, W, int(capacity), np.inf)
         if _ratio(plain, Cs, R) <= _ratio(state, Cs, R):
             state = plain
-        elif _ratio(state, Cs, R) > 1.0 + RECAP_ABOVE:
-            # Carrying lowered the bound itself: cap again at the new bound, if that carries at most
-            # RECAP_TOKENS more of the step's tokens.
-            placed = state[0] >= 0
-            recap = lower_bound(Cs[placed], R) * (1.0 + CAP_SLACK)
-            again = _place(Us, Ls, Cs, R, W, int(capacity), recap)
-            lost = int(Ls[placed].sum()) - int(Ls[again[0] >= 0].sum())
-            if _ratio(again, Cs, R) < _ratio(state, Cs, R) and lost <= RECAP_TOKENS * int(Ls.sum()):
-                state = again
-    rank_s, micro_s, rank_cost, micro_cost, room, _ = state
+    if state[5] and _ratio(state, Cs, R) > 1.0 + RECAP_ABOVE:
+        # Carrying lowered the bound itself: cap again at the new bound, if that carries at most
+        # RECAP_TOKENS more of the step's tokens.
+        placed = state[0] >= 0
+        recap = lower_bound(Cs[placed], R) * (1.0 + CAP_SLACK)
+        again = _place(Us, Ls, Cs, R, W, int(capacity), recap)
+        lost = int(Ls[placed].sum()) - int(Ls[again[0] >= 0].sum())
+        if _ratio(again, Cs, R) < _ratio(state, Cs, R) and lost <= RECAP_TOKENS * int(Ls.sum()):
+            state = again
+    rank_s, micro_s, rank_cost, micro_cost, room = state[:5]
     counts = np.full(R, W, dtype=np.int64)
     _pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, int(capacity), mode == "variable", counts)
     rank = np.empty(n, dtype=np.int32)
@@ -177,8 +179,8 @@ def _place(urgent, lengths, costs, R, W, capacity, cap):
     rank_cost = np.zeros(R)
     micro_cost = np.zeros((R, W))
     room = np.full((R, W), capacity, dtype=np.int64)
-    skipped = _lpt(urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
-    return rank, micro, rank_cost, micro_cost, room, skipped
+    skipped, first_over = _lpt(urgent, lengths, costs, R, W, capacity, float(cap), rank, micro, rank_cost, micro_cost, room)
+    return rank, micro, rank_cost, micro_cost, room, skipped, first_over
 
 
 def _ratio(state, costs, R) -> float:
@@ -295,6 +297,7 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
     full = np.empty(R, dtype=np.int64)
     fn = 0
     skipped = 0  # items the cap held back
+    first_over = 0.0
     for i in range(len(lengths)):
         L = lengths[i]
         while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
@@ -308,6 +311,8 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
             continue
         r = heap[0]
         if rank_cost[r] + costs[i] > cap and fn > 0 and not urgent[i]:
+            if skipped == 0:
+                first_over = rank_cost[r] + costs[i]  # the plain pass's maximum reaches at least this
             skipped += 1
             continue  # the ranks with room would exceed the cap, others are full of tokens: carry it
         m = -1
@@ -328,7 +333,7 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, rank, micro, rank_cost, mi
                     b = room[r, j]
             best[r] = b
         _sift_down(heap, hn, rank_cost, 0)
-    return skipped
+    return skipped, first_over
 
 
 @_jit
