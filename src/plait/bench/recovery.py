@@ -80,6 +80,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shadows", type=int, default=1, help="shadow loaders per source (0: cold restart)")
     p.add_argument("--interval", type=int, default=1, help="steps between differential checkpoints")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill points")
+    p.add_argument("--respawn-delay", type=int, default=4,
+                   help="ray: steps after a takeover before a replacement shadow starts (large: never)")
     p.add_argument("--runtime", choices=["ray", "local"], default="ray",
                    help="ray: kill actors with ray.kill; local: in-process loaders with simulated deaths")
     p.add_argument("--data", metavar="DIR", help="where to write the dataset (default: a temp dir)")
@@ -327,10 +329,9 @@ def _run_ray(spec, args) -> dict:
     loaders = len(spec.sources)
 
     def one_run(kills: dict[int, int]):
-        rt = RayRuntime(spec, loaders=loaders, checkpoint_interval=args.interval)
+        rt = RayRuntime(spec, loaders=loaders, checkpoint_interval=args.interval, respawn_delay=args.respawn_delay)
         ids, step_s, killed_at = [], [], []
         try:
-            rt.plan  # noqa: B018 - actors are up once the runtime exists
             for step in range(args.steps):
                 plan = rt.plan()
                 if step in kills:

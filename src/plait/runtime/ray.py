@@ -654,8 +654,15 @@ class ConstructorActor:
             self.builds[key] = fut
         return fut
 
-    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None) -> tuple[dict, list[MicroBatch]]:
-        """(state at the start of `step`, the rank's micro-batches of `step`)."""
+    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
+            cp: tuple[int, int] | None = None) -> tuple[dict, list[MicroBatch]]:
+        """(state at the start of `step`, the rank's micro-batches of `step`); with cp=(size, rank), that
+        CP rank's shard of each (the build is shared; only the shard travels to the trainer)."""
+        if cp is not None and cp[0] > 1:
+            from plait.context_parallel import shard_for_cp
+
+            state, batches = self.get(gen, step, dp_rank, limit)
+            return state, [shard_for_cp(mb, cp[0], cp[1]) for mb in batches]
         with self.lock:
             fut = self._ensure(gen, step, dp_rank)
             for k in range(1, self.prefetch + 1):
@@ -693,14 +700,17 @@ class RayRuntime:
       dp            override the topology's DP size
       loader_cpus   CPUs each loader actor reserves (default 0: placement by spreading only)
       max_cached_blocks  decoded blocks a loader keeps (LRU; plus what plans still need)
+      cp_rank       the client's CP rank: iter_rank then yields CP shards, cut by the Constructor
       checkpoint_interval  steps between loader deltas to their shadows (`shadows` per source in the spec)
+      respawn_delay  steps after a takeover before a new shadow starts (a worker process start-up costs
+                    about a second of CPU; it should not land on the failure step)
     """
 
     def __init__(
         self, spec: Spec, *, job: str | None = None, address: str | None = None, loaders: int | None = None,
         partitions: int | dict[str, int] | None = None, prefetch: int = 2, constructors: str = "node",
         dp: int | None = None, loader_cpus: float = 0, max_cached_blocks: int = 256, init_options: dict | None = None,
-        checkpoint_interval: int = 1,
+        checkpoint_interval: int = 1, respawn_delay: int = 4, cp_rank: int | None = None,
     ):
         ray = _ray()
         self.spec = load_spec(spec)
@@ -714,6 +724,7 @@ class RayRuntime:
         if constructors not in ("node", "replica"):
             raise PlaitError(f"constructors must be 'node' or 'replica', not {constructors!r}")
         self.shared = job is not None
+        self.cp_rank = cp_rank  # set by a client: its Constructor then sends only this CP rank's shard
         self.job = job or f"job-{uuid.uuid4().hex[:12]}"
         self.prefetch = prefetch
         self.constructor_mode = constructors
@@ -723,7 +734,7 @@ class RayRuntime:
             loaders = max(1, min(len(self.spec.sources), cpus // 2))
         options = {"loaders": int(loaders), "partitions": partitions, "dp": self.dp, "loader_cpus": loader_cpus,
                    "max_cached_blocks": max_cached_blocks, "lifetime": "detached" if self.shared else None,
-                   "checkpoint_interval": checkpoint_interval}
+                   "checkpoint_interval": checkpoint_interval, "respawn_delay": respawn_delay}
         spec_dict = self.spec.model_dump(mode="json")
         self.planner = ray.remote(PlannerActor).options(
             name=f"{self.job}/planner", namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
@@ -903,8 +914,10 @@ class RayRuntime:
         self._seek(start_state)
         step, skip = int(start_state["step"]), start_micro
 
+        cp = (self.spec.topology.cp, self.cp_rank) if self.cp_rank is not None else None
+
         def request(t):
-            return self._constructor_for(dp_rank).get.remote(self._gen, t, dp_rank, max_steps)
+            return self._constructor_for(dp_rank).get.remote(self._gen, t, dp_rank, max_steps, cp)
 
         ahead = request(step) if max_steps is None or step < max_steps else None
         while ahead is not None:
