@@ -393,47 +393,54 @@ def _pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact
         for j in range(use):
             if micro_cost[r, j] > old_max:
                 old_max = micro_cost[r, j]
-        # Attempt: cost-first onto the least costly micro-batch with room (ties: lowest index).
-        for j in range(use):
-            c2[j] = 0.0
-            room2[j] = capacity
-        ok = True
-        for k in range(a, b):
-            i = items[k]
-            m = -1
-            for j in range(use):
-                if room2[j] >= lengths[i] and (m < 0 or c2[j] < c2[m]):
-                    m = j
-            if m < 0:
-                ok = False
-                break
-            c2[m] += costs[i]
-            room2[m] -= lengths[i]
-        if not ok:
+        # Attempts: every item cost-first onto the least costly micro-batch with room; or only the
+        # large ones cost-first and the small ones best-fit into the holes (when tokens are tight the
+        # first may not fit everything). The most even one that fits wins, if it beats best fit.
+        best_small = -1
+        best_max = old_max
+        for small in (0, capacity // 8):
+            new_max = _repack(items, a, b, lengths, costs, use, capacity, small, c2, room2, micro, False)
+            if 0.0 <= new_max < best_max:
+                best_max = new_max
+                best_small = small
+        if best_small < 0:
             continue
-        new_max = 0.0
-        for j in range(use):
-            if c2[j] > new_max:
-                new_max = c2[j]
-        if new_max >= old_max:
-            continue
-        # Accepted: replay the same deterministic choices, writing them.
-        for j in range(use):
-            c2[j] = 0.0
-            room2[j] = capacity
-        for k in range(a, b):
-            i = items[k]
-            m = -1
-            for j in range(use):
-                if room2[j] >= lengths[i] and (m < 0 or c2[j] < c2[m]):
-                    m = j
-            c2[m] += costs[i]
-            room2[m] -= lengths[i]
-            micro[i] = m
+        _repack(items, a, b, lengths, costs, use, capacity, best_small, c2, room2, micro, True)
         for j in range(use):
             micro_cost[r, j] = c2[j]
             room[r, j] = room2[j]
 
+
+@_jit
+def _repack(items, a, b, lengths, costs, use, capacity, small, c2, room2, micro, write):
+    """Pack items[a:b] into `use` micro-batches: longer than `small` onto the least costly one with
+    room, the rest best-fit. Returns the heaviest micro-batch's cost, or -1.0 if an item did not fit."""
+    for j in range(use):
+        c2[j] = 0.0
+        room2[j] = capacity
+    for k in range(a, b):
+        i = items[k]
+        L = lengths[i]
+        m = -1
+        if L > small:
+            for j in range(use):
+                if room2[j] >= L and (m < 0 or c2[j] < c2[m]):
+                    m = j
+        else:
+            for j in range(use):
+                if room2[j] >= L and (m < 0 or room2[j] < room2[m]):
+                    m = j
+        if m < 0:
+            return -1.0
+        c2[m] += costs[i]
+        room2[m] -= L
+        if write:
+            micro[i] = m
+    top = 0.0
+    for j in range(use):
+        if c2[j] > top:
+            top = c2[j]
+    return top
 
 @_jit
 def _radix_desc(bits):
