@@ -30,7 +30,15 @@ from pathlib import Path
 import numpy as np
 
 HELP = "compute balance of plait's planner vs per-rank loaders (naive, sorted) over DP sizes and contexts"
-DESCRIPTION = __doc__
+DESCRIPTION = (
+    "Draw one global step of documents per (distribution, DP size, context) - enough to fill dp x "
+    "microbatches x seq_len tokens, long documents chunked as the Planner does - and place the same "
+    "documents four ways: naive (each rank packs its contiguous share of the stream, first-fit: per-rank "
+    "loaders), sorted (sort by length, deal round-robin), plait (balance.assign, equal mode) and plait-var "
+    "(variable mode). Reports max/mean and max/LB of per-rank cost (LB = max(sum c / R, max c)), tokens "
+    "max/mean, token fill, the simulated step time (slowest rank, plus (pp-1) x its heaviest micro-batch) "
+    "and plait's speedup over naive per unit of work, and plait's planning time (CPU ms, one core)."
+)
 
 DISTS = ("web", "longctx", "sft", "mix")
 DPS = (8, 64, 512, 4096)
