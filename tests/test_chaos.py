@@ -108,3 +108,27 @@ def test_killing_the_planner_changes_nothing(ray_instance, data, reference, capl
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("failure: Planner") for m in messages)
     assert any(m.startswith("recovery: Planner") for m in messages)
+
+
+def test_a_training_client_survives_loader_and_constructor_deaths(ray_instance, data):
+    """The trainer-side path (Loader → iter_rank): kills under a running iterator change nothing."""
+    import plait
+
+    spec = make_spec(data, dp=2, shadows=1)
+    expected = [mb.sample_ids for mb in plait.Loader(spec, dp_rank=1, steps=8, prefetch=0)]
+    loader = plait.Loader(spec, dp_rank=1, steps=8, prefetch=0, runtime="ray", loaders=LOADERS)
+    got = []
+    try:
+        for i, mb in enumerate(loader):
+            got.append(mb.sample_ids)
+            rt = loader._runtime
+            if i == 3:
+                ray.kill(ray.get(rt.planner.get_loaders.remote())[1], no_restart=True)
+            if i == 7:
+                for handle in list(rt._constructors.values()):
+                    ray.kill(handle, no_restart=True)
+        roles = sorted(e["role"] for e in loader._runtime.recovery_events())
+    finally:
+        loader.close()
+    assert compare_streams(expected, got)["same_order"]
+    assert "constructor" in roles and "loader" in roles
