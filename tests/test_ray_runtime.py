@@ -67,34 +67,36 @@ def test_ray_digest_equals_local(ray_instance, spec, options):
 
 
 def test_clients_share_one_planned_stream(ray_instance, spec):
-    """Trainer ranks attach to one job by name; each step is planned once; TP ranks share builds;
-    a resumed client continues bit for bit."""
-    spec = spec.with_overrides(topology={"dp": 2, "tp": 2})
-    local = {r: list(plait.Loader(spec, dp_rank=r, prefetch=0)) for r in range(2)}
-    loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, runtime="ray", job="test-job", loaders=2)
-               for r in range(2) for t in range(2)]
+    """Trainer ranks attach to one job by name; each step is planned once; TP/CP ranks share builds
+    (each CP rank gets its shard); a resumed client continues bit for bit."""
+    spec = spec.with_overrides(topology={"dp": 2, "tp": 2, "cp": 2})
+    local = {(r, c): list(plait.Loader(spec, dp_rank=r, cp_rank=c, prefetch=0)) for r in range(2) for c in range(2)}
+    loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, cp_rank=c, runtime="ray", job="test-job", loaders=2)
+               for r in range(2) for t in range(2) for c in range(2)]
     try:
         for ld in loaders:
             got = list(ld)
-            want = local[ld.dp_rank]
+            want = local[(ld.dp_rank, ld.cp_rank)]
             assert len(got) == len(want) == spec.steps * 2
             for a, b in zip(got, want):
+                assert a.stats["cp"]["rank"] == ld.cp_rank  # its own shard (cut by the Constructor)
                 assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.sample_ids, b.sample_ids)
+                assert np.array_equal(a.position_ids, b.position_ids) and np.array_equal(a.cu_seqlens, b.cu_seqlens)
         with pytest.raises(plait.PlaitError, match="DP ranks"):  # a client with another layout is refused
             plait.Loader(spec.with_overrides(topology={"dp": 4}), runtime="ray", job="test-job")
         stats = loaders[0]._runtime.stats()
-        assert stats["planned"] == spec.steps  # planned once for all 4 clients
+        assert stats["planned"] == spec.steps  # planned once for all 8 clients
         assert len(stats["loaders"]) == 2
 
         # Resume mid-step from a checkpoint taken by a local client: same continuation.
-        it = iter(plait.Loader(spec, dp_rank=1, prefetch=0))
+        it = iter(plait.Loader(spec, dp_rank=1, cp_rank=1, prefetch=0))
         for _ in range(5):
             next(it)
         state = it.gi_frame.f_locals["self"].state_dict()
-        resumed = plait.Loader(spec, dp_rank=1, runtime="ray", job="test-job")
+        resumed = plait.Loader(spec, dp_rank=1, cp_rank=1, runtime="ray", job="test-job")
         resumed.load_state_dict(state)
         rest = list(resumed)
-        assert [b.sample_ids.tolist() for b in rest] == [b.sample_ids.tolist() for b in local[1][5:]]
+        assert [b.sample_ids.tolist() for b in rest] == [b.sample_ids.tolist() for b in local[(1, 1)][5:]]
         resumed.close()
     finally:
         for ld in loaders:

@@ -64,7 +64,7 @@ class Loader:
                 from plait.runtime.ray import RayRuntime
             except ImportError as e:
                 raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
-            return RayRuntime(self.spec, job=job, **options)
+            return RayRuntime(self.spec, job=job, cp_rank=self.cp_rank, **options)
         raise PlaitError(f"unknown runtime {runtime!r} (choose local or ray)")
 
     # ----- iteration ---------------------------------------------------------------------------

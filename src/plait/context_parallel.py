@@ -59,6 +59,11 @@ def shard_for_cp(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
         raise ValueError(f"cp_rank {cp_rank} outside 0..{cp - 1}")
     if cp == 1:
         return mb
+    done = mb.stats.get("cp")
+    if done is not None:  # already this rank's shard (a ray Constructor cuts it before sending)
+        if (done["size"], done["rank"]) != (cp, cp_rank):
+            raise ValueError(f"micro-batch is CP shard {done['rank']} of {done['size']}, not {cp_rank} of {cp}")
+        return mb
     cu = np.asarray(mb.cu_seqlens, dtype=np.int64)
     if int(cu[-1]) != len(mb.input_ids):
         raise ValueError("context parallelism needs a packed micro-batch whose documents cover every token")
