@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--block-mb", type=float, default=2.0, help="decoded size of one Parquet row group (a block)")
     p.add_argument("--files", type=int, default=2, help="files per source")
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--workers", type=int, default=1,
+                   help="per-rank: loader worker processes per rank (torch DataLoader num_workers; each holds "
+                        "every source's state and serves every W-th step)")
     p.add_argument("--loaders", type=int, default=None, help="ray: SourceLoader actors (default: the runtime's)")
     p.add_argument("--only", choices=["per-rank", "plait"], default=None, help="measure one setup only")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
@@ -78,14 +81,16 @@ def make_spec_dict(root: Path, sources: int, ranks: int, *, seq_len: int = 2048,
 
 
 # ----- trainer processes ---------------------------------------------------------------------------------
-def _rank_worker(spec_dict: dict, rank: int, steps: int, q) -> None:
-    """A per-rank loader worker: the local runtime over every source, batches to the trainer by a queue."""
+def _rank_worker(spec_dict: dict, rank: int, steps: int, q, worker: int = 0, workers: int = 1) -> None:
+    """A per-rank loader worker: the local runtime over every source, batches to the trainer by a queue.
+    With W workers per rank (DataLoader style), worker k delivers the steps t with t % W == k."""
     from plait.runtime.local import LocalRuntime
     from plait.spec import load_spec
 
     rt = LocalRuntime(load_spec(spec_dict))
     for _, mb in rt.iter_rank(rank, rt.state_dict(), 0, steps):
-        q.put(mb)
+        if mb.step % workers == worker:
+            q.put(mb)
     q.put(None)
     time.sleep(3600)  # keep the loader's state alive until measured (killed by the trainer)
 
@@ -101,28 +106,39 @@ def _trainer() -> None:
     spec = load_spec(cfg["spec"])
     me = psutil.Process()
     base = me.memory_full_info()
-    worker = None
+    workers: list = []
     if cfg["mode"] == "per-rank":
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        q = ctx.Queue(maxsize=2)
-        worker = ctx.Process(target=_rank_worker, args=(cfg["spec"], cfg["rank"], cfg["steps"], q), daemon=True)
-        worker.start()
-        n = 0
-        while q.get() is not None:
-            n += 1
+        nw = int(cfg.get("workers", 1))
+        queues = [ctx.Queue(maxsize=2) for _ in range(nw)]
+        workers = [ctx.Process(target=_rank_worker, args=(cfg["spec"], cfg["rank"], cfg["steps"], queues[k], k, nw),
+                               daemon=True) for k in range(nw)]
+        for w in workers:
+            w.start()
+        n, live = 0, set(range(nw))
+        while live:  # steps in order: step t comes from worker t % W
+            for k in sorted(live):
+                while True:
+                    mb = queues[k].get()
+                    if mb is None:
+                        live.discard(k)
+                        break
+                    n += 1
+                    if mb.microbatch == mb.num_microbatches - 1:
+                        break
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="ray", job=cfg["job"], address=cfg["address"],
                               steps=cfg["steps"], **({"loaders": cfg["loaders"]} if cfg.get("loaders") else {}))
         n = sum(1 for _ in loader)
-    print(json.dumps({"pid": os.getpid(), "worker": worker.pid if worker else None, "batches": n,
+    print(json.dumps({"pid": os.getpid(), "workers": [w.pid for w in workers], "batches": n,
                       "base_rss": base.rss, "base_pss": base.pss}), flush=True)
     sys.stdin.readline()  # the harness measures, then tells us to go
-    if worker is not None:
-        worker.kill()
-    else:
+    for w in workers:
+        w.kill()
+    if cfg["mode"] != "per-rank":
         loader.close()
 
 
@@ -166,15 +182,18 @@ def _finish(procs) -> None:
             p.kill()
 
 
-def measure_per_rank(spec_dict: dict, ranks: int, steps: int) -> dict:
-    procs, reports = _run_trainers("per-rank", spec_dict, ranks, steps, {})
+def measure_per_rank(spec_dict: dict, ranks: int, steps: int, workers: int = 1) -> dict:
+    procs, reports = _run_trainers("per-rank", spec_dict, ranks, steps, {"workers": workers})
     try:
         rss = pss = 0
         workers = []
         for rep in reports:
             t_rss, t_pss = _mem(rep["pid"])
-            w_rss, w_pss = _mem(rep["worker"])
-            workers.append(w_rss)
+            w_rss = w_pss = 0
+            for pid in rep["workers"]:
+                r_, p_ = _mem(pid)
+                w_rss, w_pss = w_rss + r_, w_pss + p_
+                workers.append(r_)
             rss += max(0, t_rss - rep["base_rss"]) + w_rss
             pss += max(0, t_pss - rep["base_pss"]) + w_pss
         return {"total_rss": rss, "total_pss": pss, "worker_rss_mean": float(np.mean(workers)),
@@ -250,9 +269,10 @@ def run(args) -> int:
                                    block_mb=args.block_mb)
         console.print(f"{args.sources} sources written in {time.perf_counter() - t0:.1f} s; "
                       f"{args.ranks} trainer processes per setup, {args.steps} steps each")
-        result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb}
+        result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb,
+                        "workers_per_rank": args.workers}
         if args.only != "plait":
-            a = measure_per_rank(spec_dict, args.ranks, args.steps)
+            a = measure_per_rank(spec_dict, args.ranks, args.steps, args.workers)
             result["per_rank"] = a
             result["per_rank_total_bytes"] = a["total_rss"]
         if args.only != "per-rank":
@@ -273,7 +293,7 @@ def run(args) -> int:
     if "per_rank" in result:
         a = result["per_rank"]
         table.add_row("per-rank loaders", f"{a['total_rss'] / mb:,.0f}", f"{a['total_pss'] / mb:,.0f}",
-                      f"{args.ranks} workers, {a['worker_rss_mean'] / mb:.0f} MiB RSS each")
+                      f"{args.ranks * args.workers} workers, {a['worker_rss_mean'] / mb:.0f} MiB RSS each")
     if "plait" in result:
         b = result["plait"]
         roles = ", ".join(f"{v['count']} {k.replace('Actor', '')}" for k, v in sorted(b["actors"].items()))
