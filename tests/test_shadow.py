@@ -122,3 +122,24 @@ def test_sparse_deltas_stay_exact(spec):
     """With a delta every 4 steps the shadow lags; what it missed is read again, nothing else changes."""
     sparse = simulate(spec, steps=12, failures=2, shadows=1, interval=4, seed=1)
     assert (sparse["lost"], sparse["duplicated"], sparse["same_order"]) == (0, 0, True)
+
+
+def test_a_lost_delta_does_not_hold_memory_forever(spec):
+    from plait.roles import shadow as shadow_mod
+
+    primary = SourceLoader(spec)
+    planner = Planner(spec, primary)
+    follower = ShadowLoader(spec)
+    for step in range(shadow_mod.MAX_EARLY_DELTAS + 4):
+        planner.plan_step()
+        primary.retain(planner.live_blocks())
+        delta = primary.checkpoint_delta(step)
+        if step != 1:  # delta 1 is lost
+            follower.follow(delta)
+    assert follower.resyncs == 1 and not follower._early
+    planner.plan_step()
+    primary.retain(planner.live_blocks())
+    follower.follow(primary.checkpoint_delta())
+    assert follower.view.seq == primary.delta_tracker.seq - 1  # following again
+    follower.sync(primary.checkpoint_snapshot())  # and a snapshot makes the view whole
+    assert set(primary.buffered_keys()) == set(follower.view.buffered)

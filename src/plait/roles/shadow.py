@@ -22,6 +22,9 @@ from plait.roles.source_loader import SourceLoader
 from plait.spec import Spec
 
 
+MAX_EARLY_DELTAS = 32  # deltas held while waiting for a missing one
+
+
 class ShadowLoader(SourceLoader):
     def __init__(
         self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256, *,
@@ -39,6 +42,7 @@ class ShadowLoader(SourceLoader):
         self.delta_bytes = 0
         self.blocks_prefetched = 0
         self._early: dict[int, dict] = {}
+        self.resyncs = 0
 
     # ----- standby ---------------------------------------------------------------------------------
     def follow(self, delta: dict) -> int:
@@ -55,6 +59,15 @@ class ShadowLoader(SourceLoader):
         while self.view.seq + 1 in self._early:
             self._apply(self.view.apply(self._early.pop(self.view.seq + 1)))
             self.deltas_applied += 1
+        if len(self._early) > MAX_EARLY_DELTAS:
+            # A delta never came (lost in transit): stop waiting for it, bounded memory first. Apply the
+            # rest past the gap; the view may miss blocks of the lost delta (re-read on demand at
+            # takeover, still exact) until the runtime sends a snapshot (`sync`).
+            for seq in sorted(self._early):
+                self.view.seq = seq - 1
+                self._apply(self.view.apply(self._early.pop(seq)))
+                self.deltas_applied += 1
+            self.resyncs += 1
         return len(self._blocks)
 
     def sync(self, snapshot: dict) -> int:
