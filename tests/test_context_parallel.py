@@ -78,3 +78,28 @@ def test_loader_hands_each_cp_rank_its_shard(tmp_path):
     per_rank = [list(plait.Loader(spec, dp_rank=1, cp_rank=r, prefetch=0)) for r in range(2)]
     for i, mb in enumerate(full):
         _same(unshard([per_rank[0][i], per_rank[1][i]]), mb)
+
+
+def test_local_runtime_and_cp_work_without_ray(tmp_path):
+    """Ray is an optional extra: with `import ray` failing, the local runtime and CP sharding still work."""
+    import subprocess
+    import sys
+
+    from plait.demo import generate
+
+    spec_path = generate(tmp_path / "demo")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import plait\n"
+        f"spec = plait.load_spec({str(spec_path)!r}).with_overrides(topology={{'dp': 2, 'cp': 2}}, steps=1)\n"
+        "batches = list(plait.Loader(spec, dp_rank=1, cp_rank=1, prefetch=0))\n"
+        "assert batches and all(b.stats['cp']['rank'] == 1 for b in batches)\n"
+        "try:\n"
+        "    plait.Loader(spec, runtime='ray')\n"
+        "except plait.PlaitError as e:\n"
+        "    assert 'plait[ray]' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('the ray runtime should need plait[ray]')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
