@@ -861,6 +861,11 @@ class RayRuntime:
         self.info = _get(self.planner.info.remote())
         _get(self.planner.attach.remote(self.spec.data_fingerprint()))
         self._gen = _get(self.planner.seek.remote(state))
+        for ref in list(self._plan_refs.values()) + list(self._build_refs.values()):
+            try:  # collect the errors of requests to the dead actors (else Ray reports them as unhandled)
+                _get(ref, timeout=0.5)
+            except Exception:  # noqa: BLE001
+                pass
         self._plan_refs.clear()
         self._build_refs = {}
         took = time.perf_counter() - t0
