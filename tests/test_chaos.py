@@ -132,3 +132,28 @@ def test_a_training_client_survives_loader_and_constructor_deaths(ray_instance, 
         loader.close()
     assert compare_streams(expected, got)["same_order"]
     assert "constructor" in roles and "loader" in roles
+
+
+def test_a_dead_shadow_is_noticed_and_replaced(ray_instance, data, reference):
+    """A standby that dies is found from its failed follow calls and replaced; it is not silently lost."""
+    from plait.runtime.ray import RayRuntime
+
+    rt = RayRuntime(make_spec(data, dp=4, shadows=1), loaders=LOADERS, respawn_delay=2)
+    ids = []
+    try:
+        for step in range(STEPS):
+            plan = rt.plan()
+            if step == 2:
+                ray.kill(ray.get(rt.planner.get_shadows.remote())[0][0], no_restart=True)
+            if step == 11:  # its primary dies later: the replacement shadow takes over
+                ray.kill(ray.get(rt.planner.get_loaders.remote())[0], no_restart=True)
+            for r in range(plan.ranks):
+                ids.extend(mb.sample_ids for mb in rt.build(plan, r))
+        events = rt.recovery_events()
+    finally:
+        rt.close()
+    assert compare_streams(reference, ids)["same_order"]
+    roles = [e["role"] for e in events]
+    assert roles[:2] == ["shadow", "shadow-start"], roles
+    loader = [e for e in events if e["role"] == "loader"]
+    assert len(loader) == 1 and loader[0]["how"].startswith("shadow promoted")

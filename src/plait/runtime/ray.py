@@ -444,7 +444,8 @@ class PlannerActor:
         self.recovery_log: list[dict] = []
         self._last_delta_step = -1
         self.respawn_delay = int(options.get("respawn_delay", 4))
-        self._respawn: dict[int, int] = {}  # loader index -> step at which to start its new shadow
+        self._respawn: list[tuple[int, int]] = []  # (loader index, step at which a new shadow starts)
+        self._follows: dict[int, list] = {}  # loader index -> [(shadow, ref of its last follow calls)]
         self.shadows = [[self._new_shadow(k) for _ in range(self._shadow_count(k))] for k in range(len(self.loaders))]
 
     def _shadow_count(self, k: int) -> int:
@@ -462,23 +463,54 @@ class PlannerActor:
         loader to shadow; the Planner only passes the reference). Right after planning: the shadows
         then decode the blocks the new steps need while the Constructors fetch them."""
         step = self.planner.step
-        for k, at in list(self._respawn.items()):
-            if step >= at:
-                del self._respawn[k]
-                sh = self._new_shadow(k)
-                sh.sync.remote(self.loaders[k].checkpoint_snapshot.remote(step))
-                self.shadows[k].append(sh)
-                log.info("standby: a new shadow of %s starts at step %d", self.loader_names[k], step)
-                self.recovery_log.append({"role": "shadow-start", "actor": self.loader_names[k], "step": step,
-                                          "at": time.time()})
+        self._check_shadows()
+        due = [(k, at) for k, at in self._respawn if step >= at]
+        self._respawn = [r for r in self._respawn if r not in due]
+        for k, _ in due:
+            sh = self._new_shadow(k)
+            sh.sync.remote(self.loaders[k].checkpoint_snapshot.remote(step))
+            self.shadows[k].append(sh)
+            log.info("standby: a new shadow of %s starts at step %d", self.loader_names[k], step)
+            self.recovery_log.append({"role": "shadow-start", "actor": self.loader_names[k], "step": step,
+                                      "at": time.time()})
         if step - self._last_delta_step < self.checkpoint_interval:
             return
         self._last_delta_step = step
         for k, ld in enumerate(self.loaders):
             if self.shadows[k]:
                 ref = ld.checkpoint_delta.remote(step)
+                follows = self._follows.setdefault(k, [])
                 for sh in self.shadows[k]:
-                    sh.follow.remote(ref)
+                    follows.append((sh, sh.follow.remote(ref)))
+                del follows[: max(0, len(follows) - 16 * len(self.shadows[k]))]
+
+    def _check_shadows(self) -> None:
+        """Find dead shadows from their finished follow calls (no extra traffic), replace them later."""
+        ray = _ray()
+        for k, follows in self._follows.items():
+            done = [(sh, ref) for sh, ref in follows if ray.wait([ref], timeout=0)[0]]
+            for pair in done:
+                follows.remove(pair)
+            failed = []
+            for sh, ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead shadow, or a delta from a dead primary
+                    failed.append(sh)
+            for sh in {_actor_id(h): h for h in failed}.values():
+                if not any(_actor_id(sh) == _actor_id(x) for x in self.shadows[k]):
+                    continue
+                try:
+                    _get(sh.shadow_stats.remote(), timeout=30)
+                    continue  # alive: the delta's primary died (handled where it is detected)
+                except _dead_errors():
+                    pass
+                self.shadows[k] = [x for x in self.shadows[k] if _actor_id(x) != _actor_id(sh)]
+                log.warning("failure: a shadow of SourceLoader %s is dead; detected at step %d; a new one starts "
+                            "in %d steps", self.loader_names[k], self.planner.step, self.respawn_delay)
+                self.recovery_log.append({"role": "shadow", "actor": self.loader_names[k], "step": self.planner.step,
+                                          "at": time.time(), "recovery_s": 0.0})
+                self._respawn.append((k, self.planner.step + self.respawn_delay))
 
     def _loader_died(self, k: int, handle) -> None:
         if _actor_id(self.loaders[k]) == _actor_id(handle):
@@ -528,7 +560,7 @@ class PlannerActor:
         if self._shadow_count(k):
             # Keep the standby count, but not now: starting a worker process costs a second of CPU
             # that the failure step should not pay. It starts a few steps later, from a snapshot.
-            self._respawn[k] = self.planner.step + self.respawn_delay
+            self._respawn.append((k, self.planner.step + self.respawn_delay))
         took = time.perf_counter() - t0
         log.warning("recovery: SourceLoader %s replaced by %s (%s) in %.3f s", dead, self.loader_names[k], how, took)
         self.recovery_log.append({"role": "loader", "actor": dead, "replacement": self.loader_names[k],
@@ -549,6 +581,9 @@ class PlannerActor:
 
     def recovery_events(self) -> list[dict]:
         return list(self.recovery_log)
+
+    def get_shadows(self) -> list[list]:
+        return self.shadows
 
     def shadow_stats(self) -> list[list[dict]]:
         return [_get([sh.shadow_stats.remote() for sh in group]) for group in self.shadows]
