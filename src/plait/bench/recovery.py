@@ -327,6 +327,7 @@ def _run_ray(spec, args) -> dict:
     if started:
         ray.init(include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
     loaders = len(spec.sources)
+    delta_stats: list[tuple[int, int]] = []
 
     def one_run(kills: dict[int, int]):
         rt = RayRuntime(spec, loaders=loaders, checkpoint_interval=args.interval, respawn_delay=args.respawn_delay)
@@ -343,6 +344,8 @@ def _run_ray(spec, args) -> dict:
                     ids.extend(mb.sample_ids for mb in rt.build(plan, r))
                 step_s.append(time.perf_counter() - t0)
             events = rt.recovery_events()
+            shadows = [st for group in ray.get(rt.planner.shadow_stats.remote()) for st in group]
+            delta_stats.append((sum(st["delta_bytes"] for st in shadows), sum(st["deltas"] for st in shadows)))
         finally:
             rt.close()
         return ids, step_s, killed_at, events
@@ -373,6 +376,7 @@ def _run_ray(spec, args) -> dict:
     return {
         "runtime": "ray",
         "failures": len(out_events),
+        "delta_bytes_mean": delta_stats[0][0] / max(1, delta_stats[0][1]) if delta_stats else None,
         "kills": len(killed_at),
         "events": out_events,
         "step_build_s": step_build,
