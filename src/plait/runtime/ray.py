@@ -755,7 +755,11 @@ class RayRuntime:
             if address is None:
                 kwargs.setdefault("include_dashboard", False)
                 self._started_ray = True
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+            try:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+            except ConnectionError as e:
+                raise PlaitError(f"cannot join the Ray cluster at {address!r}: {e} (start one with `ray start "
+                                 "--head`, or leave --address unset to start a local instance)") from None
         if constructors not in ("node", "replica"):
             raise PlaitError(f"constructors must be 'node' or 'replica', not {constructors!r}")
         self.shared = job is not None
