@@ -45,12 +45,13 @@ if numba is not None:
         for d in range(len(cu) - 1):
             a = cu[d]
             b = cu[d + 1]
-            for t in range(a, b):
+            if b <= a:
+                continue
+            for t in range(a, b - 1):  # one pass: read each id once, write both outputs
                 position_ids[t] = t - a
-            for t in range(a, b - 1):
                 labels[t] = input_ids[t + 1]
-            if b > a:
-                labels[b - 1] = ignore
+            position_ids[b - 1] = b - 1 - a
+            labels[b - 1] = ignore
 
 else:  # pragma: no cover
     copy_spans = _copy_spans_py

@@ -42,10 +42,12 @@ class Items:
         parts = [p for p in parts if len(p)]
         if not parts:
             return cls.empty()
-        return cls(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+        if len(parts) == 1:
+            return parts[0]
+        return cls(**{c: np.concatenate([getattr(p, c) for p in parts]) for c in ITEM_INT_COLUMNS})
 
     def take(self, index: np.ndarray) -> "Items":
-        return Items(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return Items(**{c: getattr(self, c)[index] for c in ITEM_INT_COLUMNS})
 
     def to_rows(self) -> list[list[int]]:
         if not len(self):
@@ -137,6 +139,12 @@ class StepPlan:
         return RankPlan(self.step, dp_rank, count, self.items.take(sel), self.micro[sel], self.stats())
 
     def stats(self) -> dict:
+        cached = self.__dict__.get("_stats")
+        if cached is None:
+            cached = self.__dict__["_stats"] = self._stats()
+        return dict(cached)
+
+    def _stats(self) -> dict:
         return {
             "step": self.step,
             "tokens": self.tokens,

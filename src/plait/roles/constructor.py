@@ -68,21 +68,25 @@ class Constructor:
         sel = sel[np.argsort(plan.micro[sel], kind="stable")]
         items = plan.items.take(sel)
         tokens = self._fetch(items)
+        # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
+        # document boundary, so each micro-batch is a slice.
+        fields = pack_fields(tokens, items.length)
+        cu_all, positions, labels = fields["cu_seqlens"], fields["position_ids"], fields["labels"]
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
-        token_bounds = np.concatenate([[0], np.cumsum(items.length)])[item_bounds]
         sample_ids = items.sample_ids()
         source_ids = items.source.astype(np.int32)
+        stats = plan.stats
         out = []
         for m in micros:
             a, b = item_bounds[m], item_bounds[m + 1]
-            input_ids = tokens[token_bounds[m] : token_bounds[m + 1]]
-            fields = pack_fields(input_ids, items.length[a:b])
+            t0, t1 = cu_all[a], cu_all[b]
             out.append(
                 MicroBatch(
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
-                    input_ids=input_ids, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
-                    stats=plan.stats, **fields,
+                    input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
+                    cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
+                    stats=stats,
                 )
             )
         return out

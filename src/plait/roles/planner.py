@@ -56,6 +56,7 @@ class Planner:
         self.carry = Items.empty()
         self._meta: dict[int, object] = {}
         self.empty_docs = 0
+        self.fingerprint = spec.data_fingerprint()
         for i in range(n):
             self.cursor[i, :3] = provider.first_key(i)
 
@@ -200,7 +201,7 @@ class Planner:
     def state_dict(self) -> dict:
         return {
             "version": STATE_VERSION,
-            "fingerprint": self.spec.data_fingerprint(),
+            "fingerprint": self.fingerprint,
             "step": self.step,
             "sources": {
                 s.name: {"cursor": self.cursor[i].tolist(), "deficit": float(self.deficit[i]), "drawn": int(self.drawn[i])}
@@ -212,7 +213,7 @@ class Planner:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise PlaitError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
-        if state.get("fingerprint") != self.spec.data_fingerprint():
+        if state.get("fingerprint") != self.fingerprint:
             raise PlaitError(
                 "the data state was saved with a different spec (sources, mixture or seed changed); "
                 "resuming would not continue the same data stream"

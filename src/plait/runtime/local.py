@@ -43,9 +43,9 @@ class LocalRuntime:
         skip = start_micro
         while max_steps is None or self.planner.step < max_steps:
             plan = self.plan()
-            wanted = set(range(skip, plan.microbatches))
+            wanted = None if skip == 0 else set(range(skip, plan.microbatches))
             skip = 0
-            for mb in self.build(plan, dp_rank, only=wanted) if wanted else []:
+            for mb in self.build(plan, dp_rank, only=wanted):
                 yield plan.state_before, mb
             self.release()
 
