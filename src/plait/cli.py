@@ -27,6 +27,7 @@ COMMAND_MODULES = {
 }
 BENCH_MODULES = {
     "throughput": "plait.bench.throughput",
+    "ray-throughput": "plait.bench.ray_throughput",
     "balance": "plait.bench.balance",
     "memory": "plait.bench.memory",
     "startup": "plait.bench.startup",

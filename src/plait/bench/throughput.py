@@ -29,8 +29,11 @@ def add_arguments(p) -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="take the best of this many passes of each")
     p.add_argument("--data", metavar="DIR", help="where to write the dataset (default: a temp dir)")
-    p.add_argument("--runtime", choices=["local", "ray"], default="local")
-    p.add_argument("--ranks", type=int, default=4, help="ray runtime: simulated DP ranks")
+    p.add_argument("--runtime", choices=["local", "ray"], default="local",
+                   help="ray: tokens/s to --ranks simulated ranks and the fraction of steps a rank waited "
+                   "(same as `plait bench ray-throughput`)")
+    p.add_argument("--ranks", type=int, default=8, help="ray runtime: simulated DP ranks")
+    p.add_argument("--steps", type=int, default=30, help="ray runtime: global steps")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 
@@ -94,6 +97,16 @@ def run(args) -> int:
     from plait.spec import load_spec
 
     console = Console()
+    if args.runtime == "ray":
+        import argparse
+
+        from plait.bench import ray_throughput
+
+        ray_args = argparse.ArgumentParser()
+        ray_throughput.add_arguments(ray_args)
+        ns = ray_args.parse_args(["--runtime", "ray", "--ranks", str(args.ranks), "--steps", str(args.steps),
+                                  "--seq-len", str(args.seq_len)] + (["--json", args.json] if args.json else []))
+        return ray_throughput.run(ns)
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
     tmp = None
@@ -103,7 +116,7 @@ def run(args) -> int:
     spec = load_spec({
         "sources": [{"name": "tokens", "path": str(root / "*.parquet"), "tokens_field": "input_ids"}],
         "packing": {"seq_len": args.seq_len, "microbatches": args.microbatches},
-        "topology": {"dp": 1 if args.runtime == "local" else args.ranks},
+        "topology": {"dp": 1},
     })
     total = sum(pq.ParquetFile(p).metadata.num_rows and pq.read_metadata(p).num_rows for p in paths)
     raw_best, ours_best = 0.0, 0.0
@@ -112,12 +125,7 @@ def run(args) -> int:
     for _ in range(args.repeats):
         n, s = raw_read(paths)
         raw_tokens, raw_best = n, max(raw_best, n / s)
-        if args.runtime == "local":
-            m, s2, batches = plait_read(spec, n)
-        else:
-            from plait.bench.ray_throughput import ray_read
-
-            m, s2, batches = ray_read(spec, n)
+        m, s2, batches = plait_read(spec, n)
         ours_tokens, ours_best = m, max(ours_best, m / s2)
     result = {
         "runtime": args.runtime,

@@ -37,6 +37,8 @@ class MicroBatch:
         import torch
 
         def t(a, dtype):
+            if not a.flags.writeable:  # batches from Ray's object store are read-only views
+                a = a.copy()
             return torch.from_numpy(a).to(dtype=dtype, device=device)
 
         return {
