@@ -49,7 +49,7 @@ def stream(
             _resume(rt, resume)
         mixture = MixtureSchedule(spec)
         stats = RunStats(spec.source_names, spec.topology.dp)
-        per_step_shares = []
+        per_step_shares = []  # tokens per source per step
         with Progress(
             TextColumn("[bold]streaming[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not progress, console=Console(stderr=True),
@@ -63,7 +63,7 @@ def stream(
                         stats.add_batch(mb)
                 rt.release()
                 tok = np.bincount(plan.items.source, weights=plan.items.length, minlength=len(spec.sources))
-                per_step_shares.append(tok / max(1, tok.sum()))
+                per_step_shares.append(tok)
                 bar.update(task, advance=1, rate=f"{stats.tokens / max(stats.elapsed, 1e-9) / 1e6:.2f} M tok/s")
         summary = stats.summary()
         report = rt.error_report()
@@ -137,7 +137,8 @@ def _plot(spec: Spec, stats: RunStats, shares: np.ndarray, mixture: MixtureSched
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     steps = np.arange(len(shares))
-    cum = np.cumsum(shares, axis=0) / (steps[:, None] + 1)
+    totals = np.cumsum(shares, axis=0)  # tokens per source, cumulative
+    cum = totals / np.maximum(1, totals.sum(axis=1, keepdims=True))
     for i, name in enumerate(spec.source_names):
         line = a.plot(steps, cum[:, i], label=f"{name} (cumulative)")
         a.plot(steps, [mixture.weights(t)[i] for t in steps], "--", color=line[0].get_color(), alpha=0.6)
