@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_gpt import TinyGPT, example_spec, loss_sum  # noqa: E402
+from tiny_gpt import TinyGPT, data_parallel_step, example_spec  # noqa: E402
 
 import plait  # noqa: E402
 
@@ -76,16 +76,7 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, t0 = [], time.perf_counter()
     for step, mb in enumerate(loader):
-        batch = mb.to_torch()
-        total, count = loss_sum(model, batch)
-        n = torch.tensor([count, total.item()], dtype=torch.float64)
-        dist.all_reduce(n)
-        (total / n[0]).backward()
-        for prm in model.parameters():
-            dist.all_reduce(prm.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(n[1] / n[0]))
+        losses.append(data_parallel_step(model, opt, mb.to_torch()))
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  ({mb.num_tokens} tokens, {len(mb.cu_seqlens) - 1} docs)",
                   flush=True)

@@ -23,7 +23,7 @@ def train_loop(config: dict) -> None:
     sys.path.insert(0, config["examples"])
     import torch
     import torch.distributed as dist
-    from tiny_gpt import TinyGPT, example_spec, loss_sum
+    from tiny_gpt import TinyGPT, data_parallel_step, example_spec
 
     import plait
     import ray.train
@@ -40,16 +40,7 @@ def train_loop(config: dict) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=config["lr"])
     losses = []
     for step, mb in enumerate(loader):
-        batch = mb.to_torch()
-        total, count = loss_sum(model, batch)
-        n = torch.tensor([count, total.item()], dtype=torch.float64)
-        dist.all_reduce(n)
-        (total / n[0]).backward()
-        for prm in model.parameters():
-            dist.all_reduce(prm.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(n[1] / n[0]))
+        losses.append(data_parallel_step(model, opt, mb.to_torch()))
     dist.barrier()
     loader.close()
     metrics = {"first_loss": sum(losses[:5]) / 5, "last_loss": sum(losses[-5:]) / 5, "losses": losses,

@@ -71,6 +71,25 @@ def loss_sum(model: TinyGPT, batch: dict) -> tuple[torch.Tensor, int]:
     return total, int((labels != IGNORE_INDEX).sum())
 
 
+def data_parallel_step(model: TinyGPT, opt: torch.optim.Optimizer, batch: dict) -> float:
+    """One optimizer step of plain data parallelism (gloo all-reduce); returns the global mean loss.
+
+    The loss is normalised by the label tokens of all ranks together, so every rank's packed batch
+    counts by its tokens, whatever its size.
+    """
+    import torch.distributed as dist
+
+    total, count = loss_sum(model, batch)
+    n = torch.tensor([count, total.item()], dtype=torch.float64)
+    dist.all_reduce(n)
+    (total / n[0]).backward()
+    for prm in model.parameters():
+        dist.all_reduce(prm.grad)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(n[1] / n[0])
+
+
 def example_spec(data_dir: str, dp: int, steps: int, seq_len: int = 256):
     """The demo dataset (generated once into data_dir, offline), sized for a CPU model."""
     import plait

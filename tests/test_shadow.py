@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
-from plait.bench.recovery import LocalGroup, compare_streams, make_spec, simulate
-from plait.checkpoint import nbytes
+from plait.bench.recovery import compare_streams, make_spec, simulate
 from plait.roles.constructor import Constructor
 from plait.roles.planner import Planner
 from plait.roles.shadow import ShadowLoader

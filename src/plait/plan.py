@@ -8,7 +8,7 @@ lives in its source's deterministic order (source, epoch, file_pos, block_pos, p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 

@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 HELP = "ray runtime: tokens/s to R simulated ranks and the fraction of steps a rank waited for data"
 DESCRIPTION = __doc__
