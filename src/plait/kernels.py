@@ -1,28 +1,39 @@
-"""Compiled inner loops (numba) for the per-token work of packing, with numpy fallbacks.
+"""Compiled inner loops (numba) for the per-token work of packing, with numpy versions.
 
 Each kernel makes one pass over the tokens it writes. numba compiles them on first use and caches the
 machine code next to this file, so later processes start fast.
+
+numba (with llvmlite) costs a process about 60-80 MiB resident, so it is imported on a kernel's first
+call, not with this module, and a process may choose the numpy versions instead (`use_compiled(False)`,
+or PLAIT_NUMBA=0 in its environment) before that call. Both versions write exactly the same values.
+The Ray runtime's SourceLoader and Constructor actors use the numpy versions: there the per-token work
+is a few slice copies per request, small next to the transfer, and every actor process saved is memory
+saved per node. The Planner's balancing kernels (balance.py) stay compiled.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-try:
-    import numba
-
-    _njit = numba.njit(cache=True, nogil=True)
-except ImportError:  # pragma: no cover - numba is a core dependency; kept for odd platforms
-    numba = None
+_compiled: bool | None = None if os.environ.get("PLAIT_NUMBA", "1") != "0" else False
+_impl: tuple | None = None  # (copy_spans, fill_positions_labels) once resolved
 
 
-def _copy_spans_py(src, src_starts, lengths, out, out_starts):
-    from plait.packing import ragged_arange
+def use_compiled(flag: bool) -> None:
+    """Choose numba (True) or numpy (False) kernels for this process; takes effect if no kernel ran yet."""
+    global _compiled
+    if _impl is None:
+        _compiled = bool(flag)
 
-    out[ragged_arange(out_starts, lengths)] = src[ragged_arange(src_starts, lengths)]
+
+def _copy_spans_np(src, src_starts, lengths, out, out_starts):
+    for s, d, n in zip(np.asarray(src_starts).tolist(), np.asarray(out_starts).tolist(), np.asarray(lengths).tolist()):
+        out[d : d + n] = src[s : s + n]
 
 
-def _fill_positions_labels_py(input_ids, cu, position_ids, labels, ignore):
+def _fill_positions_labels_np(input_ids, cu, position_ids, labels, ignore):
     lengths = np.diff(cu)
     position_ids[:] = np.arange(len(input_ids), dtype=position_ids.dtype) - np.repeat(cu[:-1], lengths)
     labels[:-1] = input_ids[1:]
@@ -30,9 +41,14 @@ def _fill_positions_labels_py(input_ids, cu, position_ids, labels, ignore):
         labels[cu[1:][lengths > 0] - 1] = ignore
 
 
-if numba is not None:
+def _numba_kernels() -> tuple | None:
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a core dependency; kept for odd platforms
+        return None
+    njit = numba.njit(cache=True, nogil=True)
 
-    @_njit
+    @njit
     def copy_spans(src, src_starts, lengths, out, out_starts):
         for i in range(len(lengths)):
             s = src_starts[i]
@@ -40,7 +56,7 @@ if numba is not None:
             n = lengths[i]
             out[d : d + n] = src[s : s + n]
 
-    @_njit
+    @njit
     def fill_positions_labels(input_ids, cu, position_ids, labels, ignore):
         for d in range(len(cu) - 1):
             a = cu[d]
@@ -53,9 +69,33 @@ if numba is not None:
             position_ids[b - 1] = b - 1 - a
             labels[b - 1] = ignore
 
-else:  # pragma: no cover
-    copy_spans = _copy_spans_py
-    fill_positions_labels = _fill_positions_labels_py
+    return copy_spans, fill_positions_labels
+
+
+def _kernels() -> tuple:
+    global _impl, _compiled
+    if _impl is None:
+        impl = _numba_kernels() if _compiled is not False else None
+        _compiled = impl is not None
+        _impl = impl or (_copy_spans_np, _fill_positions_labels_np)
+    return _impl
+
+
+def compiled() -> bool:
+    """Whether this process runs the numba kernels (resolves the choice)."""
+    _kernels()
+    return bool(_compiled)
+
+
+def copy_spans(src, src_starts, lengths, out, out_starts):
+    """out[out_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]] for every i."""
+    (_impl or _kernels())[0](src, src_starts, lengths, out, out_starts)
+
+
+def fill_positions_labels(input_ids, cu, position_ids, labels, ignore):
+    """position_ids restart at every document of `cu`; labels are input_ids shifted left by one, with
+    `ignore` at each document's last token."""
+    (_impl or _kernels())[1](input_ids, cu, position_ids, labels, ignore)
 
 
 def warm_up() -> None:

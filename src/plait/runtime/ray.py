@@ -56,6 +56,34 @@ def _ray():
     return ray
 
 
+def _serialization_without_arrow() -> None:
+    """Create this process's Ray serialization context without importing pyarrow, if nothing has yet.
+
+    Ray imports pyarrow (about 25-40 MiB resident, mostly libarrow) when it creates a process's
+    serialization context, only to register reducers for Arrow tables and JSON options. A trainer
+    process that Ray was started in by plait exchanges numpy arrays and plain objects with plait's
+    actors, never Arrow data, so the context is created while pyarrow reads as absent (Ray then skips
+    those reducers; Arrow objects still serialize, by pickle). Where pyarrow is already imported, or
+    PLAIT_RAY_ARROW=1, nothing changes.
+    """
+    import sys
+
+    if "pyarrow" in sys.modules or os.environ.get("PLAIT_RAY_ARROW") == "1":
+        return
+    try:
+        from ray._private.worker import global_worker
+    except ImportError:  # pragma: no cover - another Ray layout: keep Ray's default
+        return
+    sys.modules["pyarrow"] = None  # `import pyarrow` raises ModuleNotFoundError meanwhile
+    try:
+        global_worker.get_serialization_context()
+    except Exception:  # noqa: BLE001 - created normally on first use instead
+        pass
+    finally:
+        if "pyarrow" in sys.modules and sys.modules["pyarrow"] is None:
+            del sys.modules["pyarrow"]
+
+
 def _get(refs, timeout: float | None = None):
     """ray.get that re-raises plait's own errors as themselves (a bad spec or shard, not a Ray trace)."""
     ray = _ray()
@@ -162,11 +190,20 @@ def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int]
 
 
 # ----- actors (plain classes; wrapped with ray.remote when first used) -------------------------------
+def _numpy_kernels() -> None:
+    """Loader and Constructor actors copy a few spans per request: the numpy kernels (same values) do it
+    without importing numba and llvmlite (60-80 MiB per process). The Planner keeps compiled balancing."""
+    from plait import kernels
+
+    kernels.use_compiled(False)
+
+
 class LoaderActor:
     """A SourceLoader owning some partitions of some sources."""
 
     def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
                  max_cached_blocks: int):
+        _numpy_kernels()
         from plait.roles.source_loader import SourceLoader
 
         spec = load_spec(spec_dict)
@@ -228,6 +265,7 @@ class ShadowActor(LoaderActor):
 
     def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
                  max_cached_blocks: int, primary: str):
+        _numpy_kernels()
         from plait.roles.shadow import ShadowLoader
 
         spec = load_spec(spec_dict)
@@ -661,6 +699,7 @@ class ConstructorActor:
     """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead."""
 
     def __init__(self, job: str, prefetch: int, threads: int = 2):
+        _numpy_kernels()
         ray = _ray()
         self.planner = ray.get_actor(f"{job}/planner", namespace=NAMESPACE)
         info = _get(self.planner.info.remote())
@@ -760,6 +799,7 @@ class RayRuntime:
             except ConnectionError as e:
                 raise PlaitError(f"cannot join the Ray cluster at {address!r}: {e} (start one with `ray start "
                                  "--head`, or leave --address unset to start a local instance)") from None
+            _serialization_without_arrow()
         if constructors not in ("node", "replica"):
             raise PlaitError(f"constructors must be 'node' or 'replica', not {constructors!r}")
         self.shared = job is not None
