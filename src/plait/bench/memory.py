@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+CACHED_BLOCKS = 256  # decoded blocks a SourceLoader keeps, in both setups (the ray runtime's default)
 HELP = "resident memory of data loading: per-rank loaders vs plait's ray runtime (S sources, R ranks)"
 DESCRIPTION = __doc__
 
@@ -88,6 +89,7 @@ def _rank_worker(spec_dict: dict, rank: int, steps: int, q, worker: int = 0, wor
     from plait.spec import load_spec
 
     rt = LocalRuntime(load_spec(spec_dict))
+    rt.loader.max_cached_blocks = CACHED_BLOCKS  # the same cache limit as the ray runtime's loaders
     for _, mb in rt.iter_rank(rank, rt.state_dict(), 0, steps):
         if mb.step % workers == worker:
             q.put(mb)
@@ -131,7 +133,8 @@ def _trainer() -> None:
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="ray", job=cfg["job"], address=cfg["address"],
-                              steps=cfg["steps"], **({"loaders": cfg["loaders"]} if cfg.get("loaders") else {}))
+                              steps=cfg["steps"], max_cached_blocks=CACHED_BLOCKS,
+                              **({"loaders": cfg["loaders"]} if cfg.get("loaders") else {}))
         n = sum(1 for _ in loader)
     print(json.dumps({"pid": os.getpid(), "workers": [w.pid for w in workers], "batches": n,
                       "base_rss": base.rss, "base_pss": base.pss}), flush=True)
@@ -244,7 +247,8 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None) 
             actor_pss = sum(p for v in actors.values() for _, p in v)
             return {
                 "total_rss": actor_rss + client_rss, "total_pss": actor_pss + client_pss,
-                "actors": {k: {"count": len(v), "rss": sum(r for r, _ in v)} for k, v in actors.items()},
+                "actors": {k: {"count": len(v), "rss": sum(r for r, _ in v), "pss": sum(p for _, p in v)}
+                           for k, v in actors.items()},
                 "client_rss": client_rss, "client_rss_per_rank": client_rss / ranks,
                 "daemons_rss": sum(r for v in daemons.values() for r, _ in v),
                 "daemons_pss": sum(p for v in daemons.values() for _, p in v),
@@ -270,7 +274,7 @@ def run(args) -> int:
         console.print(f"{args.sources} sources written in {time.perf_counter() - t0:.1f} s; "
                       f"{args.ranks} trainer processes per setup, {args.steps} steps each")
         result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb,
-                        "workers_per_rank": args.workers}
+                        "workers_per_rank": args.workers, "max_cached_blocks": CACHED_BLOCKS}
         if args.only != "plait":
             a = measure_per_rank(spec_dict, args.ranks, args.steps, args.workers)
             result["per_rank"] = a
@@ -296,7 +300,8 @@ def run(args) -> int:
                       f"{args.ranks * args.workers} workers, {a['worker_rss_mean'] / mb:.0f} MiB RSS each")
     if "plait" in result:
         b = result["plait"]
-        roles = ", ".join(f"{v['count']} {k.replace('Actor', '')}" for k, v in sorted(b["actors"].items()))
+        roles = ", ".join(f"{v['count']} {k.replace('Actor', '')} {v['rss'] / mb:.0f} MiB"
+                          for k, v in sorted(b["actors"].items()))
         table.add_row("plait (ray runtime)", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
                       f"{roles}; client {b['client_rss_per_rank'] / mb:.0f} MiB/rank")
         table.add_row("Ray daemons (separate)", f"{b['daemons_rss'] / mb:,.0f}", f"{b['daemons_pss'] / mb:,.0f}",
