@@ -179,7 +179,7 @@ class Source:
         if isinstance(values, pa.ChunkedArray):
             values = values.combine_chunks()
         ok_index = raw.ok_index
-        null_mask = np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        null_mask = _null_mask(values)
         values, ok_index = self._drop(values, ok_index, null_mask, path, raw.first_row,
                                       f"field {self.reader.field!r} is null or missing")
         if self.encoder is None and _is_int_list(values.type):
@@ -292,7 +292,7 @@ def _bad_token_lists(values: pa.Array) -> list[tuple[np.ndarray, str]]:
         return mask
 
     if ids.null_count:
-        out.append((records(np.asarray(ids.is_null().to_numpy(zero_copy_only=False), dtype=bool)),
+        out.append((records(_null_mask(ids)),
                     "token list holds a null id"))
         ids = ids.fill_null(0)
     flat = ids.to_numpy(zero_copy_only=False)
@@ -355,3 +355,14 @@ def _data_files(paths: list[str], spec: SourceSpec) -> list[str]:
         raise SourceError(spec.name, None, None, f"the folder holds several formats {sorted(formats)}; set `format`")
     wanted = spec.format or (formats.pop() if formats else None)
     return [p for p, k in kinds.items() if k is not None and k == wanted]
+
+
+def _null_mask(values: pa.Array) -> np.ndarray:
+    """Which entries are null, read straight from the validity bitmap (nothing to do without nulls)."""
+    n = len(values)
+    if values.null_count == 0:
+        return np.zeros(n, dtype=bool)
+    bitmap = values.buffers()[0]
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
+    return bits[values.offset : values.offset + n] == 0
+
