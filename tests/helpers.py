@@ -160,18 +160,9 @@ def make_spec(sources: list[dict | Dataset], *, seq_len: int = 64, microbatches:
 
 def train_tokenizer(path, vocab_size: int = 300) -> str:
     """A small byte-level BPE tokenizer.json, trained offline in well under a second."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from plait.transforms.tokenize import train_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(texts(300, seed=99), trainer=trainer)
-    tok.save(str(path))
-    return str(path)
+    return train_bpe_tokenizer(texts(300, seed=99), vocab_size, path)
 
 
 def write_spec(path, spec: dict) -> str:

@@ -123,15 +123,6 @@ def generate(cache_dir: Path | None = None, *, force: bool = False) -> Path:
 
 
 def _train_tokenizer(root: Path, rng, vocab) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from plait.transforms.tokenize import train_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=["<|bos|>", "<|eos|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    sample = _texts(rng, vocab, np.full(400, 200))
-    tok.train_from_iterator(sample, trainer=trainer)
-    tok.save(str(root / "tokenizer.json"))
+    train_bpe_tokenizer(_texts(rng, vocab, np.full(400, 200)), VOCAB_SIZE, str(root / "tokenizer.json"))

@@ -82,3 +82,23 @@ class TextEncoder:
         data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
         flat = data[offsets[0] : offsets[-1]].astype(np.int32)
         return flat, offsets - offsets[0]
+
+
+def train_bpe_tokenizer(texts, vocab_size: int, path: str) -> str:
+    """Train a byte-level BPE tokenizer.json offline (demo data, tests); returns its path.
+
+    Ids 0 and 1 are the special tokens <|bos|> and <|eos|>.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(path))
+    return str(path)
+
