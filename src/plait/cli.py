@@ -199,11 +199,11 @@ def cmd_inspect(args) -> int:
         lens = meta.lengths
         table.add_row(s.name, fmt, str(len(src.files)), f"{s.weight:g}", str(len(lens)),
                       f"{np.median(lens):.0f}" if len(lens) else "-", str(int(lens.max())) if len(lens) else "-",
-                      s.tokenizer or ("bytes" if s.text_field else "pre-tokenized"))
+                      Path(s.tokenizer).name if s.tokenizer else ("bytes" if s.text_field else "pre-tokenized"))
         block = loader._block(i, key)
         for d in range(min(args.docs, len(lens))):
             toks = block.tokens[block.starts[d] : block.starts[d] + block.lengths[d]]
-            previews.append((s.name, src.files[block.shard], int(block.rows[d]), len(toks), toks[:12].tolist()))
+            previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]), len(toks), toks[:12].tolist()))
     out.print(table)
     prev = Table(title="first documents in order")
     for col in ("source", "shard", "row", "tokens", "first ids"):

@@ -1,10 +1,10 @@
 """The embedded demo: a small multi-source dataset, generated once, and a spec over it.
 
 Four sources with clearly different document-length distributions and formats:
-  chat  short chat turns              JSONL (.jsonl.gz), text, median ~100 tokens
-  web   web pages                     Parquet, text,       median ~350 tokens, tail to ~16k
-  code  source files                  JSONL (.jsonl.zst), text, median ~600 tokens
-  long  long documents                Parquet, pre-tokenized list<int32>, 4k .. 64k tokens
+  chat  short chat turns              JSONL (.jsonl.gz), text, median ~70 tokens
+  web   web pages                     Parquet, text,       median ~250 tokens, tail to ~4k
+  code  source files                  JSONL (.jsonl.zst), text, median ~2.8k tokens, tail to ~35k
+  long  long documents                Parquet, pre-tokenized list<int32>, 4k .. 64k tokens (median ~10k)
 Text sources use a byte-level BPE tokenizer trained here with Hugging Face `tokenizers` (no download).
 """
 
