@@ -285,3 +285,25 @@ def test_planner_delays_outliers_at_most_max_delay_steps(tmp_path):
 def test_planner_no_delay_by_default(tmp_path):
     pl = planner(tmp_path, dp=8, microbatches=1, seq_len=256, ranges=((1, 20), (200, 256)))
     assert all(pl.plan_step().delayed_outliers == 0 for _ in range(6))
+
+
+@pytest.mark.parametrize("dist,R", [("web", 64), ("longctx", 64), ("longctx", 512)])
+def test_equal_mode_long_context_within_one_percent(dist, R):
+    # 128k micro-batches full of tokens, long chunks costlier than short documents: whole micro-batches
+    # move between ranks and a few long chunks (<= 1% of the tokens, never urgent ones) are carried.
+    import zlib
+
+    from plait.bench.balance import step_items
+
+    M, C = 4, 131072
+    rng = np.random.default_rng(zlib.crc32(f"{dist}/{R}/{C}/0/0".encode()))
+    lengths, _ = step_items(dist, R * M * C, C, rng)
+    costs = CostModel.from_dims(4096, 32, 11008, 32)(lengths)
+    priority = np.zeros(len(lengths), dtype=np.int64)
+    priority[np.flatnonzero(lengths == C)[:R // 4]] = 2  # carried before: must be placed now
+    a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, priority=priority)
+    assert ratio(a, costs, R) <= 1.01
+    assert a.placed[priority >= 2].all()
+    plain = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C)
+    assert ratio(plain, costs, R) <= 1.01
+    assert lengths[plain.placed].sum() >= 0.93 * R * M * C

@@ -23,8 +23,15 @@ Python functions run uncompiled otherwise, so results never depend on it):
    items go first in the next step, uncapped, so nothing waits more than a step for this.
 3. **Micro-batches.** Inside each rank the items are re-packed cost-first onto the least costly
    micro-batch with room (balanced micro-batch costs shorten pipeline bubbles), keeping the best-fit
-   packing if that does not fit or is not more even; then the heaviest micro-batches go to the middle
-   of the order.
+   packing if that does not fit or is not more even.
+4. **Whole micro-batches** (equal mode, when the step still certifies worse than 1 + RECAP_ABOVE). Any
+   two micro-batches fit anywhere, so swapping them between ranks keeps capacity: the costliest rank
+   repeatedly swaps one with one of the lightest ranks while that lowers the pair's maximum. When tokens
+   bind (128k micro-batches full of tokens, a long chunk costing several micro-batches of short
+   documents) ranks differ by how many long chunks they hold; then the costliest long item of the
+   costliest rank is carried, one at a time with swaps after each, up to REBALANCE_TOKENS of the step's
+   tokens, keeping the best state seen (never an urgent item: nothing waits more than a step for this).
+   Finally the heaviest micro-batches go to the middle of each rank's order.
 
 Modes: `equal` gives every rank exactly `microbatches` micro-batches (some may be empty when a step
 holds too few items). `variable` lets a rank use up to `max_microbatches` (default 2x) micro-batches:
@@ -148,6 +155,9 @@ def assign(
     rank_s, micro_s, rank_cost, micro_cost, room = state[:5]
     counts = np.full(R, W, dtype=np.int64)
     _pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, int(capacity), mode == "variable", counts)
+    if mode == "equal" and R > 1 and n and _ratio(state, Cs, R) > 1.0 + RECAP_ABOVE:
+        rank_cost, _ = _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, int(capacity),
+                                  int(REBALANCE_TOKENS * int(Ls.sum())))
     rank = np.empty(n, dtype=np.int32)
     micro = np.empty(n, dtype=np.int32)
     rank[order] = rank_s
@@ -168,6 +178,9 @@ def assign(
 
 CAP_SLACK = 0.002  # the capped pass allows rank costs this far above the lower bound
 RECAP_ABOVE = 0.005  # a second capped pass runs when the first certifies worse than 1 + this
+SWAP_SCAN = 256  # stage 2 swaps: the costliest rank tries this many of the lightest ranks
+CARRY_PATIENCE = 32  # stage 2 stops after this many carried items (beyond the top ranks) without progress
+REBALANCE_TOKENS = 0.01  # stage 2 carries at most this fraction of the step's tokens
 RECAP_TOKENS = 0.02  # ... and is kept if it carries at most this fraction of the step's tokens more
 
 
@@ -505,3 +518,160 @@ def _middle_heavy(micro_cost, counts, new_pos):
             new_pos[r, order[k]] = slot
         for j in range(m, W):
             new_pos[r, j] = j
+
+
+@_jit
+def _refine_swaps(mc, owner, slots, rank_cost, R, W, max_iter):
+    """Pairwise swaps of whole micro-batches between ranks (any two fit anywhere: each is <= capacity).
+
+    slots[r, k] is the micro-batch id in rank r's k-th slot; owner[g] its rank. Each iteration takes the
+    costliest rank p (ties: highest id) and the swap with any other rank that lowers max(cost p, cost q)
+    the most; stops when no swap lowers the costliest rank. Ranks are kept sorted by (cost, id): a swap
+    with q cannot end below (top + cost q) / 2, so the scan from the lightest rank stops early."""
+    order = np.argsort(rank_cost, kind="mergesort")
+    for it in range(max_iter):
+        p = order[R - 1]
+        top = rank_cost[p]
+        best = top * (1.0 - 1e-12)
+        bq = -1
+        ba = -1
+        bb = -1
+        for t in range(min(R - 1, SWAP_SCAN)):
+            q = order[t]
+            cq = rank_cost[q]
+            if cq >= best + best - top:
+                break
+            for a in range(W):
+                ca = mc[slots[p, a]]
+                for b in range(W):
+                    d = ca - mc[slots[q, b]]
+                    if d <= 0.0:
+                        continue
+                    nm = top - d
+                    if cq + d > nm:
+                        nm = cq + d
+                    if nm < best:
+                        best = nm
+                        bq = q
+                        ba = a
+                        bb = b
+        if bq < 0:
+            return it
+        ga = slots[p, ba]
+        gb = slots[bq, bb]
+        d = mc[ga] - mc[gb]
+        slots[p, ba] = gb
+        slots[bq, bb] = ga
+        owner[ga] = bq
+        owner[gb] = p
+        rank_cost[p] -= d
+        rank_cost[bq] += d
+        # Re-sort: drop p and bq, then insert both by (cost, id).
+        k = 0
+        for t in range(R):
+            r = order[t]
+            if r != p and r != bq:
+                order[k] = r
+                k += 1
+        for r in (p, bq):
+            j = k
+            while j > 0 and _before(rank_cost, r, order[j - 1]):
+                order[j] = order[j - 1]
+                j -= 1
+            order[j] = r
+            k += 1
+    return max_iter
+
+
+def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, carry_budget):
+    """Stage 2 (equal mode): move whole micro-batches between ranks, then carry the costliest items of
+    the costliest rank while that lowers max/LB, up to carry_budget tokens. Modifies the arrays."""
+    G = R * W
+    mc = micro_cost.ravel().copy()
+    slots = np.arange(G, dtype=np.int64).reshape(R, W)
+    owner = np.repeat(np.arange(R, dtype=np.int64), W)
+    rc = micro_cost.sum(axis=1)
+    placed = rank_s >= 0
+    total = float(Cs[placed].sum())
+    cmax_u = float(Cs[placed & Us].max()) if (placed & Us).any() else 0.0
+    max_iter = 4 * R + 16
+    _refine_swaps(mc, owner, slots, rc, R, W, max_iter)
+
+    def ratio(rc, total, cmax):
+        lb = max(total / R, cmax)
+        return float(rc.max()) / lb if lb > 0 else 1.0
+
+    rest_all = np.flatnonzero(placed & ~Us)
+    cmax = max(cmax_u, float(Cs[rest_all[0]]) if len(rest_all) else 0.0)
+    # Candidates to carry, costliest first: items of at least half a micro-batch (the long chunks whose
+    # count is what cannot be split evenly over ranks).
+    pl_idx = rest_all[Ls[rest_all] * 2 >= capacity]
+    best_r = ratio(rc, total, cmax)
+    best = (mc.copy(), slots.copy(), owner.copy(), rc.copy(), 0)
+    removed = []
+    # The costliest ranks typically hold one long item more than the rest: all of them must give one up
+    # before the maximum drops, so the search goes on for a while without progress before it stops.
+    affordable = int(np.searchsorted(np.cumsum(Ls[pl_idx][::-1]), carry_budget, side="right"))
+    patience = max(CARRY_PATIENCE, affordable // 8)
+    if best_r > 1.0 + RECAP_ABOVE and carry_budget > 0 and affordable > 0:
+        # Carry the costliest long item of the costliest rank, one at a time (a few swaps after each),
+        # while the budget lasts; the best state seen wins.
+        g_of = rank_s[pl_idx].astype(np.int64) * W + micro_s[pl_idx]
+        alive = np.ones(len(pl_idx), dtype=np.bool_)
+        left = int(carry_budget)
+        fits = Ls[pl_idx] <= left
+        for _ in range(len(pl_idx)):
+            p = int(np.argmax(rc))
+            fits &= Ls[pl_idx] <= left
+            cand = np.flatnonzero(alive & fits & (owner[g_of] == p))
+            if len(cand) == 0:
+                break
+            k = int(cand[0])
+            i = int(pl_idx[k])
+            alive[k] = False
+            left -= int(Ls[i])
+            g = int(g_of[k])
+            mc[g] -= Cs[i]
+            rc[p] -= Cs[i]
+            total -= float(Cs[i])
+            removed.append(i)
+            if k == 0 or not alive[:k].any():
+                rest = np.flatnonzero(alive)
+                cmax = max(cmax_u, float(Cs[pl_idx[rest[0]]]) if len(rest) else 0.0)
+                if len(rest_all) > len(pl_idx):
+                    cmax = max(cmax, float(Cs[rest_all[len(pl_idx)]]))
+            _refine_swaps(mc, owner, slots, rc, R, W, max_iter)
+            r_now = ratio(rc, total, cmax)
+            if r_now < best_r * (1.0 - 1e-9):
+                best_r = r_now
+                best = (mc.copy(), slots.copy(), owner.copy(), rc.copy(), len(removed))
+                if r_now <= 1.0 + RECAP_ABOVE:
+                    break
+            elif len(removed) - best[4] >= patience:
+                break
+        if best[4]:
+            mc, slots, owner, rc = (x.copy() for x in best[:4])
+            _refine_swaps(mc, owner, slots, rc, R, W, max_iter)
+            best = (mc, slots, owner, rc, best[4])
+    mc, slots, owner, rc, nrem = best
+    if nrem:
+        gone = np.array(removed[:nrem], dtype=np.int64)
+        g = rank_s[gone].astype(np.int64) * W + micro_s[gone]
+        room_flat = room.ravel()
+        np.add.at(room_flat, g, Ls[gone])
+        room[:] = room_flat.reshape(R, W)
+        rank_s[gone] = -1
+        micro_s[gone] = -1
+    pos = np.empty(G, dtype=np.int64)
+    pos[slots.ravel()] = np.tile(np.arange(W, dtype=np.int64), R)
+    room_new = room.ravel()[slots]
+    ok = rank_s >= 0
+    g = rank_s[ok].astype(np.int64) * W + micro_s[ok]
+    rank_s[ok] = owner[g]
+    micro_s[ok] = pos[g]
+    # Exact costs from the items (no drift from incremental updates).
+    mc_new = np.zeros(G)
+    np.add.at(mc_new, rank_s[ok].astype(np.int64) * W + micro_s[ok], Cs[ok])
+    micro_cost[:] = mc_new.reshape(R, W)
+    room[:] = room_new
+    return micro_cost.sum(axis=1), nrem
