@@ -26,7 +26,10 @@ Python functions run uncompiled otherwise, so results never depend on it):
    packing if that does not fit or is not more even.
 4. **Whole micro-batches** (equal mode, when the step still certifies worse than 1 + RECAP_ABOVE). Any
    two micro-batches fit anywhere, so swapping them between ranks keeps capacity: the costliest rank
-   repeatedly swaps one with one of the lightest ranks while that lowers the pair's maximum. When tokens
+   repeatedly swaps one with one of the lightest ranks while that lowers the pair's maximum. Then items
+   move between a micro-batch of the costliest rank and one of the lightest (long documents cost more
+   per token: the light side takes long ones and gives back as many tokens of short ones), and the
+   swaps run again. When tokens
    bind (128k micro-batches full of tokens, a long chunk costing several micro-batches of short
    documents) ranks differ by how many long chunks they hold; then the costliest long item of the
    costliest rank is carried, one at a time with swaps after each, up to REBALANCE_TOKENS of the step's
@@ -178,6 +181,7 @@ def assign(
 
 CAP_SLACK = 0.002  # the capped pass allows rank costs this far above the lower bound
 RECAP_ABOVE = 0.005  # a second capped pass runs when the first certifies worse than 1 + this
+EXCHANGE = True  # stage 2 exchanges items between micro-batches of the costliest and lightest ranks
 SWAP_SCAN = 256  # stage 2 swaps: the costliest rank tries this many of the lightest ranks
 CARRY_PATIENCE = 32  # stage 2 stops after this many carried items (beyond the top ranks) without progress
 REBALANCE_TOKENS = 0.01  # stage 2 carries at most this fraction of the step's tokens
@@ -601,6 +605,23 @@ def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, ca
         lb = max(total / R, cmax)
         return float(rc.max()) / lb if lb > 0 else 1.0
 
+    if EXCHANGE and ratio(rc, total, float(Cs.max(initial=0.0))) > 1.0 + RECAP_ABOVE:
+        # Items move between a micro-batch of the costliest rank and one of the lightest.
+        idx = np.flatnonzero(placed)
+        item_g = np.full(len(Ls), -1, dtype=np.int64)
+        item_g[idx] = rank_s[idx].astype(np.int64) * W + micro_s[idx]
+        nxt = np.full(len(Ls), -1, dtype=np.int64)
+        head = np.full(G, -1, dtype=np.int64)
+        _item_lists(item_g, head, nxt)
+        mtok = capacity - room.ravel().copy()
+        pool = np.empty(len(Ls), dtype=np.int64)
+        side = np.empty(len(Ls), dtype=np.int8)
+        if _exchange(Ls, Cs, item_g, head, nxt, mc, mtok, owner, slots, rc, R, W, capacity, max_iter, pool, side):
+            rank_s[idx] = item_g[idx] // W
+            micro_s[idx] = item_g[idx] % W
+            room.ravel()[:] = capacity - mtok
+            _refine_swaps(mc, owner, slots, rc, R, W, max_iter)
+
     rest_all = np.flatnonzero(placed & ~Us)
     cmax = max(cmax_u, float(Cs[rest_all[0]]) if len(rest_all) else 0.0)
     # Candidates to carry, costliest first: items of at least half a micro-batch (the long chunks whose
@@ -670,8 +691,162 @@ def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, ca
     rank_s[ok] = owner[g]
     micro_s[ok] = pos[g]
     # Exact costs from the items (no drift from incremental updates).
-    mc_new = np.zeros(G)
-    np.add.at(mc_new, rank_s[ok].astype(np.int64) * W + micro_s[ok], Cs[ok])
+    mc_new = np.bincount(rank_s[ok].astype(np.int64) * W + micro_s[ok], weights=Cs[ok], minlength=G)
     micro_cost[:] = mc_new.reshape(R, W)
     room[:] = room_new
     return micro_cost.sum(axis=1), nrem
+
+
+@_jit
+def _exchange(lengths, costs, item_g, head, nxt, mc, mtok, owner, slots, rank_cost, R, W, capacity, max_iter,
+              pool, side):
+    """Item exchanges between a micro-batch of the costliest rank and one of the lightest rank.
+
+    When every micro-batch is full of tokens, cost can still move between ranks: long documents cost more
+    per token than short ones, so the light rank's micro-batch takes long documents and gives back as
+    many tokens of short ones. The pooled items of the two micro-batches are split again: longest first
+    (costliest per token) onto the light side while its cost stays below the target, then the shortest
+    onto the light side until the heavy side fits. head[g] / nxt[i]: items of micro-batch g, a linked
+    list in placement order (decreasing cost)."""
+    done = 0
+    for it in range(max_iter):
+        p = 0
+        q = 0
+        for r in range(1, R):
+            if rank_cost[r] > rank_cost[p] or (rank_cost[r] == rank_cost[p] and r < p):
+                p = r
+            if rank_cost[r] < rank_cost[q]:
+                q = r
+        top = rank_cost[p]
+        if p == q:
+            return done
+        best = top * (1.0 - 1e-9)
+        bga = -1
+        bgb = -1
+        for a in range(W):
+            ga = slots[p, a]
+            for b in range(W):
+                gb = slots[q, b]
+                # pool in placement order
+                k = 0
+                ia = head[ga]
+                ib = head[gb]
+                while ia >= 0 or ib >= 0:
+                    if ib < 0 or (ia >= 0 and ia < ib):
+                        pool[k] = ia
+                        ia = nxt[ia]
+                    else:
+                        pool[k] = ib
+                        ib = nxt[ib]
+                    k += 1
+                ptok = mtok[ga] + mtok[gb]
+                pcost = mc[ga] + mc[gb]
+                target = mc[gb] + (top - rank_cost[q]) * 0.5  # light side's ideal cost
+                btok = 0
+                bc = 0.0
+                for j in range(k):
+                    i = pool[j]
+                    side[j] = 0
+                    if btok + lengths[i] <= capacity and bc + costs[i] <= target:
+                        side[j] = 1
+                        btok += lengths[i]
+                        bc += costs[i]
+                j = k - 1
+                while ptok - btok > capacity and j >= 0:
+                    i = pool[j]
+                    if side[j] == 0 and btok + lengths[i] <= capacity:
+                        side[j] = 1
+                        btok += lengths[i]
+                        bc += costs[i]
+                    j -= 1
+                if ptok - btok > capacity:
+                    continue
+                d = bc - mc[gb]  # cost moved to the light rank
+                if d <= 0.0:
+                    continue
+                nm = top - d
+                if rank_cost[q] + d > nm:
+                    nm = rank_cost[q] + d
+                if nm < best:
+                    best = nm
+                    bga = ga
+                    bgb = gb
+        if bga < 0:
+            return done
+        # Redo the best split and write it.
+        ga = bga
+        gb = bgb
+        k = 0
+        ia = head[ga]
+        ib = head[gb]
+        while ia >= 0 or ib >= 0:
+            if ib < 0 or (ia >= 0 and ia < ib):
+                pool[k] = ia
+                ia = nxt[ia]
+            else:
+                pool[k] = ib
+                ib = nxt[ib]
+            k += 1
+        ptok = mtok[ga] + mtok[gb]
+        target = mc[gb] + (top - rank_cost[q]) * 0.5
+        btok = 0
+        bc = 0.0
+        for j in range(k):
+            i = pool[j]
+            side[j] = 0
+            if btok + lengths[i] <= capacity and bc + costs[i] <= target:
+                side[j] = 1
+                btok += lengths[i]
+                bc += costs[i]
+        j = k - 1
+        while ptok - btok > capacity and j >= 0:
+            i = pool[j]
+            if side[j] == 0 and btok + lengths[i] <= capacity:
+                side[j] = 1
+                btok += lengths[i]
+                bc += costs[i]
+            j -= 1
+        ac = 0.0
+        atok = 0
+        la = -1
+        lb = -1
+        head[ga] = -1
+        head[gb] = -1
+        for j in range(k):
+            i = pool[j]
+            nxt[i] = -1
+            if side[j] == 1:
+                item_g[i] = gb
+                if lb < 0:
+                    head[gb] = i
+                else:
+                    nxt[lb] = i
+                lb = i
+            else:
+                item_g[i] = ga
+                ac += costs[i]
+                atok += lengths[i]
+                if la < 0:
+                    head[ga] = i
+                else:
+                    nxt[la] = i
+                la = i
+        d = bc - mc[gb]
+        rank_cost[p] += ac - mc[ga]
+        rank_cost[q] += d
+        mc[ga] = ac
+        mc[gb] = bc
+        mtok[ga] = atok
+        mtok[gb] = btok
+        done += 1
+    return done
+
+
+@_jit
+def _item_lists(item_g, head, nxt):
+    """Linked lists of each micro-batch's items in increasing index (placement) order."""
+    for i in range(len(item_g) - 1, -1, -1):
+        g = item_g[i]
+        if g >= 0:
+            nxt[i] = head[g]
+            head[g] = i
