@@ -698,6 +698,43 @@ def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, ca
 
 
 @_jit
+def _split_pair(ga, gb, head, nxt, mtok, lengths, costs, capacity, target, pool, side):
+    """Pool the items of micro-batches ga and gb (in placement order) and split them again: longest
+    first onto the light side (side 1) while its cost stays within `target`, then the shortest onto it
+    until the heavy side fits. Returns (pooled count, pooled tokens, light-side tokens, light-side cost)."""
+    k = 0
+    ia = head[ga]
+    ib = head[gb]
+    while ia >= 0 or ib >= 0:
+        if ib < 0 or (ia >= 0 and ia < ib):
+            pool[k] = ia
+            ia = nxt[ia]
+        else:
+            pool[k] = ib
+            ib = nxt[ib]
+        k += 1
+    ptok = mtok[ga] + mtok[gb]
+    btok = 0
+    bc = 0.0
+    for j in range(k):
+        i = pool[j]
+        side[j] = 0
+        if btok + lengths[i] <= capacity and bc + costs[i] <= target:
+            side[j] = 1
+            btok += lengths[i]
+            bc += costs[i]
+    j = k - 1
+    while ptok - btok > capacity and j >= 0:
+        i = pool[j]
+        if side[j] == 0 and btok + lengths[i] <= capacity:
+            side[j] = 1
+            btok += lengths[i]
+            bc += costs[i]
+        j -= 1
+    return k, ptok, btok, bc
+
+
+@_jit
 def _exchange(lengths, costs, item_g, head, nxt, mc, mtok, owner, slots, rank_cost, R, W, capacity, max_iter,
               pool, side):
     """Item exchanges between a micro-batch of the costliest rank and one of the lightest rank.
@@ -727,38 +764,8 @@ def _exchange(lengths, costs, item_g, head, nxt, mc, mtok, owner, slots, rank_co
             ga = slots[p, a]
             for b in range(W):
                 gb = slots[q, b]
-                # pool in placement order
-                k = 0
-                ia = head[ga]
-                ib = head[gb]
-                while ia >= 0 or ib >= 0:
-                    if ib < 0 or (ia >= 0 and ia < ib):
-                        pool[k] = ia
-                        ia = nxt[ia]
-                    else:
-                        pool[k] = ib
-                        ib = nxt[ib]
-                    k += 1
-                ptok = mtok[ga] + mtok[gb]
-                pcost = mc[ga] + mc[gb]
                 target = mc[gb] + (top - rank_cost[q]) * 0.5  # light side's ideal cost
-                btok = 0
-                bc = 0.0
-                for j in range(k):
-                    i = pool[j]
-                    side[j] = 0
-                    if btok + lengths[i] <= capacity and bc + costs[i] <= target:
-                        side[j] = 1
-                        btok += lengths[i]
-                        bc += costs[i]
-                j = k - 1
-                while ptok - btok > capacity and j >= 0:
-                    i = pool[j]
-                    if side[j] == 0 and btok + lengths[i] <= capacity:
-                        side[j] = 1
-                        btok += lengths[i]
-                        bc += costs[i]
-                    j -= 1
+                k, ptok, btok, bc = _split_pair(ga, gb, head, nxt, mtok, lengths, costs, capacity, target, pool, side)
                 if ptok - btok > capacity:
                     continue
                 d = bc - mc[gb]  # cost moved to the light rank
@@ -776,36 +783,8 @@ def _exchange(lengths, costs, item_g, head, nxt, mc, mtok, owner, slots, rank_co
         # Redo the best split and write it.
         ga = bga
         gb = bgb
-        k = 0
-        ia = head[ga]
-        ib = head[gb]
-        while ia >= 0 or ib >= 0:
-            if ib < 0 or (ia >= 0 and ia < ib):
-                pool[k] = ia
-                ia = nxt[ia]
-            else:
-                pool[k] = ib
-                ib = nxt[ib]
-            k += 1
-        ptok = mtok[ga] + mtok[gb]
         target = mc[gb] + (top - rank_cost[q]) * 0.5
-        btok = 0
-        bc = 0.0
-        for j in range(k):
-            i = pool[j]
-            side[j] = 0
-            if btok + lengths[i] <= capacity and bc + costs[i] <= target:
-                side[j] = 1
-                btok += lengths[i]
-                bc += costs[i]
-        j = k - 1
-        while ptok - btok > capacity and j >= 0:
-            i = pool[j]
-            if side[j] == 0 and btok + lengths[i] <= capacity:
-                side[j] = 1
-                btok += lengths[i]
-                bc += costs[i]
-            j -= 1
+        k, ptok, btok, bc = _split_pair(ga, gb, head, nxt, mtok, lengths, costs, capacity, target, pool, side)
         ac = 0.0
         atok = 0
         la = -1
