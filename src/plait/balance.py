@@ -54,14 +54,10 @@ try:  # numba compiles the hot loops; without it the same functions run as plain
 
     def _jit(fn):
         return _numba_njit(cache=True, nogil=True)(fn)
-
-    HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - numba is a core dependency
 
     def _jit(fn):
         return fn
-
-    HAVE_NUMBA = False
 
 
 @dataclass

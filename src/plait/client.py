@@ -48,7 +48,6 @@ class Loader:
         self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank = dp_rank, tp_rank, pp_rank, cp_rank
         self.prefetch = max(0, prefetch)
         self.max_steps = steps if steps is not None else self.spec.steps
-        self.runtime_name = runtime
         self._runtime = self._make_runtime(runtime, job, runtime_options)
         self._resume_state = self._runtime.state_dict()
         self._resume_micro = 0

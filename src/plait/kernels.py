@@ -81,12 +81,6 @@ def _kernels() -> tuple:
     return _impl
 
 
-def compiled() -> bool:
-    """Whether this process runs the numba kernels (resolves the choice)."""
-    _kernels()
-    return bool(_compiled)
-
-
 def copy_spans(src, src_starts, lengths, out, out_starts):
     """out[out_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]] for every i."""
     (_impl or _kernels())[0](src, src_starts, lengths, out, out_starts)

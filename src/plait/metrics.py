@@ -31,15 +31,14 @@ class RunStats:
     efficiency: list[float] = field(default_factory=list)
     max_over_lb: list[float] = field(default_factory=list)
     tokens_max_over_mean: list[float] = field(default_factory=list)
-    rank_cost_sum: np.ndarray = None  # type: ignore[assignment]
     digests: dict[int, "hashlib._Hash"] = field(default_factory=dict)
     carried: int = 0
+    empty_documents: int = 0  # documents of zero tokens: nothing to train on, counted and reported
 
     def __post_init__(self):
         n = len(self.source_names)
         self.source_tokens = np.zeros(n, dtype=np.int64)
         self.target_tokens = np.zeros(n, dtype=np.float64)
-        self.rank_cost_sum = np.zeros(self.ranks)
 
     def add_plan(self, plan: StepPlan, weights: np.ndarray) -> None:
         self.steps += 1
@@ -49,7 +48,7 @@ class RunStats:
         self.capacity_tokens += plan.ranks * plan.microbatches * plan.capacity
         self.source_tokens += np.bincount(plan.items.source, weights=plan.items.length, minlength=len(self.source_names)).astype(np.int64)
         self.target_tokens += weights * plan.tokens
-        self.rank_cost_sum += plan.rank_cost
+        self.empty_documents += plan.empty_documents
         self.carried = plan.carried
 
     def add_batch(self, mb: MicroBatch) -> None:
@@ -80,6 +79,7 @@ class RunStats:
             "padding_fraction": self.padding_tokens / max(1, self.tokens),
             "capacity_fill": self.tokens / max(1, self.capacity_tokens),
             "carried_at_end": self.carried,
+            "empty_documents": self.empty_documents,
             "digests": {str(r): h.hexdigest() for r, h in sorted(self.digests.items())},
         }
 

@@ -103,6 +103,7 @@ class StepPlan:
     lower_bound: float
     carried: int  # items left for a later step
     delayed_outliers: int = 0
+    empty_documents: int = 0  # zero-token documents drawn this step (nothing to place; counted, not lost)
     state_before: dict = field(default_factory=dict)  # the data state at the start of this step
     # Micro-batches of each rank: all `microbatches` in balance mode `equal`; in `variable` mode each
     # rank runs its own count (at most `microbatches`) and losses must be normalised by
@@ -157,6 +158,7 @@ class StepPlan:
             "tokens_max_over_mean": self.tokens_max_over_mean,
             "carried": self.carried,
             "delayed_outliers": self.delayed_outliers,
+            "empty_documents": self.empty_documents,
         }
 
 

@@ -115,6 +115,7 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     head.add_row("capacity filled (tokens / seq_len slots)", f"{s['capacity_fill']:.4f}")
     skipped = sum(s.get("errors", {}).values())
     head.add_row("bad records skipped", str(skipped))
+    head.add_row("empty documents (0 tokens) drawn", str(s.get("empty_documents", 0)))
     console.print(head)
     mix = Table(title="mixture: token share per source")
     for col in ("source", "target", "achieved", "error"):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plait.packing import pack_fields
+from plait.packing import pack_fields, ragged_arange
 from plait.plan import RankPlan
 
 
@@ -110,7 +110,5 @@ class Constructor:
             sel = np.flatnonzero(np.isin(block_index, blocks))
             loader = self._loader_for(keys[blocks[0]][0])
             part = loader.gather(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
-            from plait.packing import ragged_arange
-
             out[ragged_arange(starts[sel], items.length[sel])] = part
         return out

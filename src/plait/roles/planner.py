@@ -55,7 +55,7 @@ class Planner:
         self.drawn = np.zeros(n, dtype=np.int64)  # tokens drawn per source (metrics only)
         self.carry = Items.empty()
         self._meta: dict[int, object] = {}
-        self.empty_docs = 0
+        self.empty_docs = 0  # zero-token documents skipped in the step being planned
         self.fingerprint = spec.data_fingerprint()
         for i in range(n):
             self.cursor[i, :3] = provider.first_key(i)
@@ -63,6 +63,7 @@ class Planner:
     # ----- the algorithm -----------------------------------------------------------------------
     def plan_step(self) -> StepPlan:
         state_before = self.state_dict()
+        self.empty_docs = 0
         step_capacity = self.ranks * self.microbatches * self.capacity
         carry_tokens = int(self.carry.length.sum())
         budget = max(0, step_capacity - carry_tokens)
@@ -107,6 +108,7 @@ class Planner:
             lower_bound=balance.lower_bound(costs[placed], self.ranks),
             carried=len(self.carry),
             delayed_outliers=len(outliers),
+            empty_documents=self.empty_docs,
             state_before=state_before,
             rank_microbatches=result.microbatches,
         )

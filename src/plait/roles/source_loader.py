@@ -169,6 +169,3 @@ class SourceLoader:
 
     def buffered_keys(self) -> list[FullKey]:
         return list(self._blocks)
-
-    def ping(self) -> bool:
-        return True

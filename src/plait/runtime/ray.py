@@ -153,9 +153,6 @@ class PartitionMap:
         part = self._partition_of(int(order[fpos]), self.num_partitions[source])
         return self.owner[(source, part)]
 
-    def loaders_of(self, source: int) -> list[int]:
-        return sorted({i for (s, _), i in self.owner.items() if s == source})
-
 
 def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int] | None) -> tuple[dict[int, int], list[list[tuple[int, int]]]]:
     """How many partitions each source gets, and which (source, partition) pairs each loader owns.

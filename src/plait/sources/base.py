@@ -108,7 +108,6 @@ class Source:
         self.errors: Counter[str] = Counter()
         self.error_log: list[str] = []
         self._seen_bad: set[tuple[str, str | None]] = set()
-        self._empty_keys_in_a_row = 0
 
     # ----- order -------------------------------------------------------------------------------
     def file_order(self, epoch: int) -> np.ndarray:

@@ -38,7 +38,7 @@ class ParquetReader(FormatReader):
             entry = (pf, handle, starts)
             self._open[path] = entry
             while len(self._open) > self.MAX_OPEN:
-                _, (old_pf, old_handle, _) = self._open.popitem(last=False)
+                _, (_, old_handle, _) = self._open.popitem(last=False)
                 if old_handle is not None:
                     old_handle.close()
         else:
