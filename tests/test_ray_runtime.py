@@ -103,3 +103,24 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
             ld.close()
     with pytest.raises(ValueError):
         ray.get_actor("test-job/planner", namespace="plait")
+
+
+def test_auto_layout_follows_measured_cost(ray_instance, tmp_path):
+    """loaders="auto": the probe finds the tokenized JSONL source dearer than the pre-tokenized Parquet
+    ones, splits it over both loaders (a 2-CPU instance), and the stream is still the local one."""
+    from helpers import make_spec, text_source, token_parquet, train_tokenizer
+
+    tok = train_tokenizer(tmp_path / "tokenizer.json")
+    text = text_source(tmp_path / "txt", fmt="jsonl", files=4, docs_per_file=200, lo=100, hi=300, tokenizer=tok)
+    ids = [token_parquet(tmp_path / f"ids{i}", name=f"ids{i}", files=2, docs_per_file=200, row_group_size=100,
+                         lo=100, hi=300, seed=i) for i in range(2)]
+    auto = plait.load_spec(make_spec([text, *ids], seq_len=256, microbatches=2, dp=2)).with_overrides(steps=6)
+    rows = []
+    # A tiny step time makes the demand exceed the 2 CPUs: the layout is then bounded by the cluster.
+    got = _digest(auto, "ray", step_time=1e-6, on_layout=rows.extend)
+    assert got == _digest(auto, "local")
+    assert len(rows) == 2  # one per CPU
+    assert all("txt[" in r["sources"] and "/2]" in r["sources"] for r in rows)  # split over both loaders
+    assert all(float(r["us_per_1k_tokens"].split("–")[0]) > 0 for r in rows)
+    names = " ".join(r["sources"] for r in rows)
+    assert "ids0[" not in names and "ids1[" not in names  # cheap sources keep one partition

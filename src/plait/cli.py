@@ -55,6 +55,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def loaders_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected `auto` or a positive integer, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="plait", description="plait: compute-balanced, padding-free, exactly-once data loading for LLM training."
@@ -81,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     r.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
     r.add_argument("--address", default=None, help="Ray cluster address (auto, ray://...); default: start a local one")
-    r.add_argument("--loaders", type=int, default=None, help="ray runtime: number of SourceLoader actors")
+    r.add_argument("--loaders", type=loaders_arg, default="auto",
+                   help="ray runtime: SourceLoader actors, `auto` (default: from each source's measured cost and "
+                   "mixture share) or a number")
+    r.add_argument("--step-time", type=float, default=None, metavar="S",
+                   help="ray runtime, --loaders auto: seconds per training step the loaders must keep up with "
+                   "(default 1)")
     r.add_argument("--resume", metavar="STATE", help="start from a data state saved with --save-state")
     r.add_argument("--save-state", metavar="PATH", help="write the data state after the last step (JSON)")
     r.add_argument("--quiet", action="store_true", help="no progress bar or tables")
@@ -159,7 +173,10 @@ def cmd_run(args) -> int:
     resume = json.loads(Path(args.resume).read_text()) if args.resume else None
     options = {}
     if args.runtime == "ray":
-        options = {k: v for k, v in (("address", args.address), ("loaders", args.loaders)) if v is not None}
+        options = {k: v for k, v in (("address", args.address), ("loaders", args.loaders),
+                                     ("step_time", args.step_time)) if v is not None}
+        if not args.quiet:
+            options["on_layout"] = print_layout
     summary = stream(
         spec, steps=args.steps or spec.steps or 100, runtime=args.runtime, progress=not args.quiet,
         resume=resume, save_state=args.save_state, runtime_options=options,
@@ -175,6 +192,20 @@ def cmd_run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def print_layout(rows: list[dict]) -> None:
+    """The ray runtime's loader layout: which sources and partitions each SourceLoader owns."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="SourceLoaders (ray)")
+    for col in ("loader", "sources [partitions/of] (measured µs per 1k tokens)", "demand (cores)"):
+        table.add_column(escape(col), justify="left" if col.startswith("sources") else "right")
+    for r in rows:
+        dem = "-" if r["demand"] != r["demand"] else f"{r['demand']:.3f}"
+        table.add_row(str(r["loader"]), escape(r["sources"]), dem)
+    console.print(table)
 
 
 def cmd_inspect(args) -> int:

@@ -9,7 +9,9 @@ in the `plait` namespace, so trainer processes started by torchrun attach by job
   * SourceLoader actors — each owns partitions of one or several sources. A partition is a group of a
     source's files (`partition_of`: file index mod the number of partitions), so the block at key
     (epoch, file_pos, block_pos) belongs to the partition owning file `file_order(epoch)[file_pos]`.
-    64 small sources share one loader; an expensive source is spread over several (`partitions`).
+    How many loaders, and which partitions each owns, follows each source's measured cost and mixture
+    share (`loaders="auto"`, plait.runtime.scaling): 64 cheap sources share one loader, an expensive
+    source is split into partitions spread over several.
   * Constructor actors — one per node (serving the DP replicas of that node; default) or one per DP
     replica (`constructors="replica"`). For (step, dp_rank) it fetches the rank's plan from the Planner,
     pulls the payloads straight from the owning loaders (Ray's object store, never through the Planner),
@@ -26,18 +28,20 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from plait.errors import PlaitError
 from plait.plan import RankPlan, StepPlan
 from plait.roles.constructor import Constructor, MicroBatch
+from plait.runtime.scaling import Layout, demand_of, describe, format_layout, plan_layout, probe_costs
 from plait.spec import Spec, load_spec
 
 # The Planner and SourceLoader (format readers, tokenizers, pyarrow) are imported inside the actors
@@ -45,6 +49,7 @@ from plait.spec import Spec, load_spec
 
 NAMESPACE = "plait"
 log = logging.getLogger("plait.recovery")
+scale_log = logging.getLogger("plait.scaling")
 PLAN_WINDOW = 64  # planned steps the Planner keeps (ranks of one job are at most `prefetch` apart)
 
 
@@ -184,6 +189,55 @@ def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int]
         owned[k].append((i, p))
         load[k] += weight[i] / num[i]
     return num, owned
+
+
+def decide_layout(spec: Spec, options: dict) -> Layout:
+    """The job's loader layout: a layout decided before (a recreated Planner keeps it), the measured
+    auto layout (`loaders="auto"`: probe each source's cost, then `plan_layout`), or an explicit number of
+    loaders dealt by mixture weight (`assign_partitions`; no probe)."""
+    if options.get("layout"):
+        return Layout.from_dict(options["layout"])
+    loaders, partitions = options["loaders"], options.get("partitions")
+    if loaders != "auto":
+        return Layout(*assign_partitions(spec, int(loaders), partitions))
+    if isinstance(partitions, int):
+        fixed = {i: partitions for i in range(len(spec.sources))}
+    else:
+        unknown = sorted(set(partitions or {}) - set(spec.source_names))
+        if unknown:
+            raise PlaitError(f"partitions names unknown sources {unknown}")
+        fixed = {spec.source_names.index(name): int(n) for name, n in (partitions or {}).items()}
+    t0 = time.perf_counter()
+    cost, files = probe_costs(spec)
+    demand = demand_of(spec, cost, float(options.get("step_time") or 1.0), options.get("dp"))
+    layout = plan_layout(demand, files, int(options.get("cpus") or 1), partitions=fixed)
+    layout.cost = cost
+    scale_log.info("auto layout: %d loader(s) for %d source(s), probed in %.2f s", layout.loaders,
+                   len(spec.sources), time.perf_counter() - t0)
+    for line in format_layout(layout, spec.source_names):
+        scale_log.info("  %s", line)
+    return layout
+
+
+def check_reachable(address: str | None, timeout: float = 3.0) -> None:
+    """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
+
+    Only `host:port` and `ray://host:port` are checked (one TCP connect); `auto`, `local` and None are
+    left to Ray.
+    """
+    if not address or address in ("auto", "local"):
+        return
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise PlaitError(f"cannot reach the Ray cluster at {address!r}: {e.strerror or e} (is `ray start --head` "
+                         "running there? leave --address unset to start a local instance)") from None
 
 
 # ----- actors (plain classes; wrapped with ray.remote when first used) -------------------------------
@@ -327,8 +381,8 @@ class PlannerActor:
         self.spec = load_spec(spec_dict)
         self.job = job
         self.options = options
-        loaders = int(options["loaders"])
-        num_parts, owned = assign_partitions(self.spec, loaders, options.get("partitions"))
+        self.layout = decide_layout(self.spec, options)
+        num_parts, owned, loaders = self.layout.num_partitions, self.layout.owned, self.layout.loaders
         remote = ray.remote(LoaderActor)
         lifetime = options.get("lifetime")
         self.loaders = []
@@ -368,7 +422,8 @@ class PlannerActor:
     def info(self) -> dict:
         return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
                 "loaders": len(self.loaders), "num_files": self.pmap.num_files,
-                "num_partitions": self.pmap.num_partitions, "owner": self.pmap.owner, "seed": self.spec.seed}
+                "num_partitions": self.pmap.num_partitions, "owner": self.pmap.owner, "seed": self.spec.seed,
+                "layout": self.layout.to_dict()}
 
     def get_loaders(self) -> list:
         return self.loaders
@@ -757,15 +812,34 @@ class ConstructorActor:
 
 
 # ----- the runtime (driver / client side) ------------------------------------------------------------
+def _loaders_option(loaders) -> int | str:
+    if loaders is None or loaders == "auto":
+        return "auto"
+    try:
+        n = int(loaders)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(loaders, float) and loaders != n):
+        raise PlaitError(f"loaders must be 'auto' or a positive integer, not {loaders!r}")
+    return n
+
+
 class RayRuntime:
     """The runtime interface (see plait.runtime) over Ray actors.
 
     Options:
       job           name shared by all trainer processes of one job (they attach); default: private
       address       Ray address (`auto`, `ray://host:10001`); default: the running one, else a local one
-      loaders       SourceLoader actors (default: one per 2 CPUs of the cluster, at most one per source)
-      partitions    int (every source) or {source: n}: partitions per source (default: 1, more when
-                    there are more loaders than sources)
+      loaders       "auto" (default) or a number of SourceLoader actors. auto: each source's cost per token
+                    is measured (plait.runtime.scaling.probe_costs); loaders follow the total demand (cost x
+                    mixture share x tokens per step / step_time), at most one per CPU of the cluster and
+                    one per partition; an expensive source is split over several loaders, cheap ones share
+                    one; pairs are dealt by measured demand. A number: dealt by mixture weight, no probe.
+      partitions    int (every source) or {source: n}: partitions per source (default: from the measured
+                    demand with auto; else 1, more when there are more loaders than sources)
+      step_time     seconds per training step the loaders must keep up with (auto only; default 1.0):
+                    each loader is sized to be busy at most half of it
+      on_layout     called with the layout, one row per loader (plait.runtime.scaling.describe), once
       prefetch      steps each Constructor builds ahead (default 2)
       constructors  "node" (one per node, default) or "replica" (one per DP replica)
       dp            override the topology's DP size
@@ -778,15 +852,18 @@ class RayRuntime:
     """
 
     def __init__(
-        self, spec: Spec, *, job: str | None = None, address: str | None = None, loaders: int | None = None,
+        self, spec: Spec, *, job: str | None = None, address: str | None = None, loaders: int | str | None = "auto",
         partitions: int | dict[str, int] | None = None, prefetch: int = 2, constructors: str = "node",
         dp: int | None = None, loader_cpus: float = 0, max_cached_blocks: int = 256, init_options: dict | None = None,
-        checkpoint_interval: int = 1, respawn_delay: int = 4, cp_rank: int | None = None,
+        checkpoint_interval: int = 1, respawn_delay: int = 4, cp_rank: int | None = None, step_time: float = 1.0,
+        on_layout: Callable[[list[dict]], None] | None = None,
     ):
         ray = _ray()
         self.spec = load_spec(spec)
         self._started_ray = False
+        loaders = _loaders_option(loaders)
         if not ray.is_initialized():
+            check_reachable(address)
             kwargs = dict(init_options or {})
             if address is None:
                 kwargs.setdefault("include_dashboard", False)
@@ -805,12 +882,11 @@ class RayRuntime:
         self.prefetch = prefetch
         self.constructor_mode = constructors
         self.dp = dp or self.spec.topology.dp
-        if loaders is None:
-            cpus = int(ray.cluster_resources().get("CPU", 2))
-            loaders = max(1, min(len(self.spec.sources), cpus // 2))
-        options = {"loaders": int(loaders), "partitions": partitions, "dp": self.dp, "loader_cpus": loader_cpus,
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        options = {"loaders": loaders, "partitions": partitions, "dp": self.dp, "loader_cpus": loader_cpus,
                    "max_cached_blocks": max_cached_blocks, "lifetime": "detached" if self.shared else None,
-                   "checkpoint_interval": checkpoint_interval, "respawn_delay": respawn_delay}
+                   "checkpoint_interval": checkpoint_interval, "respawn_delay": respawn_delay, "cpus": cpus,
+                   "step_time": step_time}
         spec_dict = self.spec.model_dump(mode="json")
         self.planner = ray.remote(PlannerActor).options(
             name=f"{self.job}/planner", namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
@@ -820,6 +896,11 @@ class RayRuntime:
         if self.info["ranks"] != self.dp:
             raise PlaitError(f"job {self.job!r} plans for {self.info['ranks']} DP ranks, this client's topology has "
                              f"{self.dp}: every trainer process of a job must use the same spec and layout")
+        # A recreated Planner keeps this layout (no second probe, same loaders).
+        options["layout"] = self.info["layout"]
+        self.layout = Layout.from_dict(self.info["layout"])
+        if on_layout is not None:
+            on_layout(describe(self.layout, self.spec.source_names))
         self._constructors: dict[str, Any] = {}
         self._closed = False
         _get(self.planner.attach.remote(self.spec.data_fingerprint()))
@@ -925,7 +1006,7 @@ class RayRuntime:
                 pass
         names = [name] + [f"{self.job}/constructor-{k}" for k in self._constructors]
         if not self.shared:
-            names += [f"{self.job}/loader-{k}" for k in range(int(self._planner_args[2]["loaders"]))]
+            names += [f"{self.job}/loader-{k}" for k in range(len(self._planner_args[2]["layout"]["owned"]))]
         for n in names:
             _wait_name_free(n)
         self._constructors.clear()
