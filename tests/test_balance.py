@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import FakeProvider
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait import balance
@@ -307,3 +307,43 @@ def test_equal_mode_long_context_within_one_percent(dist, R):
     plain = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C)
     assert ratio(plain, costs, R) <= 1.01
     assert lengths[plain.placed].sum() >= 0.93 * R * M * C
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 4), st.integers(64, 512), st.integers(0, 3000), st.integers(0, 2**32 - 1),
+       st.floats(0.9, 1.05))
+def test_passes_resumed_from_snapshots_equal_full_passes(R, W, C, n, seed, cap_factor):
+    # Later LPT passes at other caps resume from the first pass's snapshots: the result must be exactly
+    # that of a pass from scratch (heap phase, round phase, and the first held-back item all covered).
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(C / 8), 1.3, n), 1, C).astype(np.int64)
+    urgent = rng.random(n) < 0.02
+    order, Ls, Cs = balance._sorted_items(COST(lengths), urgent.astype(np.int64) * 2, lengths)
+    Us = urgent[order]
+    lb = balance.lower_bound(Cs, R)
+    first = balance._LptRun(Us, Ls, Cs, R, W, C, lb * 1.002)
+    for cap in (np.inf, lb * cap_factor, lb * 1.0001, lb * 1.01):
+        resumed = first.rerun(cap)
+        scratch = balance._LptRun(Us, Ls, Cs, R, W, C, cap).result
+        assert np.array_equal(resumed[0], scratch[0]) and np.array_equal(resumed[1], scratch[1])
+        assert resumed[5] == scratch[5]
+        np.testing.assert_array_equal(resumed[4], scratch[4])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(4097, 20000), st.integers(0, 2**32 - 1), st.sampled_from(["text", "tiles", "arbitrary"]))
+def test_sorted_items_by_length_equal_the_cost_order(n, seed, kind):
+    # The fast path sorts by length when cost is an increasing function of it; it must give the very
+    # order of the cost sort (ties by index), and fall back when cost is not such a function.
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 3000, n).astype(np.int64)
+    if kind == "text":
+        costs = COST(lengths)
+    elif kind == "tiles":  # constant per 128-token tile: equal costs for different lengths
+        costs = np.ceil(lengths / 128.0) * 7.0
+    else:
+        costs = rng.integers(1, 50, n).astype(np.float64)
+    order, Ls, Cs = balance._sorted_items(costs, None, lengths)
+    expect = np.lexsort((np.arange(n), -costs))
+    assert np.array_equal(order, expect)
+    assert np.array_equal(Ls, lengths[expect]) and np.array_equal(Cs, costs[expect])
