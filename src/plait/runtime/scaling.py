@@ -144,6 +144,14 @@ def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens:
             costs.append(timed_s / timed_tok if timed_tok else first_s / max(1, first_tok))
         finally:
             src.close()
+    # The probe's blocks are garbage now; hand their memory back (Arrow's allocator keeps freed pages
+    # otherwise, and the Planner process that probes lives as long as the job).
+    import gc
+
+    import pyarrow as pa
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
     return costs, files
 
 
