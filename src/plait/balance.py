@@ -137,7 +137,9 @@ def assign(
     # Work in placement order: the passes below then stream through contiguous arrays.
     order, Ls, Cs = _sorted_items(costs, priority, lengths)
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
-    cap = lower_bound(costs, R) * (1.0 + CAP_SLACK)
+    lb_all = lower_bound(Cs, R)
+    total_tokens = int(Ls.sum())
+    cap = lb_all * (1.0 + CAP_SLACK)
     # Tokens may bind before cost: some ranks full of cheap short documents while others hold the
     # expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto
     # the expensive ranks. Where it holds nothing back it *is* the plain pass. Where it does, the plain
@@ -148,25 +150,27 @@ def assign(
     # keeps snapshots of its state, and every later pass resumes from the last one before that item.
     first = _LptRun(Us, Ls, Cs, R, W, int(capacity), cap)
     state = first.result
-    lb_all = lower_bound(Cs, R)
-    if state[5] and _ratio(state, Cs, R) > state[6] / lb_all:
+    ratio = _ratio(state, Cs, R)
+    if state[5] and ratio > state[6] / lb_all:
         plain = first.rerun(np.inf)
-        if _ratio(plain, Cs, R) <= _ratio(state, Cs, R):
-            state = plain
-    if state[5] and _ratio(state, Cs, R) > 1.0 + RECAP_ABOVE:
+        ratio_plain = _ratio(plain, Cs, R)
+        if ratio_plain <= ratio:
+            state, ratio = plain, ratio_plain
+    if state[5] and ratio > 1.0 + RECAP_ABOVE:
         # Carrying lowered the bound itself: cap again at the new bound, if that carries at most
         # RECAP_TOKENS more of the step's tokens.
         recap = _placed_lb(state[0], Cs, R) * (1.0 + CAP_SLACK)
         again = first.rerun(recap)
         lost = _placed_tokens(state[0], Ls) - _placed_tokens(again[0], Ls)
-        if _ratio(again, Cs, R) < _ratio(state, Cs, R) and lost <= RECAP_TOKENS * int(Ls.sum()):
-            state = again
+        ratio_again = _ratio(again, Cs, R)
+        if ratio_again < ratio and lost <= RECAP_TOKENS * total_tokens:
+            state, ratio = again, ratio_again
     rank_s, micro_s, rank_cost, micro_cost, room = state[:5]
     counts = np.full(R, W, dtype=np.int64)
     _pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, int(capacity), mode == "variable", counts)
-    if mode == "equal" and R > 1 and n and _ratio(state, Cs, R) > 1.0 + RECAP_ABOVE:
+    if mode == "equal" and R > 1 and n and ratio > 1.0 + RECAP_ABOVE:
         rank_cost, _ = _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, int(capacity),
-                                  int(REBALANCE_TOKENS * int(Ls.sum())))
+                                  int(REBALANCE_TOKENS * total_tokens))
     micro_tokens = int(capacity) - room
     new_pos = np.empty((R, W), dtype=np.int64)
     _middle_heavy(micro_cost, counts, new_pos)
@@ -531,14 +535,18 @@ def _lpt_heap(urgent, lengths, costs, R, W, capacity, cap, start, stop, rank, mi
     skipped = ints[2]
     first_over = flts[0]
     last = len(snap_at) - 1
+    due = start if every > 0 else stop  # the next item that may start a snapshot block
     for i in range(start, stop):
-        if every > 0 and snap_at[i // every] < 0:
-            ints[0] = hn
-            ints[1] = fn
-            ints[2] = skipped
-            flts[0] = first_over
-            _snapshot(i // every, i, snap_at, rank_cost, micro_cost, room, best, neg_best, heap, full, ints, flts,
-                      s_rank_cost, s_micro_cost, s_room, s_best, s_neg_best, s_heap, s_full, s_ints, s_flts)
+        if i >= due:
+            k = i // every
+            if snap_at[k] < 0:
+                ints[0] = hn
+                ints[1] = fn
+                ints[2] = skipped
+                flts[0] = first_over
+                _snapshot(k, i, snap_at, rank_cost, micro_cost, room, best, neg_best, heap, full, ints, flts,
+                          s_rank_cost, s_micro_cost, s_room, s_best, s_neg_best, s_heap, s_full, s_ints, s_flts)
+            due = (k + 1) * every
         L = lengths[i]
         while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
             r, fn = _pop(full, fn, neg_best)
