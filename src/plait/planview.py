@@ -92,6 +92,24 @@ def explain(plan, spec, files: list[list[str]], top: int, docs: int) -> list[dic
     return out
 
 
+def variable_mode_check(plan, spec, above: float = 1.01) -> dict | None:
+    """For an equal-mode step certifying worse than `above`: the same documents placed in variable mode.
+
+    When tokens bind (every micro-batch full, ranks differing by whole long chunks) no equal-mode
+    assignment of the step can be balanced; variable mode lets ranks of long chunks run fewer
+    micro-batches. None when the spec already uses variable mode or the step is within `above`.
+    """
+    from plait import balance
+
+    if spec.balance.mode != "equal" or not len(plan.items) or plan.stats()["max_over_lb"] <= above:
+        return None
+    a = balance.assign(plan.items.length, plan.cost, ranks=plan.ranks, microbatches=plan.microbatches,
+                       capacity=plan.capacity, mode="variable")
+    lb = balance.lower_bound(plan.cost[a.placed], plan.ranks)
+    return {"max_over_lb": float(a.rank_cost.max()) / lb if lb > 0 else 1.0, "placed": float(a.placed.mean()),
+            "microbatches_min": int(a.microbatches.min()), "microbatches_max": int(a.microbatches.max())}
+
+
 def _why(plan, r: int, items: list[dict], tokens: int) -> str:
     mean_tokens = float(plan.micro_tokens.sum(axis=1).mean()) or 1.0
     over = float(plan.rank_cost[r]) / plan.lower_bound if plan.lower_bound else 1.0
@@ -191,10 +209,16 @@ def run(args) -> int:
     out.print(t)
     for s in slow:
         out.print(f"  rank {s['rank']}: {s['why']}", highlight=False)
+    alt = variable_mode_check(plan, spec)
+    if alt is not None:
+        out.print(f"  the same documents in balance mode `variable`: max/LB {alt['max_over_lb']:.4f} (ranks run "
+                  f"{alt['microbatches_min']}-{alt['microbatches_max']} micro-batches; the trainer then normalises "
+                  "its loss by batch.stats['global_label_tokens'])", highlight=False)
 
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": rows, "explained_step": plan.step, "slowest": slow,
-                                               "rank_cost": plan.rank_cost.tolist(), "lower_bound": plan.lower_bound}, indent=2))
+                                               "rank_cost": plan.rank_cost.tolist(), "lower_bound": plan.lower_bound,
+                                               "variable_mode": alt}, indent=2))
     if args.plot:
         _plot(rows, plan, args.plot)
         Console(stderr=True).print(f"plot written to {args.plot}")
