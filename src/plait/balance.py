@@ -667,34 +667,11 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
 
 @_jit
 def _sort_by_cost(order, keys, k, tmp):
-    """Sort order[:k] by keys[:k] (non-negative costs), stably: LSD radix on the float bits, 8 bits a
-    pass, passes whose digit is the same for all keys skipped. tmp: scratch of at least k."""
-    ka = keys[:k].view(np.int64).copy()
-    kb = np.empty(k, dtype=np.int64)
-    count = np.empty(257, dtype=np.int64)
-    flip = False  # the sorted order is in tmp (True) or in order (False)
-    for shift in range(0, 64, 8):
-        count[:] = 0
-        for t in range(k):
-            count[((ka[t] >> shift) & 255) + 1] += 1
-        if count.max() == k:
-            continue
-        for d in range(256):
-            count[d + 1] += count[d]
-        for t in range(k):
-            d = (ka[t] >> shift) & 255
-            p = count[d]
-            count[d] = p + 1
-            kb[p] = ka[t]
-            if flip:
-                order[p] = tmp[t]
-            else:
-                tmp[p] = order[t]
-        ka, kb = kb, ka
-        flip = not flip
-    if flip:
-        for t in range(k):
-            order[t] = tmp[t]
+    """Sort order[:k] by keys[:k] (non-negative costs), stably, on the costs' bit patterns. tmp: unused
+    scratch kept for the snapshot layout."""
+    key, idx = _radix_sort(keys[:k].view(np.int64).copy(), order[:k].copy(), 0x7FFFFFFFFFFFFFFF, 8)
+    for t in range(k):
+        order[t] = idx[t]
 
 
 @_jit
@@ -829,25 +806,7 @@ def _length_order(lengths, c, order, Ls, Cs):
     for i in range(n):
         key[i] = top - lengths[i]
         idx[i] = i
-    key2 = np.empty(n, dtype=np.int32)
-    idx2 = np.empty(n, dtype=np.int32)
-    count = np.empty(2049, dtype=np.int64)
-    shift = 0
-    while (top >> shift) > 0:
-        count[:] = 0
-        for i in range(n):
-            count[((key[i] >> shift) & 2047) + 1] += 1
-        for d in range(2048):
-            count[d + 1] += count[d]
-        for i in range(n):
-            d = (key[i] >> shift) & 2047
-            p = count[d]
-            count[d] = p + 1
-            key2[p] = key[i]
-            idx2[p] = idx[i]
-        key, key2 = key2, key
-        idx, idx2 = idx2, idx
-        shift += 11
+    key, idx = _radix_sort(key, idx, top, 11)
     for i in range(n):
         order[i] = idx[i]
         Ls[i] = top - key[i]
@@ -856,35 +815,45 @@ def _length_order(lengths, c, order, Ls, Cs):
 
 
 @_jit
+def _radix_sort(key, idx, top, digit_bits):
+    """Sort (key, idx) pairs by key, stably (ties keep their order), for non-negative integer keys up to
+    `top`: LSD radix, `digit_bits` a pass, passes whose digit is the same for every key skipped.
+    Returns the sorted pair (possibly the other buffers: the arrays passed in are used as scratch)."""
+    n = len(key)
+    size = 1 << digit_bits
+    mask = size - 1
+    key2 = np.empty_like(key)
+    idx2 = np.empty_like(idx)
+    count = np.empty(size + 1, dtype=np.int64)
+    shift = 0
+    while shift < 63 and (top >> shift) > 0:
+        count[:] = 0
+        for i in range(n):
+            count[((key[i] >> shift) & mask) + 1] += 1
+        if count.max() < n:
+            for d in range(size):
+                count[d + 1] += count[d]
+            for i in range(n):
+                d = (key[i] >> shift) & mask
+                p = count[d]
+                count[d] = p + 1
+                key2[p] = key[i]
+                idx2[p] = idx[i]
+            key, key2 = key2, key
+            idx, idx2 = idx2, idx
+        shift += digit_bits
+    return key, idx
+
+
+@_jit
 def _radix_desc(bits):
-    """Stable argsort of non-negative int64 keys, descending (ties: ascending index); LSD radix, 8 bits
-    a pass, passes whose digit is the same for every key skipped."""
+    """Stable argsort of non-negative int64 keys, descending (ties: ascending index)."""
     n = len(bits)
     MAXK = 0x7FFFFFFFFFFFFFFF
     key = np.empty(n, dtype=np.int64)
     for i in range(n):
         key[i] = MAXK - bits[i]
-    idx = np.arange(n)
-    key2 = np.empty(n, dtype=np.int64)
-    idx2 = np.empty(n, dtype=np.int64)
-    count = np.empty(257, dtype=np.int64)
-    for shift in range(0, 64, 8):
-        count[:] = 0
-        for i in range(n):
-            count[((key[i] >> shift) & 255) + 1] += 1
-        if count.max() == n:
-            continue
-        for d in range(256):
-            count[d + 1] += count[d]
-        for i in range(n):
-            d = (key[i] >> shift) & 255
-            p = count[d]
-            count[d] = p + 1
-            key2[p] = key[i]
-            idx2[p] = idx[i]
-        key, key2 = key2, key
-        idx, idx2 = idx2, idx
-    return idx
+    return _radix_sort(key, np.arange(n), MAXK, 8)[1]
 
 
 @_jit
