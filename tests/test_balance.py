@@ -347,3 +347,21 @@ def test_sorted_items_by_length_equal_the_cost_order(n, seed, kind):
     expect = np.lexsort((np.arange(n), -costs))
     assert np.array_equal(order, expect)
     assert np.array_equal(Ls, lengths[expect]) and np.array_equal(Cs, costs[expect])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 4), st.integers(32, 2048), st.integers(0, 6000), st.integers(0, 2**32 - 1))
+def test_lpt_rounds_make_the_heaps_choices(R, W, C, n, seed):
+    # The round phase is a faster way to the same assignment: with it disabled (every item through the
+    # heaps) the result must be identical.
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(C / 12), 1.2, n), 1, C).astype(np.int64)
+    costs = COST(lengths)
+    fast = balance.assign(lengths, costs, ranks=R, microbatches=W, capacity=C)
+    saved = balance.ROUND_ITEM
+    try:
+        balance.ROUND_ITEM = float("inf")  # no item is small enough: heaps only
+        slow = balance.assign(lengths, costs, ranks=R, microbatches=W, capacity=C)
+    finally:
+        balance.ROUND_ITEM = saved
+    assert np.array_equal(fast.rank, slow.rank) and np.array_equal(fast.micro, slow.micro)

@@ -18,8 +18,8 @@ Python functions run uncompiled otherwise, so results never depend on it):
    radix sort (of the lengths when cost is an increasing function of length, as for text); the many
    small items at the end (each at most LB / ROUND_ITEM) go in rounds while every rank still has room
    for them - ranks sorted by cost once a round, each taking the next item, the least loaded the
-   largest: LPT up to one small item's cost, without a heap operation per item - and back to the heaps
-   as soon as some rank is too full (then the cap below needs the exact least-loaded rank).
+   largest, a round ending where LPT would serve a rank twice: exactly LPT's choices without a heap
+   operation per item - and back to the heaps as soon as some rank is too full.
 2. **Cost cap.** When tokens bind before cost (a rank holding a 128k-token chunk is "full" at far more
    than the mean cost, while ranks of short documents are full at less), the pass is repeated with
    every rank's cost capped just above the lower bound: while some ranks are too full for an item, the
@@ -483,9 +483,10 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, start, switch, rank, micro
        too full for the current item, by largest hole);
     1. from `switch` on (many small items), while every rank still has room for the item: in rounds,
        ranks sorted by cost once a round and each taking the next item in turn (the least loaded the
-       largest). That is LPT up to one small item's cost, at a fraction of a heap operation per item;
-    2. once some rank is too full: heaps again, rebuilt from the state (token-bound steps need the exact
-       least-loaded rank with room, and the cap below).
+       largest; a round holds only ranks LPT itself would serve in that order). The same choices as
+       the heaps, at a fraction of a heap operation per item;
+    2. once some rank is too full: heaps again, rebuilt from the state (the least-loaded rank *with
+       room* and the cap below need them).
 
     An item that would lift its rank past `cap` while some rank is too full for it is carried (skipped).
     With every > 0 the state is snapshotted at the first item of each `every`-block (at a round start in
@@ -621,9 +622,9 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
                 s_neg_best, s_heap, s_full, s_ints, s_flts, trig):
     """Phase 1 of _lpt, from item `start` until an item some rank has no room for (returned; n if none).
 
-    State: order[:k] the round's ranks by (cost, id) (those within one item's cost of the least loaded:
-    the ones LPT would serve before it comes back), ints[0] the position in it, ints[1] = k. Every rank
-    has room for the item here, so the cap never carries anything in this phase.
+    State: order[:k] the round's ranks by (cost, id) - those LPT itself would serve one after the other
+    (see below) - ints[0] the position in it, ints[1] = k. Every rank has room for the item here, so
+    the cap never carries anything in this phase, and the result is the heap phase's, only faster.
     """
     n = len(lengths)
     ptr = ints[0]
@@ -649,9 +650,13 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
                 order[q] = q
                 keys[q] = rank_cost[q]
             _sort_by_cost(order, keys, R, tmp)
-            top = rank_cost[order[0]] + costs[i]
+            # The j-th rank of the round takes item i + j. LPT would give it to that rank too if the rank
+            # costs less than every rank served before it in the round does afterwards; those cost at
+            # least rank_cost[order[0]] + costs[i + j] (items do not get costlier), so the round stops
+            # at the first rank that is not strictly below that: the rounds make exactly LPT's choices.
+            base = rank_cost[order[0]]
             k = 1
-            while k < R and rank_cost[order[k]] <= top:
+            while k < R and i + k < n and rank_cost[order[k]] < base + costs[i + k]:
                 k += 1
             ptr = 0
         r = order[ptr]
