@@ -373,6 +373,12 @@ def warmup() -> float:
     middle_heavy_order(np.ones((2, 3)))
     many = np.tile(lengths, 8)  # enough small items for the round phase of LPT
     assign(many, many * 1.5, ranks=2, microbatches=8, capacity=10)
+    # Tokens binding with long chunks: the second stage (swaps, exchanges, carries).
+    bound = np.concatenate([np.full(4, 100), np.full(80, 5), np.full(20, 3)]).astype(np.int64)
+    assign(bound, bound + bound**2 / 10.0, ranks=3, microbatches=2, capacity=100)
+    # Enough items for the length-order sort.
+    long_list = np.arange(1, 5001, dtype=np.int64) % 97 + 1
+    assign(long_list, long_list * 1.0 + long_list**2 / 100.0, ranks=4, microbatches=2, capacity=4096)
     first_fit(np.zeros(2, dtype=np.int64), lengths[:2], 2, 10, np.empty(2, dtype=np.int64))
     return time.perf_counter() - t
 
