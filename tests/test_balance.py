@@ -310,8 +310,8 @@ def test_equal_mode_long_context_within_one_percent(dist, R):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 16), st.integers(1, 4), st.integers(64, 512), st.integers(0, 3000), st.integers(0, 2**32 - 1),
-       st.floats(0.9, 1.05))
+@given(st.sampled_from([1, 3, 16, 64, 100]), st.integers(1, 4), st.integers(64, 512), st.integers(0, 4000),
+       st.integers(0, 2**32 - 1), st.floats(0.9, 1.05))
 def test_passes_resumed_from_snapshots_equal_full_passes(R, W, C, n, seed, cap_factor):
     # Later LPT passes at other caps resume from the first pass's snapshots: the result must be exactly
     # that of a pass from scratch (heap phase, round phase, and the first held-back item all covered).
@@ -321,10 +321,15 @@ def test_passes_resumed_from_snapshots_equal_full_passes(R, W, C, n, seed, cap_f
     order, Ls, Cs = balance._sorted_items(COST(lengths), urgent.astype(np.int64) * 2, lengths)
     Us = urgent[order]
     lb = balance.lower_bound(Cs, R)
-    first = balance._LptRun(Us, Ls, Cs, R, W, C, lb * 1.002)
+    saved = balance.SNAPSHOT_MIN
+    balance.SNAPSHOT_MIN = 0  # snapshots at any size (normally only for large steps)
+    try:
+        first = balance._LptRun(Us, Ls, Cs, R, W, C, lb * 1.002)
+    finally:
+        balance.SNAPSHOT_MIN = saved
     for cap in (np.inf, lb * cap_factor, lb * 1.0001, lb * 1.01):
         resumed = first.rerun(cap)
-        scratch = balance._LptRun(Us, Ls, Cs, R, W, C, cap).result
+        scratch = first._plain(cap)  # one pass from the first item, no snapshots
         assert np.array_equal(resumed[0], scratch[0]) and np.array_equal(resumed[1], scratch[1])
         assert resumed[5] == scratch[5]
         np.testing.assert_array_equal(resumed[4], scratch[4])
@@ -350,7 +355,7 @@ def test_sorted_items_by_length_equal_the_cost_order(n, seed, kind):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 4), st.integers(32, 2048), st.integers(0, 6000), st.integers(0, 2**32 - 1))
+@given(st.integers(64, 256), st.integers(1, 4), st.integers(32, 2048), st.integers(0, 6000), st.integers(0, 2**32 - 1))
 def test_lpt_rounds_make_the_heaps_choices(R, W, C, n, seed):
     # The round phase is a faster way to the same assignment: with it disabled (every item through the
     # heaps) the result must be identical.

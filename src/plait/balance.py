@@ -212,6 +212,11 @@ class _LptRun:
         n = len(lengths)
         self.args = (urgent, lengths, costs, R, W, capacity)
         self.cap = float(cap)
+        self.switch = _round_start(urgent, costs, R)
+        if n < SNAPSHOT_MIN:  # small steps: passes are cheap, snapshots and their bookkeeping are not
+            self.snap_at = None
+            self.result = self._plain(self.cap)
+            return
         every = max(1024, -(-n // SNAPSHOTS))
         K = n // every + 2  # periodic snapshots, then the one at the first held-back item
         self.snap_at = np.full(K, -1, dtype=np.int64)
@@ -219,7 +224,6 @@ class _LptRun:
                       np.empty((K, R), dtype=np.int64), np.empty((K, R)), np.empty((K, R), dtype=np.int64),
                       np.empty((K, R), dtype=np.int64), np.empty((K, 4), dtype=np.int64), np.empty((K, 1)))
         self.trig = np.full(n, -np.inf)
-        self.switch = _round_start(urgent, costs, R)
         st = _fresh_state(n, R, W, capacity)
         _lpt(urgent, lengths, costs, R, W, capacity, self.cap, 0, self.switch, *st, every, self.snap_at, *self.snaps,
              self.trig)
@@ -230,6 +234,8 @@ class _LptRun:
         urgent, lengths, costs, R, W, capacity = self.args
         cap = float(cap)
         n = len(lengths)
+        if self.snap_at is None:
+            return self._plain(cap)
         first_skip = int(self.snap_at[-1])
         if n == 0:
             return tuple(x.copy() if isinstance(x, np.ndarray) else x for x in self.result)
@@ -257,14 +263,56 @@ class _LptRun:
              self.trig[:0])
         return _result(st)
 
+    def _plain(self, cap: float):
+        """A whole pass from the first item, without snapshots (one compiled call)."""
+        urgent, lengths, costs, R, W, capacity = self.args
+        n = len(lengths)
+        rank = np.full(n, -1, dtype=np.int32)
+        micro = np.full(n, -1, dtype=np.int32)
+        rank_cost = np.zeros(R)
+        micro_cost = np.zeros((R, W))
+        room = np.full((R, W), capacity, dtype=np.int64)
+        skipped, first_over = _lpt_plain(urgent, lengths, costs, R, W, capacity, float(cap), self.switch, rank, micro,
+                                         rank_cost, micro_cost, room)
+        return rank, micro, rank_cost, micro_cost, room, int(skipped), float(first_over)
+
+
+SNAPSHOT_MIN = 8192  # steps with fewer items run every LPT pass from the start
+
+
+@_jit
+def _lpt_plain(urgent, lengths, costs, R, W, capacity, cap, switch, rank, micro, rank_cost, micro_cost, room):
+    """_lpt over all items from a fresh state, no snapshots; returns (skipped, first_over)."""
+    best = np.full(R, capacity, dtype=np.int64)
+    neg_best = np.zeros(R)
+    heap = np.arange(R, dtype=np.int64)
+    full = np.empty(R, dtype=np.int64)
+    ints = np.zeros(4, dtype=np.int64)
+    ints[0] = R
+    flts = np.zeros(1)
+    snap_at = np.empty(0, dtype=np.int64)
+    s1 = np.empty((0, R))
+    s2 = np.empty((0, R, W))
+    s3 = np.empty((0, R, W), dtype=np.int64)
+    s4 = np.empty((0, R), dtype=np.int64)
+    s5 = np.empty((0, 4), dtype=np.int64)
+    s6 = np.empty((0, 1))
+    trig = np.empty(0)
+    _lpt(urgent, lengths, costs, R, W, capacity, cap, 0, switch, rank, micro, rank_cost, micro_cost, room, best,
+         neg_best, heap, full, ints, flts, 0, snap_at, s1, s2, s3, s4, s1, s4, s4, s5, s6, trig)
+    return ints[2], flts[0]
+
 
 ROUND_ITEM = 32  # items costing at most LB / ROUND_ITEM are placed in rounds ...
-ROUND_MIN = 4  # ... when at least ROUND_MIN x ranks of them remain
+ROUND_MIN = 4  # ... when at least ROUND_MIN x ranks of them remain ...
+ROUND_RANKS = 64  # ... and there are at least this many ranks (with few, a heap operation is cheap)
 
 
 def _round_start(urgent, costs, R) -> int:
     """Index from which LPT places items in rounds instead of one heap operation each (see _lpt)."""
     n = len(costs)
+    if R < ROUND_RANKS or n < ROUND_MIN * R:
+        return n
     nu = int(np.count_nonzero(urgent))
     lb = lower_bound(costs, R)
     small = np.flatnonzero(costs[nu:] * ROUND_ITEM <= lb)  # costs[nu:] do not increase: a suffix
