@@ -139,7 +139,7 @@ def assign(
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
     lb_all = lower_bound(Cs, R)
     total_tokens = int(Ls.sum())
-    cap = lb_all * (1.0 + CAP_SLACK)
+    cap = lower_bound(costs, R) * (1.0 + CAP_SLACK)  # (summed in the caller's order: same float as always)
     # Tokens may bind before cost: some ranks full of cheap short documents while others hold the
     # expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto
     # the expensive ranks. Where it holds nothing back it *is* the plain pass. Where it does, the plain
@@ -159,7 +159,7 @@ def assign(
     if state[5] and ratio > 1.0 + RECAP_ABOVE:
         # Carrying lowered the bound itself: cap again at the new bound, if that carries at most
         # RECAP_TOKENS more of the step's tokens.
-        recap = _placed_lb(state[0], Cs, R) * (1.0 + CAP_SLACK)
+        recap = lower_bound(Cs[state[0] >= 0], R) * (1.0 + CAP_SLACK)
         again = first.rerun(recap)
         lost = _placed_tokens(state[0], Ls) - _placed_tokens(again[0], Ls)
         ratio_again = _ratio(again, Cs, R)
@@ -222,7 +222,7 @@ class _LptRun:
         self.snap_at = np.full(K, -1, dtype=np.int64)
         self.snaps = (np.empty((K, R)), np.empty((K, R, W)), np.empty((K, R, W), dtype=np.int64),
                       np.empty((K, R), dtype=np.int64), np.empty((K, R)), np.empty((K, R), dtype=np.int64),
-                      np.empty((K, R), dtype=np.int64), np.empty((K, 4), dtype=np.int64), np.empty((K, 1)))
+                      np.empty((K, R), dtype=np.int64), np.empty((K, 5), dtype=np.int64), np.empty((K, 1)))
         self.trig = np.full(n, -np.inf)
         st = _fresh_state(n, R, W, capacity)
         _lpt(urgent, lengths, costs, R, W, capacity, self.cap, 0, self.switch, *st, every, self.snap_at, *self.snaps,
@@ -287,7 +287,7 @@ def _lpt_plain(urgent, lengths, costs, R, W, capacity, cap, switch, rank, micro,
     neg_best = np.zeros(R)
     heap = np.arange(R, dtype=np.int64)
     full = np.empty(R, dtype=np.int64)
-    ints = np.zeros(4, dtype=np.int64)
+    ints = np.zeros(5, dtype=np.int64)
     ints[0] = R
     flts = np.zeros(1)
     snap_at = np.empty(0, dtype=np.int64)
@@ -295,7 +295,7 @@ def _lpt_plain(urgent, lengths, costs, R, W, capacity, cap, switch, rank, micro,
     s2 = np.empty((0, R, W))
     s3 = np.empty((0, R, W), dtype=np.int64)
     s4 = np.empty((0, R), dtype=np.int64)
-    s5 = np.empty((0, 4), dtype=np.int64)
+    s5 = np.empty((0, 5), dtype=np.int64)
     s6 = np.empty((0, 1))
     trig = np.empty(0)
     _lpt(urgent, lengths, costs, R, W, capacity, cap, 0, switch, rank, micro, rank_cost, micro_cost, room, best,
@@ -306,12 +306,13 @@ def _lpt_plain(urgent, lengths, costs, R, W, capacity, cap, switch, rank, micro,
 ROUND_ITEM = 32  # items costing at most LB / ROUND_ITEM are placed in rounds ...
 ROUND_MIN = 4  # ... when at least ROUND_MIN x ranks of them remain ...
 ROUND_RANKS = 64  # ... and there are at least this many ranks (with few, a heap operation is cheap)
+ROUND_SHORT = 8  # a round of fewer ranks hands the rest of the items back to the heaps
 
 
 def _round_start(urgent, costs, R) -> int:
     """Index from which LPT places items in rounds instead of one heap operation each (see _lpt)."""
     n = len(costs)
-    if R < ROUND_RANKS or n < ROUND_MIN * R:
+    if R < ROUND_RANKS or n < ROUND_MIN * R or not bool((costs >= 0).all()):  # rounds sort non-negative costs
         return n
     nu = int(np.count_nonzero(urgent))
     lb = lower_bound(costs, R)
@@ -324,11 +325,11 @@ def _round_start(urgent, costs, R) -> int:
 
 def _fresh_state(n, R, W, capacity):
     """rank, micro, rank_cost, micro_cost, room, best (largest hole), neg_best, heap, full, ints (heap size
-    or round position, full size or round length, skipped, phase), flts (first_over): the state of an LPT
-    pass before its first item."""
+    or round position, full size or round length, skipped, phase, rounds started), flts (first_over):
+    the state of an LPT pass before its first item."""
     return (np.full(n, -1, dtype=np.int32), np.full(n, -1, dtype=np.int32), np.zeros(R), np.zeros((R, W)),
             np.full((R, W), capacity, dtype=np.int64), np.full(R, capacity, dtype=np.int64), np.zeros(R),
-            np.arange(R, dtype=np.int64), np.empty(R, dtype=np.int64), np.array([R, 0, 0, 0], dtype=np.int64),
+            np.arange(R, dtype=np.int64), np.empty(R, dtype=np.int64), np.array([R, 0, 0, 0, 0], dtype=np.int64),
             np.zeros(1))
 
 
@@ -339,21 +340,8 @@ def _result(st):
 
 
 def _ratio(state, costs, R) -> float:
-    lb = _placed_lb(state[0], costs, R)
+    lb = lower_bound(costs[state[0] >= 0], R)  # numpy's pairwise sum: more exact than a running one
     return float(state[2].max()) / lb if lb > 0 else 1.0
-
-
-@_jit
-def _placed_lb(rank, costs, R):
-    """lower_bound of the placed items' costs (rank >= 0), without copying them."""
-    total = 0.0
-    top = 0.0
-    for i in range(len(rank)):
-        if rank[i] >= 0:
-            total += costs[i]
-            if costs[i] > top:
-                top = costs[i]
-    return max(total / R, top)
 
 
 @_jit
@@ -424,9 +412,16 @@ def warmup() -> float:
     # Tokens binding with long chunks: the second stage (swaps, exchanges, carries).
     bound = np.concatenate([np.full(4, 100), np.full(80, 5), np.full(20, 3)]).astype(np.int64)
     assign(bound, bound + bound**2 / 10.0, ranks=3, microbatches=2, capacity=100)
-    # Enough items for the length-order sort.
-    long_list = np.arange(1, 5001, dtype=np.int64) % 97 + 1
-    assign(long_list, long_list * 1.0 + long_list**2 / 100.0, ranks=4, microbatches=2, capacity=4096)
+    # Enough items for the length-order sort, the rounds (>= ROUND_RANKS ranks) and the snapshots of a
+    # capped pass that carries (tokens bind), with the passes resumed from them.
+    C, R = 1024, 512
+    docs = np.clip(np.random.default_rng(0).lognormal(np.log(C / 20), 1.5, size=40000), 4, 10 * C).astype(np.int64)
+    docs = docs[: int(np.searchsorted(np.cumsum(docs), R * 4 * C)) + 1]
+    pieces = -(-docs // C)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    chunks = np.minimum(C, np.repeat(docs, pieces) - (np.arange(int(pieces.sum())) - first) * C).astype(np.int64)
+    for mode in ("equal", "variable"):
+        assign(chunks, chunks + chunks**2 / (C / 2.65), ranks=R, microbatches=4, capacity=C, mode=mode)
     first_fit(np.zeros(2, dtype=np.int64), lengths[:2], 2, 10, np.empty(2, dtype=np.int64))
     return time.perf_counter() - t
 
@@ -553,25 +548,22 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, start, switch, rank, micro
                       micro_cost, room, best, neg_best, heap, full, ints, flts, every, snap_at, s_rank_cost,
                       s_micro_cost, s_room, s_best, s_neg_best, s_heap, s_full, s_ints, s_flts, trig)
         if i < n:
-            ints[0] = 0
-            ints[1] = 0
-            ints[3] = 1
+            ints[3] = 1  # the heaps stay as they are (ints[0:2]) until a round starts (ints[4])
+            ints[4] = 0
     if ints[3] == 1 and i < n:
         i = _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, i, rank, micro, rank_cost, micro_cost, room,
                         best, neg_best, heap, full, ints, flts, every, snap_at, s_rank_cost, s_micro_cost, s_room,
                         s_best, s_neg_best, s_heap, s_full, s_ints, s_flts, trig)
-        if i < n:  # some rank is too full for item i: back to heaps, rebuilt from the state
-            hn = 0
-            fn = 0
-            L = lengths[i]
-            for r in range(R):
-                if best[r] >= L:
+        if i < n:
+            if ints[4] == 1:
+                # Rounds ran (their order overwrote the heaps). Every rank had room for every item they
+                # placed, so the heaps' "too full" side would be empty here, all ranks in the cost heap:
+                # rebuild exactly that; the heap loop then moves ranks that are too full for item i.
+                hn = 0
+                for r in range(R):
                     hn = _push(heap, hn, rank_cost, r)
-                else:
-                    neg_best[r] = -best[r]
-                    fn = _push(full, fn, neg_best, r)
-            ints[0] = hn
-            ints[1] = fn
+                ints[0] = hn
+                ints[1] = 0
             ints[3] = 2
     if ints[3] == 2 and i < n:
         _lpt_heap(urgent, lengths, costs, R, W, capacity, cap, i, n, rank, micro, rank_cost, micro_cost, room,
@@ -681,8 +673,9 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
     the cap never carries anything in this phase, and the result is the heap phase's, only faster.
     """
     n = len(lengths)
-    ptr = ints[0]
-    k = ints[1]
+    started = ints[4] == 1
+    ptr = ints[0] if started else 0  # before the first round ints[0:2] still hold the heaps' sizes
+    k = ints[1] if started else 0
     min_best = capacity
     for r in range(R):
         if best[r] < min_best:
@@ -690,20 +683,24 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
     for i in range(start, n):
         L = lengths[i]
         if min_best < L:
-            ints[0] = ptr
-            ints[1] = k
+            if started:
+                ints[0] = ptr
+                ints[1] = k
             return i
         if ptr >= k:
             # A new round, least loaded first.
             if every > 0 and snap_at[i // every] < 0:
-                ints[0] = 0
-                ints[1] = 0
+                if started:
+                    ints[0] = 0
+                    ints[1] = 0
                 _snapshot(i // every, i, snap_at, rank_cost, micro_cost, room, best, keys, order, tmp, ints,
                           flts, s_rank_cost, s_micro_cost, s_room, s_best, s_neg_best, s_heap, s_full, s_ints, s_flts)
             for q in range(R):
                 order[q] = q
                 keys[q] = rank_cost[q]
             _sort_by_cost(order, keys, R, tmp)
+            started = True
+            ints[4] = 1
             # The j-th rank of the round takes item i + j. LPT would give it to that rank too if the rank
             # costs less than every rank served before it in the round does afterwards; those cost at
             # least rank_cost[order[0]] + costs[i + j] (items do not get costlier), so the round stops
@@ -713,14 +710,21 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
             while k < R and i + k < n and rank_cost[order[k]] < base + costs[i + k]:
                 k += 1
             ptr = 0
+            if k < ROUND_SHORT and i + k < n:
+                # Rounds this short (items that cost next to nothing against the spread of rank costs)
+                # would sort all ranks for a few items: the heaps take over, with the same choices.
+                ints[0] = 0
+                ints[1] = 0
+                return i
         r = order[ptr]
         b = _put(i, r, _best_fit(room, r, W, L, capacity), L, costs[i], rank, micro, rank_cost, micro_cost, room,
                  best, W)
         if b < min_best:
             min_best = b
         ptr += 1
-    ints[0] = ptr
-    ints[1] = k
+    if started:
+        ints[0] = ptr
+        ints[1] = k
     return n
 
 
@@ -1019,7 +1023,8 @@ def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, ca
     slots = np.arange(G, dtype=np.int64).reshape(R, W)
     owner = np.repeat(np.arange(R, dtype=np.int64), W)
     rc = micro_cost.sum(axis=1)
-    total, cmax_u, first_rest = _placed_stats(rank_s, Cs, Us)
+    _, cmax_u, first_rest = _placed_stats(rank_s, Cs, Us)
+    total = float(Cs[rank_s >= 0].sum())
     max_iter = 4 * R + 16
     _refine_swaps(mc, owner, slots, rc, R, W, max_iter)
 

@@ -103,8 +103,11 @@ def variable_mode_check(plan, spec, above: float = 1.01) -> dict | None:
 
     if spec.balance.mode != "equal" or not len(plan.items) or plan.stats()["max_over_lb"] <= above:
         return None
+    # Carried items are urgent, as when the Planner placed them (never held back again).
+    delayed = plan.items.delayed
+    priority = np.where(delayed > 0, delayed + 1, 0)
     a = balance.assign(plan.items.length, plan.cost, ranks=plan.ranks, microbatches=plan.microbatches,
-                       capacity=plan.capacity, mode="variable")
+                       capacity=plan.capacity, mode="variable", priority=priority)
     lb = balance.lower_bound(plan.cost[a.placed], plan.ranks)
     return {"max_over_lb": float(a.rank_cost.max()) / lb if lb > 0 else 1.0, "placed": float(a.placed.mean()),
             "microbatches_min": int(a.microbatches.min()), "microbatches_max": int(a.microbatches.max())}

@@ -27,6 +27,7 @@ Ray is imported lazily (plait[ray] is optional); the local runtime never imports
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -209,7 +210,10 @@ def decide_layout(spec: Spec, options: dict) -> Layout:
         fixed = {spec.source_names.index(name): int(n) for name, n in (partitions or {}).items()}
     t0 = time.perf_counter()
     cost, files = _probe_elsewhere(spec)
-    demand = demand_of(spec, cost, float(options.get("step_time") or 1.0), options.get("dp"))
+    step_time = float(options.get("step_time") or 1.0)
+    if not (step_time > 0 and math.isfinite(step_time)):
+        raise PlaitError(f"step_time must be a positive number of seconds, not {options.get('step_time')!r}")
+    demand = demand_of(spec, cost, step_time, options.get("dp"))
     layout = plan_layout(demand, files, int(options.get("cpus") or 1), partitions=fixed)
     layout.cost = cost
     scale_log.info("auto layout: %d loader(s) for %d source(s), probed in %.2f s", layout.loaders,
@@ -225,7 +229,14 @@ def _probe_elsewhere(spec: Spec) -> tuple[list[float], list[int]]:
     sources) goes with it instead of staying in the Planner for the whole job."""
     ray = _ray()
     task = ray.remote(num_cpus=0, max_calls=1)(_probe_task)
-    return _get(task.remote(spec.model_dump(mode="json")))
+    try:
+        return _get(task.remote(spec.model_dump(mode="json")), timeout=PROBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise PlaitError(f"the cost probe (each source's first blocks) took over {PROBE_TIMEOUT_S:.0f} s: is the "
+                         "storage reachable? Pass loaders=N to skip the probe") from None
+
+
+PROBE_TIMEOUT_S = 600.0
 
 
 def _probe_task(spec_dict: dict) -> tuple[list[float], list[int]]:

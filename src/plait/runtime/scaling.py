@@ -70,7 +70,10 @@ def plan_layout(demand: Sequence[float], files: Sequence[int], cpus: int, *,
     n = len(demand)
     if n == 0 or len(files) != n:
         raise ValueError("demand and files must have one entry per source (at least one)")
-    d = np.maximum(np.asarray(demand, dtype=np.float64), 1e-12)
+    d = np.asarray(demand, dtype=np.float64)
+    if not np.isfinite(d).all() or not utilisation > 0:
+        raise ValueError(f"demand must be finite and utilisation > 0 (demand {list(demand)}, utilisation {utilisation})")
+    d = np.maximum(d, 1e-12)
     nfiles = [max(1, int(f)) for f in files]
     fixed = {int(s): max(1, int(p)) for s, p in (partitions or {}).items()}
     max_parts = sum(fixed.get(i, nfiles[i]) for i in range(n))
