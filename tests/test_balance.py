@@ -354,19 +354,42 @@ def test_sorted_items_by_length_equal_the_cost_order(n, seed, kind):
     assert np.array_equal(Ls, lengths[expect]) and np.array_equal(Cs, costs[expect])
 
 
+def heaps_only(**kw) -> balance.Assignment:
+    saved = balance.ROUND_ITEM
+    try:
+        balance.ROUND_ITEM = float("inf")  # no item is small enough for the rounds: heaps only
+        return balance.assign(**kw)
+    finally:
+        balance.ROUND_ITEM = saved
+
+
+def test_lpt_rounds_hand_over_to_the_heaps_exactly():
+    # Found in review: rank 5 fills up during the rounds; the heaps then take over and must hold the
+    # same ranks as if they had run all along (a rank too full but costlier than the least loaded one
+    # with room stays in the cost heap), or the cap carries the last item that LPT places.
+    R, rounds = 64, 40
+    lengths = np.ones(R * rounds + 1, dtype=np.int64)
+    lengths[5 : R * rounds : R] = 2
+    kw = dict(lengths=lengths, costs=np.ones(len(lengths)), ranks=R, microbatches=1, capacity=2 * rounds)
+    fast, slow = balance.assign(**kw), heaps_only(**kw)
+    assert slow.rank[-1] >= 0
+    assert np.array_equal(fast.rank, slow.rank) and np.array_equal(fast.micro, slow.micro)
+
+
 @settings(max_examples=30, deadline=None)
-@given(st.integers(64, 256), st.integers(1, 4), st.integers(32, 2048), st.integers(0, 6000), st.integers(0, 2**32 - 1))
-def test_lpt_rounds_make_the_heaps_choices(R, W, C, n, seed):
+@given(st.integers(64, 256), st.integers(1, 4), st.integers(32, 2048), st.integers(0, 6000), st.integers(0, 2**32 - 1),
+       st.sampled_from(["text", "flat", "two-level"]))
+def test_lpt_rounds_make_the_heaps_choices(R, W, C, n, seed, kind):
     # The round phase is a faster way to the same assignment: with it disabled (every item through the
     # heaps) the result must be identical.
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(C / 12), 1.2, n), 1, C).astype(np.int64)
-    costs = COST(lengths)
+    if kind == "text":
+        costs = COST(lengths)
+    elif kind == "flat":  # every item the same cost, lengths differing: ties everywhere
+        costs = np.ones(n)
+    else:
+        costs = np.where(rng.random(n) < 0.1, 5.0, 1.0)
     fast = balance.assign(lengths, costs, ranks=R, microbatches=W, capacity=C)
-    saved = balance.ROUND_ITEM
-    try:
-        balance.ROUND_ITEM = float("inf")  # no item is small enough: heaps only
-        slow = balance.assign(lengths, costs, ranks=R, microbatches=W, capacity=C)
-    finally:
-        balance.ROUND_ITEM = saved
+    slow = heaps_only(lengths=lengths, costs=costs, ranks=R, microbatches=W, capacity=C)
     assert np.array_equal(fast.rank, slow.rank) and np.array_equal(fast.micro, slow.micro)
