@@ -312,15 +312,39 @@ ROUND_SHORT = 8  # a round of fewer ranks hands the rest of the items back to th
 def _round_start(urgent, costs, R) -> int:
     """Index from which LPT places items in rounds instead of one heap operation each (see _lpt)."""
     n = len(costs)
-    if R < ROUND_RANKS or n < ROUND_MIN * R or not bool((costs >= 0).all()):  # rounds sort non-negative costs
+    if R < ROUND_RANKS or n < ROUND_MIN * R:
         return n
-    nu = int(np.count_nonzero(urgent))
-    lb = lower_bound(costs, R)
-    small = np.flatnonzero(costs[nu:] * ROUND_ITEM <= lb)  # costs[nu:] do not increase: a suffix
-    if not len(small):
-        return n
-    start = nu + int(small[0])
-    return start if n - start >= ROUND_MIN * R else n
+    return _first_small(urgent, costs, R, ROUND_ITEM, ROUND_MIN * R)
+
+
+@_jit
+def _first_small(urgent, costs, R, item_frac, min_left):
+    """The first non-urgent item costing at most LB / item_frac, if at least min_left items remain from
+    it; else n. Also n when a cost is negative or NaN (rounds sort non-negative costs). Non-urgent items
+    come in decreasing cost, so the small ones are a suffix: found by bisection."""
+    n = len(costs)
+    total = 0.0
+    top = 0.0
+    nu = 0
+    for i in range(n):
+        c = costs[i]
+        if not c >= 0.0:
+            return n
+        total += c
+        if c > top:
+            top = c
+        if urgent[i]:
+            nu += 1
+    limit = max(total / R, top) / item_frac
+    lo = nu
+    hi = n
+    while lo < hi:  # the first index in [nu, n) with cost <= limit
+        mid = (lo + hi) // 2
+        if costs[mid] <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if n - lo >= min_left else n
 
 
 def _fresh_state(n, R, W, capacity):
