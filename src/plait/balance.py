@@ -808,7 +808,7 @@ def _pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact
     c2 = np.zeros((2, R, W))
     room2 = np.full((2, R, W), capacity, dtype=np.int64)
     ok = np.ones((2, R), dtype=np.bool_)
-    out = np.empty((2, n), dtype=np.int32)
+    out = np.empty((2, n), dtype=np.int16)  # micro-batch slots (< 32768): half the fresh pages of int32
     small = (0, capacity // 8)
     for i in range(n):
         r = rank[i]
