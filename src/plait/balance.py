@@ -464,15 +464,16 @@ def _sorted_items(costs, priority, lengths):
     the sorted lengths and costs for free (checked on the data; any other cost model takes the first way).
     """
     n = len(costs)
-    c = np.where(costs > 0, costs, 0.0)  # also turns -0.0 and NaN into 0.0
+    positive = bool((costs > 0).all())
     order = Ls = Cs = None
-    if lengths is not None and n > 4096 and bool((costs > 0).all()):
+    if lengths is not None and n > 4096 and positive:
         order = np.empty(n, dtype=np.int64)
         Ls = np.empty(n, dtype=np.int64)
         Cs = np.empty(n)
-        if not _length_order(lengths, c, order, Ls, Cs):
+        if not _length_order(lengths, costs, order, Ls, Cs):
             order = Ls = Cs = None
     if order is None:
+        c = costs if positive else np.where(costs > 0, costs, 0.0)  # also turns -0.0 and NaN into 0.0
         order = _radix_desc(c.view(np.int64))
     if priority is not None:
         urgent = (np.asarray(priority) >= 2)[order]
@@ -888,6 +889,33 @@ def _length_order(lengths, c, order, Ls, Cs):
             if not v > prev:
                 return False
             prev = v
+    if top < (1 << 22):
+        # Two 11-bit passes: the first straight from the lengths, the second straight into the outputs.
+        h0 = np.zeros(2049, dtype=np.int64)
+        h1 = np.zeros(2049, dtype=np.int64)
+        for i in range(n):
+            k = top - lengths[i]
+            h0[(k & 2047) + 1] += 1
+            h1[(k >> 11) + 1] += 1
+        for d in range(2048):
+            h0[d + 1] += h0[d]
+            h1[d + 1] += h1[d]
+        key = np.empty(n, dtype=np.int32)
+        idx = np.empty(n, dtype=np.int32)
+        for i in range(n):
+            k = top - lengths[i]
+            p = h0[k & 2047]
+            h0[k & 2047] = p + 1
+            key[p] = k
+            idx[p] = i
+        for t in range(n):
+            k = key[t]
+            p = h1[k >> 11]
+            h1[k >> 11] = p + 1
+            order[p] = idx[t]
+            Ls[p] = top - k
+            Cs[p] = of_len[top - k]
+        return True
     key = np.empty(n, dtype=np.int32)
     idx = np.empty(n, dtype=np.int32)
     for i in range(n):
