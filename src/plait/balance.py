@@ -757,7 +757,7 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
 def _sort_by_cost(order, keys, k, tmp):
     """Sort order[:k] by keys[:k] (non-negative costs), stably, on the costs' bit patterns. tmp: unused
     scratch kept for the snapshot layout."""
-    key, idx = _radix_sort(keys[:k].view(np.int64).copy(), order[:k].copy(), 0x7FFFFFFFFFFFFFFF, 8)
+    _, idx = _radix_sort(keys[:k].view(np.int64).copy(), order[:k].copy(), 0x7FFFFFFFFFFFFFFF, 8)
     for t in range(k):
         order[t] = idx[t]
 

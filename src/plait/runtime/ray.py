@@ -42,7 +42,15 @@ import numpy as np
 from plait.errors import PlaitError
 from plait.plan import RankPlan, StepPlan
 from plait.roles.constructor import Constructor, MicroBatch
-from plait.runtime.scaling import Layout, demand_of, describe, format_layout, plan_layout, probe_costs
+from plait.runtime.scaling import (
+    Layout,
+    deal,
+    demand_of,
+    describe,
+    format_layout,
+    plan_layout,
+    probe_costs,
+)
 from plait.spec import Spec, load_spec
 
 # The Planner and SourceLoader (format readers, tokenizers, pyarrow) are imported inside the actors
@@ -181,15 +189,7 @@ def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int]
         while free and sum(num.values()) < loaders:
             i = max(free, key=lambda j: weight[j] / num[j])
             num[i] += 1
-    pairs = [(i, p) for i in range(n) for p in range(num[i])]
-    # Heaviest pieces first to the least loaded loader (LPT): a cheap source shares a loader.
-    load = np.zeros(loaders)
-    owned: list[list[tuple[int, int]]] = [[] for _ in range(loaders)]
-    for i, p in sorted(pairs, key=lambda ip: (-weight[ip[0]] / num[ip[0]], ip)):
-        k = int(np.argmin(load))
-        owned[k].append((i, p))
-        load[k] += weight[i] / num[i]
-    return num, owned
+    return num, deal(num, weight, loaders)
 
 
 def decide_layout(spec: Spec, options: dict) -> Layout:

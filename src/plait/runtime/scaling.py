@@ -85,14 +85,21 @@ def plan_layout(demand: Sequence[float], files: Sequence[int], cpus: int, *,
     # cannot be split further (one file each): more loaders would idle, and splitting a cheap source
     # would not lower the busiest loader.
     loaders = min(loaders, sum(num.values()))
-    pairs = [(i, p) for i in range(n) for p in range(num[i])]
+    owned = deal(num, d, loaders)
+    return Layout(num, [sorted(o) for o in owned], [float(x) for x in d])
+
+
+def deal(num: dict[int, int], weight, loaders: int) -> list[list[tuple[int, int]]]:
+    """(source, partition) pairs to loaders, heaviest piece (weight / partitions) first to the least
+    loaded loader (LPT; ties by pair): a cheap source shares a loader, an expensive one is spread."""
+    pairs = [(i, p) for i in sorted(num) for p in range(num[i])]
     load = np.zeros(loaders)
     owned: list[list[tuple[int, int]]] = [[] for _ in range(loaders)]
-    for i, p in sorted(pairs, key=lambda ip: (-d[ip[0]] / num[ip[0]], ip)):
+    for i, p in sorted(pairs, key=lambda ip: (-weight[ip[0]] / num[ip[0]], ip)):
         k = int(np.argmin(load))
         owned[k].append((i, p))
-        load[k] += d[i] / num[i]
-    return Layout(num, [sorted(o) for o in owned], [float(x) for x in d])
+        load[k] += weight[i] / num[i]
+    return owned
 
 
 def demand_of(spec: Spec, cost: Sequence[float], step_time: float, dp: int | None = None) -> list[float]:
