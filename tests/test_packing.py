@@ -152,3 +152,27 @@ def test_to_torch(tmp_path):
     assert t["input_ids"].tolist() == mb.input_ids.tolist()
     assert t["labels"].tolist() == mb.labels.tolist()
     assert t["max_seqlen"] == mb.max_seqlen
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)), max_size=30), st.integers(0, 2**32 - 1))
+def test_numpy_and_compiled_kernels_write_the_same(spans, seed):
+    # Ray's loader and Constructor actors use the numpy kernels, the local runtime the compiled ones:
+    # batches are the same bit for bit only if both write the same values.
+    from plait import kernels
+
+    compiled = kernels._numba_kernels()
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 1000, 80, dtype=np.int32)
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    lengths = np.array([min(n, 80 - a) for a, n in spans], dtype=np.int64)
+    out_starts = np.cumsum(lengths) - lengths
+    a = np.full(int(lengths.sum()), -1, dtype=np.int32)
+    b = a.copy()
+    kernels._copy_spans_np(src, starts, lengths, a, out_starts)
+    compiled[0](src, starts, lengths, b, out_starts)
+    assert np.array_equal(a, b) and np.array_equal(a, ragged_gather(src, starts, lengths) if len(spans) else a)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    pa, la, pb, lb = (np.empty(len(a), np.int32) for _ in range(4))
+    kernels._fill_positions_labels_np(a, cu, pa, la, IGNORE_INDEX)
+    compiled[1](a, cu, pb, lb, IGNORE_INDEX)
+    assert np.array_equal(pa, pb) and np.array_equal(la, lb)

@@ -151,3 +151,18 @@ def test_cli_loaders_option_and_layout_table(capsys):
     cli.print_layout(describe(layout, ["txt", "ids"]))
     err = capsys.readouterr().err
     assert "txt[0/2] (2000), ids (30)" in err and "txt[1/2] (2000)" in err and "0.600" in err
+
+
+def test_step_time_and_partition_names_validated(tmp_path):
+    pytest.importorskip("ray")
+    from plait.runtime.ray import RayRuntime, fixed_partitions
+
+    ids = token_parquet(tmp_path / "ids", name="ids", files=2, docs_per_file=20)
+    spec = plait.load_spec(make_spec([ids], seq_len=64, microbatches=2, dp=1))
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(plait.PlaitError, match="step_time must be"):
+            RayRuntime(spec, step_time=bad)  # refused before any Ray instance starts
+    assert fixed_partitions(spec, 3) == {0: 3} and fixed_partitions(spec, {"ids": 2}) == {0: 2}
+    assert fixed_partitions(spec, None) == {}
+    with pytest.raises(plait.PlaitError, match="unknown sources"):
+        fixed_partitions(spec, {"nope": 2})

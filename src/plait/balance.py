@@ -348,9 +348,9 @@ def _first_small(urgent, costs, R, item_frac, min_left):
 
 
 def _fresh_state(n, R, W, capacity):
-    """rank, micro, rank_cost, micro_cost, room, best (largest hole), neg_best, heap, full, ints (heap size
-    or round position, full size or round length, skipped, phase, rounds started), flts (first_over):
-    the state of an LPT pass before its first item."""
+    """rank, micro, rank_cost, micro_cost, room, best (largest hole), neg_best, heap, full, ints (heap size,
+    full size, skipped, phase, whether a round ran), flts (first_over): the state of an LPT pass before
+    its first item."""
     return (np.full(n, -1, dtype=np.int32), np.full(n, -1, dtype=np.int32), np.zeros(R), np.zeros((R, W)),
             np.full((R, W), capacity, dtype=np.int64), np.full(R, capacity, dtype=np.int64), np.zeros(R),
             np.arange(R, dtype=np.int64), np.empty(R, dtype=np.int64), np.array([R, 0, 0, 0, 0], dtype=np.int64),
@@ -573,12 +573,11 @@ def _lpt(urgent, lengths, costs, R, W, capacity, cap, start, switch, rank, micro
                       micro_cost, room, best, neg_best, heap, full, ints, flts, every, snap_at, s_rank_cost,
                       s_micro_cost, s_room, s_best, s_neg_best, s_heap, s_full, s_ints, s_flts, trig)
         if i < n:
-            ints[3] = 1  # the heaps stay as they are (ints[0:2]) until a round starts (ints[4])
-            ints[4] = 0
+            ints[3] = 1  # the heaps stay as they are (ints[0:2]) until a round runs (ints[4])
     if ints[3] == 1 and i < n:
-        i = _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, i, rank, micro, rank_cost, micro_cost, room,
-                        best, neg_best, heap, full, ints, flts, every, snap_at, s_rank_cost, s_micro_cost, s_room,
-                        s_best, s_neg_best, s_heap, s_full, s_ints, s_flts, trig)
+        i = _lpt_rounds(lengths, costs, R, W, capacity, i, rank, micro, rank_cost, micro_cost, room, best, neg_best,
+                        heap, full, ints, flts, every, snap_at, s_rank_cost, s_micro_cost, s_room, s_best,
+                        s_neg_best, s_heap, s_full, s_ints, s_flts)
         if i < n:
             if ints[4] == 1:
                 # Rounds ran (their order overwrote the heaps). Every rank had room for every item they
@@ -688,19 +687,22 @@ def _put(i, r, m, L, c, rank, micro, rank_cost, micro_cost, room, best, W):
 
 
 @_jit
-def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro, rank_cost, micro_cost, room,
-                best, keys, order, tmp, ints, flts, every, snap_at, s_rank_cost, s_micro_cost, s_room, s_best,
-                s_neg_best, s_heap, s_full, s_ints, s_flts, trig):
-    """Phase 1 of _lpt, from item `start` until an item some rank has no room for (returned; n if none).
+def _lpt_rounds(lengths, costs, R, W, capacity, start, rank, micro, rank_cost, micro_cost, room, best, keys, order,
+                full, ints, flts, every, snap_at, s_rank_cost, s_micro_cost, s_room, s_best, s_neg_best, s_heap,
+                s_full, s_ints, s_flts):
+    """Phase 1 of _lpt, from item `start` until an item some rank has no room for, or until rounds get
+    short (returned; n if neither).
 
-    State: order[:k] the round's ranks by (cost, id) - those LPT itself would serve one after the other
-    (see below) - ints[0] the position in it, ints[1] = k. Every rank has room for the item here, so
-    the cap never carries anything in this phase, and the result is the heap phase's, only faster.
+    A round sorts all ranks by (cost, id) into order[:k], k cut where LPT would serve a rank twice (see
+    below). A round starting from the current costs is always LPT's choice, so nothing of a round is
+    kept between calls or in snapshots: every call, and every pass resumed from a snapshot, starts a new
+    one. ints[4] says whether a round ever ran (the sort overwrites the heaps, which _lpt then rebuilds;
+    until then ints[0:2] and the heaps are phase 0's). Every rank has room for the item here, so the cap
+    never carries anything in this phase, and the result is the heap phase's, only faster.
     """
     n = len(lengths)
-    started = ints[4] == 1
-    ptr = ints[0] if started else 0  # before the first round ints[0:2] still hold the heaps' sizes
-    k = ints[1] if started else 0
+    ptr = 0
+    k = 0
     min_best = capacity
     for r in range(R):
         if best[r] < min_best:
@@ -708,23 +710,16 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
     for i in range(start, n):
         L = lengths[i]
         if min_best < L:
-            if started:
-                ints[0] = ptr
-                ints[1] = k
             return i
         if ptr >= k:
             # A new round, least loaded first.
             if every > 0 and snap_at[i // every] < 0:
-                if started:
-                    ints[0] = 0
-                    ints[1] = 0
-                _snapshot(i // every, i, snap_at, rank_cost, micro_cost, room, best, keys, order, tmp, ints,
+                _snapshot(i // every, i, snap_at, rank_cost, micro_cost, room, best, keys, order, full, ints,
                           flts, s_rank_cost, s_micro_cost, s_room, s_best, s_neg_best, s_heap, s_full, s_ints, s_flts)
             for q in range(R):
                 order[q] = q
                 keys[q] = rank_cost[q]
-            _sort_by_cost(order, keys, R, tmp)
-            started = True
+            _sort_by_cost(order, keys, R)
             ints[4] = 1
             # The j-th rank of the round takes item i + j. LPT would give it to that rank too if the rank
             # costs less than every rank served before it in the round does afterwards; those cost at
@@ -738,8 +733,6 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
             if k < ROUND_SHORT and i + k < n:
                 # Rounds this short (items that cost next to nothing against the spread of rank costs)
                 # would sort all ranks for a few items: the heaps take over, with the same choices.
-                ints[0] = 0
-                ints[1] = 0
                 return i
         r = order[ptr]
         b = _put(i, r, _best_fit(room, r, W, L, capacity), L, costs[i], rank, micro, rank_cost, micro_cost, room,
@@ -747,16 +740,12 @@ def _lpt_rounds(urgent, lengths, costs, R, W, capacity, cap, start, rank, micro,
         if b < min_best:
             min_best = b
         ptr += 1
-    if started:
-        ints[0] = ptr
-        ints[1] = k
     return n
 
 
 @_jit
-def _sort_by_cost(order, keys, k, tmp):
-    """Sort order[:k] by keys[:k] (non-negative costs), stably, on the costs' bit patterns. tmp: unused
-    scratch kept for the snapshot layout."""
+def _sort_by_cost(order, keys, k):
+    """Sort order[:k] by keys[:k] (non-negative costs), stably, on the costs' bit patterns."""
     _, idx = _radix_sort(keys[:k].view(np.int64).copy(), order[:k].copy(), 0x7FFFFFFFFFFFFFFF, 8)
     for t in range(k):
         order[t] = idx[t]
@@ -1075,7 +1064,7 @@ def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, ca
     slots = np.arange(G, dtype=np.int64).reshape(R, W)
     owner = np.repeat(np.arange(R, dtype=np.int64), W)
     rc = micro_cost.sum(axis=1)
-    _, cmax_u, first_rest = _placed_stats(rank_s, Cs, Us)
+    cmax_u, first_rest = _placed_stats(rank_s, Cs, Us)
     total = float(Cs[rank_s >= 0].sum())
     max_iter = 4 * R + 16
     _refine_swaps(mc, owner, slots, rc, R, W, max_iter)
@@ -1171,20 +1160,17 @@ def _rebalance(Ls, Cs, Us, rank_s, micro_s, micro_cost, room, R, W, capacity, ca
 
 @_jit
 def _placed_stats(rank, costs, urgent):
-    """Total cost of the placed items, the largest cost of a placed urgent one, the first placed
-    non-urgent item (-1: none)."""
-    total = 0.0
+    """The largest cost of a placed urgent item (0.0: none), and the first placed non-urgent item (-1)."""
     cmax_u = 0.0
     first = -1
     for i in range(len(rank)):
         if rank[i] >= 0:
-            total += costs[i]
             if urgent[i]:
                 if costs[i] > cmax_u:
                     cmax_u = costs[i]
             elif first < 0:
                 first = i
-    return total, cmax_u, first
+    return cmax_u, first
 
 
 @_jit

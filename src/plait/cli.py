@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def print_layout(rows: list[dict]) -> None:
     for col in ("loader", "sources [partitions/of] (measured µs per 1k tokens)", "demand (cores)"):
         table.add_column(escape(col), justify="left" if col.startswith("sources") else "right")
     for r in rows:
-        dem = "-" if r["demand"] != r["demand"] else f"{r['demand']:.3f}"
+        dem = "-" if math.isnan(r["demand"]) else f"{r['demand']:.3f}"
         table.add_row(str(r["loader"]), escape(r["sources"]), dem)
     console.print(table)
 

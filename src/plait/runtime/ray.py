@@ -175,21 +175,24 @@ def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int]
     sources the heaviest sources (by mixture weight per partition) are split until every loader has
     work. Pairs are dealt to loaders in order, balancing the summed weight per loader.
     """
-    n = len(spec.sources)
     weight = np.array([max(s.weight, 1e-9) for s in spec.sources], dtype=np.float64)
-    if isinstance(partitions, int):
-        num = {i: max(1, partitions) for i in range(n)}
-    else:
-        given = dict(partitions or {})
-        unknown = sorted(set(given) - set(spec.source_names))
-        if unknown:
-            raise PlaitError(f"partitions names unknown sources {unknown}")
-        num = {i: max(1, int(given.get(s.name, 1))) for i, s in enumerate(spec.sources)}
-        free = [i for i, s in enumerate(spec.sources) if s.name not in given]
-        while free and sum(num.values()) < loaders:
-            i = max(free, key=lambda j: weight[j] / num[j])
-            num[i] += 1
+    fixed = fixed_partitions(spec, partitions)
+    num = {i: fixed.get(i, 1) for i in range(len(spec.sources))}
+    free = [i for i in num if i not in fixed]
+    while free and sum(num.values()) < loaders:
+        i = max(free, key=lambda j: weight[j] / num[j])
+        num[i] += 1
     return num, deal(num, weight, loaders)
+
+
+def fixed_partitions(spec: Spec, partitions: int | dict[str, int] | None) -> dict[int, int]:
+    """The `partitions` option as {source index: partitions (>= 1)}: an int fixes every source."""
+    if isinstance(partitions, int):
+        return {i: max(1, partitions) for i in range(len(spec.sources))}
+    unknown = sorted(set(partitions or {}) - set(spec.source_names))
+    if unknown:
+        raise PlaitError(f"partitions names unknown sources {unknown}")
+    return {spec.source_names.index(name): max(1, int(n)) for name, n in (partitions or {}).items()}
 
 
 def decide_layout(spec: Spec, options: dict) -> Layout:
@@ -201,19 +204,10 @@ def decide_layout(spec: Spec, options: dict) -> Layout:
     loaders, partitions = options["loaders"], options.get("partitions")
     if loaders != "auto":
         return Layout(*assign_partitions(spec, int(loaders), partitions))
-    if isinstance(partitions, int):
-        fixed = {i: partitions for i in range(len(spec.sources))}
-    else:
-        unknown = sorted(set(partitions or {}) - set(spec.source_names))
-        if unknown:
-            raise PlaitError(f"partitions names unknown sources {unknown}")
-        fixed = {spec.source_names.index(name): int(n) for name, n in (partitions or {}).items()}
+    fixed = fixed_partitions(spec, partitions)
     t0 = time.perf_counter()
     cost, files = _probe_elsewhere(spec)
-    step_time = float(options.get("step_time") or 1.0)
-    if not (step_time > 0 and math.isfinite(step_time)):
-        raise PlaitError(f"step_time must be a positive number of seconds, not {options.get('step_time')!r}")
-    demand = demand_of(spec, cost, step_time, options.get("dp"))
+    demand = demand_of(spec, cost, float(options.get("step_time") or 1.0), options.get("dp"))
     layout = plan_layout(demand, files, int(options.get("cpus") or 1), partitions=fixed)
     layout.cost = cost
     scale_log.info("auto layout: %d loader(s) for %d source(s), probed in %.2f s", layout.loaders,
@@ -886,6 +880,8 @@ class RayRuntime:
         self.spec = load_spec(spec)
         self._started_ray = False
         loaders = _loaders_option(loaders)
+        if not (isinstance(step_time, (int, float)) and step_time > 0 and math.isfinite(step_time)):
+            raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
         if not ray.is_initialized():
             check_reachable(address)
             kwargs = dict(init_options or {})
