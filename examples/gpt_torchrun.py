@@ -58,7 +58,7 @@ def main() -> int:
         # attach to the same instance (its address broadcast over torch.distributed) and job.
         address = [args.address]
         if rank == 0:
-            loader = plait.Loader(spec, dp_rank=rank, runtime="ray", address=args.address, **options)
+            loader = plait.Loader.from_torchrun(spec, runtime="ray", address=args.address, **options)
             import ray
 
             address = [ray.get_runtime_context().gcs_address]
@@ -66,9 +66,9 @@ def main() -> int:
         if rank != 0:
             if args.address is None:  # rank 0's local instance uses token auth (Ray >= 2.59), shared token file
                 os.environ.setdefault("RAY_AUTH_MODE", "token")
-            loader = plait.Loader(spec, dp_rank=rank, runtime="ray", address=address[0], **options)
+            loader = plait.Loader.from_torchrun(spec, runtime="ray", address=address[0], **options)
     else:
-        loader = plait.Loader(spec, dp_rank=rank)
+        loader = plait.Loader.from_torchrun(spec)  # ranks from RANK / WORLD_SIZE
 
     model = TinyGPT(max_len=args.seq_len)
     for prm in model.parameters():  # same initial weights on every rank

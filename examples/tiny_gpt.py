@@ -93,7 +93,7 @@ def data_parallel_step(model: TinyGPT, opt: torch.optim.Optimizer, batch: dict) 
 def example_spec(data_dir: str, dp: int, steps: int, seq_len: int = 256):
     """The demo dataset (generated once into data_dir, offline), sized for a CPU model."""
     import plait
-    from plait.demo import generate
+    from plait.cli.demo_data import generate
 
     spec = plait.load_spec(generate(data_dir))
     return spec.with_overrides(

@@ -266,14 +266,14 @@ def run_all_ranks(spec, steps: int, *, record_drawn: bool = False):
     rt = LocalRuntime(spec)
     drawn = []
     if record_drawn:
-        original = rt.planner._draw
+        original = rt.planner.draw
 
         def spy(source):
             items = original(source)
             drawn.append(items)
             return items
 
-        rt.planner._draw = spy
+        rt.planner.draw = spy
     out = []
     for _ in range(steps):
         plan = rt.plan()

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait import balance
+from plait.balance import lpt, ordering, tuning
 from plait.cost import CostModel
 from plait.roles.planner import Planner
 from plait.spec import load_spec
@@ -88,7 +89,7 @@ def test_never_worse_than_greedy(p):
     g = balance.greedy(lengths, costs, ranks=R, microbatches=M, capacity=C)
     assert ratio(a, costs, R) <= ratio(g, costs, R) * (1 + 1e-9)
     # and it places at least the tokens greedy would, unless it chose to carry some to cap the maximum
-    if a.rank_cost.max() > balance.lower_bound(costs, R) * (1 + balance.CAP_SLACK):
+    if a.rank_cost.max() > balance.lower_bound(costs, R) * (1 + tuning.CAP_SLACK):
         assert lengths[a.placed].sum() >= lengths[g.placed].sum()
 
 
@@ -128,7 +129,7 @@ def test_order_is_decreasing_cost_ties_by_index(costs, urgent_every):
     costs = np.asarray(costs, dtype=np.float64)
     n = len(costs)
     pr = None if urgent_every == 0 else (np.arange(n) % (urgent_every + 1) == 0).astype(np.int64) * 2
-    order = balance._order(costs, pr)
+    order, _, _ = ordering.sorted_items(costs, pr, None)
     urgent = np.zeros(n, bool) if pr is None else pr >= 2
     expect = np.lexsort((np.arange(n), -costs, ~urgent))
     assert np.array_equal(order, expect)
@@ -293,7 +294,7 @@ def test_equal_mode_long_context_within_one_percent(dist, R):
     # move between ranks and a few long chunks (<= 1% of the tokens, never urgent ones) are carried.
     import zlib
 
-    from plait.bench.balance import step_items
+    from plait.cli.bench.balance import step_items
 
     M, C = 4, 131072
     rng = np.random.default_rng(zlib.crc32(f"{dist}/{R}/{C}/0/0".encode()))
@@ -318,21 +319,21 @@ def test_passes_resumed_from_snapshots_equal_full_passes(R, W, C, n, seed, cap_f
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(C / 8), 1.3, n), 1, C).astype(np.int64)
     urgent = rng.random(n) < 0.02
-    order, Ls, Cs = balance._sorted_items(COST(lengths), urgent.astype(np.int64) * 2, lengths)
+    order, Ls, Cs = ordering.sorted_items(COST(lengths), urgent.astype(np.int64) * 2, lengths)
     Us = urgent[order]
     lb = balance.lower_bound(Cs, R)
-    saved = balance.SNAPSHOT_MIN
-    balance.SNAPSHOT_MIN = 0  # snapshots at any size (normally only for large steps)
+    saved = tuning.SNAPSHOT_MIN
+    tuning.SNAPSHOT_MIN = 0  # snapshots at any size (normally only for large steps)
     try:
-        first = balance._LptRun(Us, Ls, Cs, R, W, C, lb * 1.002)
+        first = lpt.LptRun(Us, Ls, Cs, R, W, C, lb * 1.002)
     finally:
-        balance.SNAPSHOT_MIN = saved
+        tuning.SNAPSHOT_MIN = saved
     for cap in (np.inf, lb * cap_factor, lb * 1.0001, lb * 1.01):
         resumed = first.rerun(cap)
-        scratch = first._plain(cap)  # one pass from the first item, no snapshots
-        assert np.array_equal(resumed[0], scratch[0]) and np.array_equal(resumed[1], scratch[1])
-        assert resumed[5] == scratch[5]
-        np.testing.assert_array_equal(resumed[4], scratch[4])
+        scratch = first.pass_from_scratch(cap)  # one pass from the first item, no snapshots
+        assert np.array_equal(resumed.rank, scratch.rank) and np.array_equal(resumed.micro, scratch.micro)
+        assert resumed.skipped == scratch.skipped
+        np.testing.assert_array_equal(resumed.room, scratch.room)
 
 
 @settings(max_examples=20, deadline=None)
@@ -348,19 +349,42 @@ def test_sorted_items_by_length_equal_the_cost_order(n, seed, kind):
         costs = np.ceil(lengths / 128.0) * 7.0
     else:
         costs = rng.integers(1, 50, n).astype(np.float64)
-    order, Ls, Cs = balance._sorted_items(costs, None, lengths)
+    order, Ls, Cs = ordering.sorted_items(costs, None, lengths)
     expect = np.lexsort((np.arange(n), -costs))
     assert np.array_equal(order, expect)
     assert np.array_equal(Ls, lengths[expect]) and np.array_equal(Cs, costs[expect])
 
 
 def heaps_only(**kw) -> balance.Assignment:
-    saved = balance.ROUND_ITEM
+    saved = tuning.ROUND_ITEM
     try:
-        balance.ROUND_ITEM = float("inf")  # no item is small enough for the rounds: heaps only
+        tuning.ROUND_ITEM = float("inf")  # no item is small enough for the rounds: heaps only
         return balance.assign(**kw)
     finally:
-        balance.ROUND_ITEM = saved
+        tuning.ROUND_ITEM = saved
+
+
+def test_tuning_is_read_when_the_stages_run():
+    # The stages read plait.balance.tuning when they run (no copies taken at import): patching a value
+    # there changes the next call.
+    R = 64
+    costs = np.ones(R * 40)
+    urgent = np.zeros(len(costs), dtype=np.bool_)
+    assert lpt.round_start(urgent, costs, R) == 0  # every item small enough for the rounds
+    saved = tuning.ROUND_ITEM
+    try:
+        tuning.ROUND_ITEM = float("inf")
+        assert lpt.round_start(urgent, costs, R) == len(costs)  # heaps only
+    finally:
+        tuning.ROUND_ITEM = saved
+    lengths = np.ones(len(costs), dtype=np.int64)
+    assert lpt.LptRun(urgent, lengths, costs, R, 1, 100, 1.0).snaps is None  # a small step: no snapshots
+    saved = tuning.SNAPSHOT_MIN
+    try:
+        tuning.SNAPSHOT_MIN = 0
+        assert lpt.LptRun(urgent, lengths, costs, R, 1, 100, 1.0).snaps is not None
+    finally:
+        tuning.SNAPSHOT_MIN = saved
 
 
 def test_lpt_rounds_hand_over_to_the_heaps_exactly():

@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from plait.bench.recovery import compare_streams, kill_points, make_spec  # noqa: E402
+from plait.cli.bench.recovery import compare_streams, kill_points, make_spec  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,7 +61,7 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
                 loaders = ray.get(rt.planner.get_loaders.remote())
                 ray.kill(loaders[kills[step]], no_restart=True)
             if step == kill_constructor_at:
-                for handle in rt._constructors.values():
+                for handle in rt.constructor_handles():
                     ray.kill(handle, no_restart=True)
             if step == kill_planner_at:
                 ray.kill(rt.planner, no_restart=True)
@@ -121,13 +121,13 @@ def test_a_training_client_survives_loader_and_constructor_deaths(ray_instance, 
     try:
         for i, mb in enumerate(loader):
             got.append(mb.sample_ids)
-            rt = loader._runtime
+            rt = loader.runtime
             if i == 3:
                 ray.kill(ray.get(rt.planner.get_loaders.remote())[1], no_restart=True)
             if i == 7:
-                for handle in list(rt._constructors.values()):
+                for handle in rt.constructor_handles():
                     ray.kill(handle, no_restart=True)
-        roles = sorted(e["role"] for e in loader._runtime.recovery_events())
+        roles = sorted(e["role"] for e in loader.runtime.recovery_events())
     finally:
         loader.close()
     assert compare_streams(expected, got)["same_order"]

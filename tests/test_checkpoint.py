@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import plait
-from plait.bench.recovery import make_spec
-from plait.checkpoint import FollowerView, PlannerLog, apply_state_diff, diff_state, nbytes
+from plait.cli.bench.recovery import make_spec
+from plait.roles.deltas import FollowerView
+from plait.roles.state_log import PlannerLog, apply_state_diff, diff_state, nbytes
 from plait.metrics import batch_digest_update
 from plait.roles.planner import Planner
 from plait.roles.source_loader import SourceLoader
@@ -84,9 +85,9 @@ def test_loader_deltas_track_the_buffer_and_stay_small(spec):
     """The follower's view equals the loader's buffer after every delta; deltas are small."""
     loader = SourceLoader(spec)
     planner = Planner(spec, loader)
-    from plait.roles.constructor import Constructor
+    from plait.roles.constructor import Constructor, LoaderPayloads
 
-    cons = Constructor(lambda s: loader)
+    cons = Constructor(LoaderPayloads(lambda s: loader))
     view = FollowerView(name=loader.loader_name)
     sizes, served = [], 0
     for step in range(12):
@@ -121,5 +122,5 @@ def test_a_loader_nobody_follows_records_nothing(spec):
         for r in range(plan.ranks):
             rt.build(plan, r)
         rt.release()
-    assert rt.loader.delta_tracker._served == {}
+    assert rt.loader.delta_tracker.pending_served == 0
     rt.close()

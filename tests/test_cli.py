@@ -92,7 +92,10 @@ def test_run_summary_json(spec_path, tmp_path, capsys):
     assert cli.main(["run", str(spec_path), "--steps", "4", "--json", str(out)]) == 0
     s = json.loads(out.read_text())
     assert s["steps"] == 4 and s["dp"] == 2 and s["tokens"] > 0
-    assert s["padding_fraction"] == 0
+    # Padding is unfilled seq_len capacity: it moves with the data and is 1 - fill, never 0 by construction.
+    slots = 4 * 2 * 2 * 128  # steps x dp x micro-batches x seq_len
+    assert s["fill"] == pytest.approx(s["tokens"] / slots)
+    assert s["padding_fraction"] == pytest.approx(1 - s["fill"]) and 0 < s["padding_fraction"] < 1
     assert s["errors"] == {"a": 0, "b": 0}
     assert set(s["digests"]) == {"0", "1"}
     assert set(s["mixture"]) == {"a", "b"}

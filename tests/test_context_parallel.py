@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import plait
-from plait.context_parallel import causal_work, chunk_bounds, shard_for_cp, unshard
+from plait.context_parallel import causal_work, chunk_bounds, shard_for_cp, shard_for_rank, unshard
 from plait.packing import pack_fields
-from plait.roles.constructor import MicroBatch
+from plait.batch import MicroBatch
 
 
 def _mb(lengths, seed=0) -> MicroBatch:
@@ -66,8 +66,22 @@ def test_short_documents_uneven_pad_free():
     _same(unshard(shards), mb)
 
 
+def test_shards_are_cut_once():
+    """`shard_for_rank` is where runtimes cut CP shards: cp=1 passes batches through, a shard is never cut again."""
+    mb = _mb([40, 7])
+    assert shard_for_rank([mb], 1, 0)[0] is mb
+    shard = shard_for_rank([mb], 2, 1)[0]
+    assert np.array_equal(shard.input_ids, shard_for_cp(mb, 2, 1).input_ids) and shard.stats["cp"]["rank"] == 1
+    try:
+        shard_for_cp(shard, 2, 1)
+    except ValueError as e:
+        assert "already" in str(e)
+    else:
+        raise AssertionError("a CP shard must not be sharded again")
+
+
 def test_loader_hands_each_cp_rank_its_shard(tmp_path):
-    from plait.demo import generate
+    from plait.cli.demo_data import generate
 
     spec = plait.load_spec(generate(tmp_path / "demo")).with_overrides(
         topology={"dp": 2, "cp": 2}, packing={"seq_len": 4096, "microbatches": 1}, steps=2)
@@ -85,7 +99,7 @@ def test_local_runtime_and_cp_work_without_ray(tmp_path):
     import subprocess
     import sys
 
-    from plait.demo import generate
+    from plait.cli.demo_data import generate
 
     spec_path = generate(tmp_path / "demo")
     code = (

@@ -16,8 +16,8 @@ import json
 import numpy as np
 import pytest
 
-from plait.bench.recovery import make_spec
-from plait.checkpoint import nbytes
+from plait.cli.bench.recovery import make_spec
+from plait.roles.state_log import nbytes
 from plait.errors import PlaitError
 from plait.runtime.local import LocalRuntime
 
@@ -115,7 +115,7 @@ def test_state_is_small_and_layout_free(spec):
     # Kilobytes, not growing with the number of steps or ranks (only the carry varies).
     for s in (s8, s16, s8_long):
         assert nbytes(s) < 16_000
-        assert set(s) == {"version", "fingerprint", "step", "sources", "carry"}
+        assert set(s) == {"version", "fingerprint", "step", "sources", "carry", "delivered"}
     head = [nbytes({k: v for k, v in s.items() if k != "carry"}) for s in (s8, s16, s8_long)]
     assert max(head) < 1024 and max(head) - min(head) < 32  # a few digits more, nothing else
     # The carry is bounded by what one step leaves behind, not by the run's length.
@@ -125,7 +125,8 @@ def test_state_is_small_and_layout_free(spec):
 def test_carried_chunks_must_fit_the_new_layout(spec):
     _, _, s8 = run(spec, 8, K)
     assert s8["carry"], "the test needs carried chunks"
-    small = spec.with_overrides(packing={"seq_len": 64})
+    longest = max(row[9] for row in s8["carry"])  # column 9 of a carried row is its length
+    small = spec.with_overrides(packing={"seq_len": longest - 1})
     rt = LocalRuntime(small)
     with pytest.raises(PlaitError, match="capacity"):
         rt.load_state_dict(s8)

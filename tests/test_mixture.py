@@ -11,7 +11,7 @@ import plait
 from plait.mixture import MixtureSchedule, take_count
 from plait.roles.planner import Planner
 from helpers import FakeProvider, make_spec, run_all_ranks, token_parquet
-from plait.stream import stream
+from plait.cli.stream import stream
 
 
 def fake_spec(n: int, weights=None, schedule=None, interpolation="linear", seq_len=64, microbatches=2, dp=1):
@@ -21,10 +21,10 @@ def fake_spec(n: int, weights=None, schedule=None, interpolation="linear", seq_l
 
 
 def check_error_diffusion(planner: Planner, provider: FakeProvider, steps: int) -> np.ndarray:
-    """After every step: 0 <= drawn_i - target_i < max document length of source i."""
+    """After every step: 0 <= drawn_i - target_i < longest chunk of source i (a document or seq_len)."""
     n = len(planner.spec.sources)
     target = np.zeros(n)
-    maxlen = np.array([provider.max_length(i) for i in range(n)], dtype=np.float64)
+    maxlen = np.array([min(provider.max_length(i), planner.seq_len) for i in range(n)], dtype=np.float64)
     capacity = planner.ranks * planner.microbatches * planner.capacity
     for _ in range(steps):
         budget = max(0, capacity - int(planner.carry.length.sum()))

@@ -151,7 +151,8 @@ def test_to_torch(tmp_path):
     assert t["input_ids"].dtype == torch.long and t["cu_seqlens"].dtype == torch.int32
     assert t["input_ids"].tolist() == mb.input_ids.tolist()
     assert t["labels"].tolist() == mb.labels.tolist()
-    assert t["max_seqlen"] == mb.max_seqlen
+    assert t.max_seqlen == mb.max_seqlen and "max_seqlen" not in t
+    assert all(isinstance(v, torch.Tensor) for v in t.values())  # tensors only
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)), max_size=30), st.integers(0, 2**32 - 1))
@@ -160,7 +161,7 @@ def test_numpy_and_compiled_kernels_write_the_same(spans, seed):
     # batches are the same bit for bit only if both write the same values.
     from plait import kernels
 
-    compiled = kernels._numba_kernels()
+    compiled = kernels.compiled_kernels()
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 1000, 80, dtype=np.int32)
     starts = np.array([a for a, _ in spans], dtype=np.int64)
@@ -168,11 +169,29 @@ def test_numpy_and_compiled_kernels_write_the_same(spans, seed):
     out_starts = np.cumsum(lengths) - lengths
     a = np.full(int(lengths.sum()), -1, dtype=np.int32)
     b = a.copy()
-    kernels._copy_spans_np(src, starts, lengths, a, out_starts)
+    kernels.numpy_kernels()[0](src, starts, lengths, a, out_starts)
     compiled[0](src, starts, lengths, b, out_starts)
     assert np.array_equal(a, b) and np.array_equal(a, ragged_gather(src, starts, lengths) if len(spans) else a)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     pa, la, pb, lb = (np.empty(len(a), np.int32) for _ in range(4))
-    kernels._fill_positions_labels_np(a, cu, pa, la, IGNORE_INDEX)
+    kernels.numpy_kernels()[1](a, cu, pa, la, IGNORE_INDEX)
     compiled[1](a, cu, pb, lb, IGNORE_INDEX)
     assert np.array_equal(pa, pb) and np.array_equal(la, lb)
+
+
+def test_padding_is_unfilled_capacity_per_microbatch_and_step(tmp_path):
+    """A micro-batch of 3 tokens in seq_len 8 is 62.5% padding; the step's figure is 1 - fill."""
+    from plait.client import Loader
+    from helpers import make_spec, token_parquet
+
+    src = token_parquet(tmp_path / "a", name="a", files=1, docs_per_file=40, row_group_size=8, lo=3, hi=6)
+    spec = make_spec([src], seq_len=16, microbatches=2, dp=1)
+    loader = Loader(spec, steps=3)
+    batches = list(loader)
+    for mb in batches:
+        assert mb.fill == pytest.approx(mb.num_tokens / 16)
+        assert mb.padding_fraction == pytest.approx(1 - mb.num_tokens / 16)
+        assert mb.stats["padding_fraction"] == pytest.approx(1 - mb.stats["fill"])
+    assert any(mb.padding_fraction > 0 for mb in batches)  # documents of 3-6 tokens never fill 16 exactly
+    step0 = [mb for mb in batches if mb.step == 0]
+    assert step0[0].stats["fill"] == pytest.approx(sum(mb.num_tokens for mb in step0) / (2 * 16))

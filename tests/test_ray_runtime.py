@@ -9,9 +9,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import plait  # noqa: E402
-from plait.demo import generate  # noqa: E402
+from plait.cli.demo_data import generate  # noqa: E402
 from plait.metrics import combined_digest  # noqa: E402
-from plait.stream import stream  # noqa: E402
+from plait.cli.stream import stream  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,17 +37,20 @@ def _digest(spec, runtime, **options):
     return combined_digest(out["digests"])
 
 
-def test_file_order_matches_source(spec):
-    from plait.runtime.ray import file_order
+def test_partition_map_follows_the_source_file_order(spec):
+    """The placement map (no source opened) puts block (epoch, file_pos) where the Source's own order does."""
+    from plait.runtime.placement import PartitionMap
     from plait.sources import Source
 
     src = Source(spec.sources[1], 1, spec.seed)
+    n = len(src.files)
+    pmap = PartitionMap(spec.seed, {1: n}, {1: n}, {(1, p): p for p in range(n)})  # partition p = file p
     for epoch in range(3):
-        assert file_order(spec.seed, 1, epoch, len(src.files)).tolist() == src.file_order(epoch).tolist()
+        assert [pmap.loader_of(1, epoch, f) for f in range(n)] == src.file_order(epoch).tolist()
 
 
 def test_partitions_follow_cpu_work_not_source_count(spec):
-    from plait.runtime.ray import assign_partitions
+    from plait.runtime.placement import assign_partitions
 
     many = spec.with_overrides(sources=[
         {"name": f"s{i}", "path": spec.sources[3].path, "tokens_field": "input_ids", "weight": 1.0} for i in range(64)
@@ -84,7 +87,7 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
                 assert np.array_equal(a.position_ids, b.position_ids) and np.array_equal(a.cu_seqlens, b.cu_seqlens)
         with pytest.raises(plait.PlaitError, match="DP ranks"):  # a client with another layout is refused
             plait.Loader(spec.with_overrides(topology={"dp": 4}), runtime="ray", job="test-job")
-        stats = loaders[0]._runtime.stats()
+        stats = loaders[0].runtime.stats()
         assert stats["planned"] == spec.steps  # planned once for all 8 clients
         assert len(stats["loaders"]) == 2
 

@@ -211,7 +211,7 @@ def test_stopping_early_leaves_no_prefetch_thread_behind(spec, reference):
         head = list(islice(it, n))
         if n >= STEPS * M - 2:  # let the worker finish the stream: it then waits for room in the queue
             for _ in range(2000):
-                if loader._runtime.planner.step == STEPS:
+                if loader.runtime.planner.step == STEPS:
                     break
                 time.sleep(0.005)
         it.close()

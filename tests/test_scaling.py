@@ -1,4 +1,4 @@
-"""Auto-partitioning and scaling (plait.runtime.scaling): the pure layout function, the cost probe, and a
+"""Auto-partitioning and scaling (plait.runtime.placement, plait.runtime.scaling): the pure layout function, the cost probe, and a
 bad Ray address failing fast. No Ray instance here (the Ray end-to-end test is in test_ray_runtime.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import plait
 from helpers import make_spec, text_source, token_parquet, train_tokenizer
-from plait.runtime.scaling import demand_of, describe, format_layout, plan_layout, probe_costs
+from plait.runtime.placement import demand_of, plan_layout
+from plait.runtime.scaling import describe, format_layout, probe_costs
 
 
 def _pairs(layout):
@@ -129,17 +130,18 @@ def test_bad_ray_address_fails_fast():
 
 def test_loaders_option_validated():
     pytest.importorskip("ray")
-    from plait.runtime.ray import _loaders_option
+    from plait.runtime.ray import loaders_option
 
-    assert _loaders_option(None) == "auto" and _loaders_option("auto") == "auto" and _loaders_option(3) == 3
+    assert loaders_option(None) == "auto" and loaders_option("auto") == "auto" and loaders_option(3) == 3
     for bad in (0, -1, "many", 1.5):
         with pytest.raises(plait.PlaitError, match="loaders must be"):
-            _loaders_option(bad)
+            loaders_option(bad)
 
 
 def test_cli_loaders_option_and_layout_table(capsys):
     from plait import cli
-    from plait.runtime.scaling import Layout
+    from plait.cli.run import print_layout
+    from plait.runtime.placement import Layout
 
     parser = cli.build_parser()
     assert parser.parse_args(["run", "s.yaml", "--runtime", "ray"]).loaders == "auto"
@@ -148,14 +150,15 @@ def test_cli_loaders_option_and_layout_table(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["run", "s.yaml", "--runtime", "ray", "--loaders", bad])
     layout = Layout({0: 2, 1: 1}, [[(0, 0), (1, 0)], [(0, 1)]], [1.0, 0.1], [2e-6, 3e-8])
-    cli.print_layout(describe(layout, ["txt", "ids"]))
+    print_layout(describe(layout, ["txt", "ids"]))
     err = capsys.readouterr().err
     assert "txt[0/2] (2000), ids (30)" in err and "txt[1/2] (2000)" in err and "0.600" in err
 
 
 def test_step_time_and_partition_names_validated(tmp_path):
     pytest.importorskip("ray")
-    from plait.runtime.ray import RayRuntime, fixed_partitions
+    from plait.runtime.placement import fixed_partitions
+    from plait.runtime.ray import RayRuntime
 
     ids = token_parquet(tmp_path / "ids", name="ids", files=2, docs_per_file=20)
     spec = plait.load_spec(make_spec([ids], seq_len=64, microbatches=2, dp=1))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from plait.bench.recovery import compare_streams, make_spec, simulate
-from plait.roles.constructor import Constructor
+from plait.cli.bench.recovery import compare_streams, make_spec, simulate
+from plait.roles.constructor import Constructor, LoaderPayloads
 from plait.roles.planner import Planner
 from plait.roles.shadow import ShadowLoader
 from plait.roles.source_loader import SourceLoader
@@ -21,13 +21,13 @@ def spec(tmp_path_factory):
 def drive(spec, steps, on_step=None):
     loader = SourceLoader(spec)
     planner = Planner(spec, loader)
-    cons = Constructor(lambda s: loader)
+    cons = Constructor(LoaderPayloads(lambda s: loader))
     ids = []
     for step in range(steps):
         plan = planner.plan_step()
         if on_step:
             loader = on_step(step, loader) or loader
-            cons = Constructor(lambda s, ld=loader: ld)
+            cons = Constructor(LoaderPayloads(lambda s, ld=loader: ld))
             planner.provider = loader
         for r in range(plan.ranks):
             ids.extend(mb.sample_ids for mb in cons.build(plan.for_rank(r)))
@@ -134,7 +134,7 @@ def test_a_lost_delta_does_not_hold_memory_forever(spec):
         delta = primary.checkpoint_delta(step)
         if step != 1:  # delta 1 is lost
             follower.follow(delta)
-    assert follower.resyncs == 1 and not follower._early
+    assert follower.resyncs == 1 and follower.early_deltas == 0
     planner.plan_step()
     primary.retain(planner.live_blocks())
     follower.follow(primary.checkpoint_delta())

@@ -1,5 +1,5 @@
 import plait
-from plait.demo import generate
+from plait.cli.demo_data import generate
 
 
 def test_demo_spec_streams(tmp_path):

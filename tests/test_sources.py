@@ -165,7 +165,7 @@ def test_cursor_is_small_and_serialisable(tmp_path):
     list(loader)
     state = loader.state_dict()
     cursor = state["data"]["sources"]["tok"]["cursor"]
-    assert len(cursor) == 4 and all(isinstance(x, int) for x in cursor)
+    assert len(cursor) == 5 and all(isinstance(x, int) for x in cursor)
     assert json.loads(json.dumps(state)) == state
 
 
@@ -238,7 +238,7 @@ def test_blocks_and_rows_are_shuffled_too(tmp_path):
 def test_empty_documents_are_counted_and_reported_not_silently_dropped(tmp_path):
     """A record whose text is "" (no bos/eos) has no tokens: nothing to train on, but it is counted."""
     from plait.spec import load_spec
-    from plait.stream import stream
+    from plait.cli.stream import stream
 
     records = [{"text": "" if i % 5 == 0 else f"document number {i}"} for i in range(40)]
     write_jsonl(tmp_path / "a.jsonl", records)

@@ -14,17 +14,29 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from typing import Iterator
 
 from plait.errors import PlaitError
-from plait.roles.constructor import MicroBatch
+from plait.roles.elastic import advance
+from plait.roles.state_schema import CLIENT_STATE_VERSION, check_client_state
+from plait.runtime import make_runtime
+from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
+from plait.topology import env_int, layout_for_world
 
 Batch = MicroBatch
-CLIENT_STATE_VERSION = 1
 
 
 class Loader:
+    """The trainer-side iterator of one rank: yields its micro-batches (`plait.Batch`) in order.
+
+    `Loader(spec, dp_rank, tp_rank=, pp_rank=, cp_rank=, runtime="local"|"ray", steps=, prefetch=, **options)`;
+    under torchrun prefer `Loader.from_torchrun(spec, tp=, pp=, cp=)`, which reads the ranks from the
+    environment. Options a runtime does not take are an error naming them. Use it as a context manager
+    (or call `close()`) so that what it started is released.
+    """
+
     def __init__(
         self,
         spec: Spec | dict | str,
@@ -51,32 +63,78 @@ class Loader:
         self._runtime = self._make_runtime(runtime, job, runtime_options)
         self._resume_state = self._runtime.state_dict()
         self._resume_micro = 0
+        self._step_done = False  # the last consumed micro-batch was its step's last
+        self._step_totals: tuple[int, int, int] | None = None  # that step's tokens, samples, micro-batches
+        self._loaded_seen = (0, 0)
         self._iterating = False
 
-    def _make_runtime(self, runtime: str, job: str | None, options: dict):
-        if runtime == "local":
-            from plait.runtime.local import LocalRuntime
+    @classmethod
+    def from_torchrun(cls, spec: Spec | dict | str, *, tp: int | None = None, pp: int | None = None,
+                      cp: int | None = None, **options) -> "Loader":
+        """The Loader of this torchrun process: ranks from RANK and WORLD_SIZE (plait.topology's order).
 
-            return LocalRuntime(self.spec)
-        if runtime == "ray":
-            try:
-                from plait.runtime.ray import RayRuntime
-            except ImportError as e:
-                raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
-            return RayRuntime(self.spec, job=job, cp_rank=self.cp_rank, **options)
-        raise PlaitError(f"unknown runtime {runtime!r} (choose local or ray)")
+        `topology` in the spec is filled in from the world size; a size the spec states that does not
+        match (e.g. `dp: 8` on 16 processes with tp=1) is refused with the numbers.
+        """
+        return cls.for_process(spec, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"), tp=tp, pp=pp, cp=cp,
+                               **options)
+
+    @classmethod
+    def from_ray_train(cls, spec: Spec | dict | str, *, tp: int | None = None, pp: int | None = None,
+                       cp: int | None = None, **options) -> "Loader":
+        """The Loader of this Ray Train worker: ranks from `ray.train.get_context()`; runtime ray by default."""
+        from ray import train
+
+        ctx = train.get_context()
+        options.setdefault("runtime", "ray")
+        return cls.for_process(spec, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), tp=tp, pp=pp,
+                               cp=cp, **options)
+
+    @classmethod
+    def for_process(cls, spec: Spec | dict | str, *, rank: int, world_size: int, tp: int | None = None,
+                    pp: int | None = None, cp: int | None = None, **options) -> "Loader":
+        """The Loader of global `rank` in a job of `world_size` processes (see `from_torchrun`)."""
+        spec = load_spec(spec)
+        topo = spec.topology
+        stated = topo.model_fields_set
+        sizes = {}
+        for name, given in (("tp", tp), ("pp", pp), ("cp", cp)):
+            in_spec = getattr(topo, name)
+            if given is not None and name in stated and given != in_spec:
+                raise PlaitError(f"{name}={given} was passed but the spec's topology says {name}: {in_spec}")
+            sizes[name] = in_spec if given is None else given
+        layout = layout_for_world(world_size, **sizes)
+        if "dp" in stated and topo.dp != layout.dp:
+            raise PlaitError(
+                f"the spec's topology says dp: {topo.dp}, but {world_size} processes with tp={sizes['tp']}, "
+                f"pp={sizes['pp']}, cp={sizes['cp']} make dp={layout.dp}"
+            )
+        spec = spec.with_overrides(topology={"dp": layout.dp, **sizes})
+        r = layout.ranks_of(rank)
+        return cls(spec, r.dp, tp_rank=r.tp, pp_rank=r.pp, cp_rank=r.cp, **options)
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def runtime(self):
+        """The runtime serving this Loader (plait.runtime), read-only: for introspection (stats, recovery)."""
+        return self._runtime
+
+    def _make_runtime(self, runtime: str, job: str | None, options: dict):
+        options = dict(options)
+        if job is not None:
+            options["job"] = job
+        return make_runtime(self.spec, runtime, **options)
 
     # ----- iteration ---------------------------------------------------------------------------
     def _produce(self) -> Iterator[tuple[dict, MicroBatch]]:
         """(state at the start of the batch's step, batch) in order, from the resume point."""
-        return self._runtime.iter_rank(self.dp_rank, self._resume_state, self._resume_micro, self.max_steps)
-
-    def _for_this_rank(self, mb: MicroBatch) -> MicroBatch:
-        if self.spec.topology.cp > 1:
-            from plait.context_parallel import shard_for_cp
-
-            return shard_for_cp(mb, self.spec.topology.cp, self.cp_rank)
-        return mb
+        return self._runtime.iter_rank(self.dp_rank, self._resume_state, self._resume_micro, self.max_steps,
+                                       cp_rank=self.cp_rank)  # the runtime serves this CP rank its shard
 
     def __iter__(self) -> Iterator[MicroBatch]:
         if self._iterating:
@@ -87,17 +145,40 @@ class Loader:
             for state, mb in source:
                 self._resume_state = state
                 self._resume_micro = mb.microbatch + 1
-                yield self._for_this_rank(mb)
+                self._step_done = self._resume_micro >= mb.num_microbatches
+                self._step_totals = (int(mb.stats.get("tokens", 0)), int(mb.stats.get("samples", 0)),
+                                     int(mb.stats.get("microbatches", mb.num_microbatches)))
+                yield mb
         finally:
             self._iterating = False
 
     # ----- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """This rank's place in the stream: small, JSON-serialisable; save it with the model checkpoint.
+
+        At a step boundary (`at_step_boundary`: every micro-batch of the step consumed) the state is the
+        same on every rank of the job, so saving one rank's state is enough; mid-step it names the step
+        and how many of this rank's micro-batches were consumed. `tokens_seen` / `samples_seen` count
+        the whole job's tokens and samples (document chunks) of the completed steps, for schedules that
+        key on tokens rather than steps (after an elastic resume a step holds a different number).
+        """
+        delivered = self._resume_state.get("delivered") or {"tokens": 0, "samples": 0}
+        tokens, samples = int(delivered["tokens"]), int(delivered["samples"])
+        micro = self._resume_micro
+        boundary = micro == 0 or self._step_done
+        if self._step_done and self._step_totals is not None:
+            step_tokens, step_samples, width = self._step_totals
+            tokens, samples, micro = tokens + step_tokens, samples + step_samples, width
+        elif self._step_done:  # loaded from a boundary state: its counts stand
+            tokens, samples = self._loaded_seen
         return {
             "version": CLIENT_STATE_VERSION,
             "data": self._resume_state,
-            "next_microbatch": self._resume_micro,
+            "next_microbatch": micro,
             "layout": self._layout(self.spec),
+            "at_step_boundary": boundary,
+            "tokens_seen": tokens,
+            "samples_seen": samples,
         }
 
     @staticmethod
@@ -106,12 +187,24 @@ class Loader:
         return {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches, "seq_len": spec.packing.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != CLIENT_STATE_VERSION:
-            raise PlaitError(f"loader state version {state.get('version')!r} is not supported")
+        """Continue from a state saved by `state_dict()` (call before iterating, not during)."""
+        if self._iterating:
+            raise PlaitError(
+                "load_state_dict() was called while this Loader is being iterated; the running stream would "
+                "ignore it. Load the state before the loop (or after the loop has ended)"
+            )
+        parsed = check_client_state(state, self._max_microbatches())
         data, micro = self._elastic(state)
-        self._runtime.load_state_dict(data)  # validates the fingerprint now, not at iteration
+        self._runtime.load_state_dict(data)  # validates the data state now, not at iteration
         self._resume_state = data
         self._resume_micro = micro
+        saved_done = micro > 0 and bool(parsed.at_step_boundary)
+        self._step_done, self._step_totals = saved_done, None
+        self._loaded_seen = (parsed.tokens_seen or 0, parsed.samples_seen or 0)
+
+    def _max_microbatches(self) -> int:
+        per_rank = self.spec.packing.num_microbatches
+        return 2 * per_rank if self.spec.balance.mode == "variable" else per_rank
 
     def _elastic(self, state: dict) -> tuple[dict, int]:
         """Resume on another layout (DP size, micro-batches): only from a step boundary.
@@ -124,7 +217,9 @@ class Loader:
         saved = state.get("layout")
         if saved is None or saved == self._layout(self.spec):
             return data, micro
+        changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in self._layout(self.spec).items() if saved.get(k) != v)
         if micro == 0:
+            _note_layout_change(changed)
             return data, 0
         if micro < saved["microbatches"]:
             raise PlaitError(
@@ -132,12 +227,11 @@ class Loader:
                 f"{saved['microbatches']}) on {saved['dp']} DP ranks; resuming on a different layout "
                 f"({self._layout(self.spec)}) needs a checkpoint taken at a step boundary"
             )
-        from plait.checkpoint import advance
-
         old = self.spec.with_overrides(
             topology={"dp": saved["dp"]}, packing={"seq_len": saved["seq_len"], "microbatches": saved["microbatches"],
                                                    "tokens_per_rank": None},
         )
+        _note_layout_change(changed)
         return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:
@@ -145,6 +239,19 @@ class Loader:
 
     def close(self) -> None:
         self._runtime.close()
+
+
+class LayoutChangeWarning(UserWarning):
+    """A state saved on one layout (dp, micro-batches, seq_len) was resumed on another."""
+
+
+def _note_layout_change(changed: str) -> None:
+    warnings.warn(
+        f"resuming on a different layout ({changed}): the data continues exactly, but a step now holds a "
+        "different number of tokens, so step-keyed schedules (learning rate) drift; key them on "
+        "state_dict()['tokens_seen'] instead",
+        LayoutChangeWarning, stacklevel=3,
+    )
 
 
 class _Done:

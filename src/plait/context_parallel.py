@@ -25,6 +25,10 @@ A CP shard is a MicroBatch whose
   stats["cp"]         {"size": cp, "rank": i, "cu_seqlens": the unsharded cu_seqlens}: a CP attention
                       kernel (ring / all-gather KV) reassembles document d's keys from the ranks' chunks
                       using the global lengths; `unshard` does exactly that for the tokens.
+
+Where. Runtimes cut shards where they serve a rank, through `shard_for_rank` (the local runtime's
+`iter_rank`; on Ray the Constructor actor, so one build serves every CP rank and only the shard travels).
+A shard is never cut again: sharding one is an error.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import dataclasses
 import numpy as np
 
 from plait.packing import ragged_arange
-from plait.roles.constructor import MicroBatch
+from plait.batch import MicroBatch
 
 
 def chunk_bounds(lengths: np.ndarray, cp: int) -> np.ndarray:
@@ -59,11 +63,9 @@ def shard_for_cp(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
         raise ValueError(f"cp_rank {cp_rank} outside 0..{cp - 1}")
     if cp == 1:
         return mb
-    done = mb.stats.get("cp")
-    if done is not None:  # already this rank's shard (a ray Constructor cuts it before sending)
-        if (done["size"], done["rank"]) != (cp, cp_rank):
-            raise ValueError(f"micro-batch is CP shard {done['rank']} of {done['size']}, not {cp_rank} of {cp}")
-        return mb
+    if "cp" in mb.stats:
+        done = mb.stats["cp"]
+        raise ValueError(f"micro-batch is CP shard {done['rank']} of {done['size']} already: shard a whole one")
     cu = np.asarray(mb.cu_seqlens, dtype=np.int64)
     if int(cu[-1]) != len(mb.input_ids):
         raise ValueError("context parallelism needs a packed micro-batch whose documents cover every token")
@@ -78,6 +80,15 @@ def shard_for_cp(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
         mb, input_ids=mb.input_ids[index], labels=mb.labels[index], position_ids=mb.position_ids[index],
         cu_seqlens=local, stats=stats,
     )
+
+
+def shard_for_rank(batches: list[MicroBatch], cp: int, cp_rank: int) -> list[MicroBatch]:
+    """What CP rank `cp_rank` of `cp` is served of a DP rank's micro-batches: each one's shard (the
+    batches themselves when cp == 1). The one call every runtime makes to cut CP shards, where it serves
+    a rank (`iter_rank`): locally in the trainer's process, on Ray in the Constructor actor."""
+    if cp == 1:
+        return list(batches)
+    return [shard_for_cp(mb, cp, cp_rank) for mb in batches]
 
 
 def unshard(shards: list[MicroBatch]) -> MicroBatch:

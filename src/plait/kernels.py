@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from plait.ragged import ragged_arange
+
 _compiled: bool | None = None if os.environ.get("PLAIT_NUMBA", "1") != "0" else False
 _impl: tuple | None = None  # (copy_spans, fill_positions_labels) once resolved
 
@@ -29,8 +31,6 @@ def use_compiled(flag: bool) -> None:
 
 
 def _copy_spans_np(src, src_starts, lengths, out, out_starts):
-    from plait.packing import ragged_arange
-
     # One gather and one scatter for all spans (no Python loop per document).
     out[ragged_arange(out_starts, lengths)] = src[ragged_arange(src_starts, lengths)]
 
@@ -72,6 +72,16 @@ def _numba_kernels() -> tuple | None:
             labels[b - 1] = ignore
 
     return copy_spans, fill_positions_labels
+
+
+def numpy_kernels() -> tuple:
+    """(copy_spans, fill_positions_labels) written with numpy: the reference the compiled ones match."""
+    return _copy_spans_np, _fill_positions_labels_np
+
+
+def compiled_kernels() -> tuple | None:
+    """(copy_spans, fill_positions_labels) compiled by numba, or None where numba is missing."""
+    return _numba_kernels()
 
 
 def _kernels() -> tuple:

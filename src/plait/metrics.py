@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.plan import StepPlan
-from plait.roles.constructor import MicroBatch
+from plait.batch import MicroBatch
 
 
 def batch_digest_update(h: "hashlib._Hash", mb: MicroBatch) -> None:
@@ -24,7 +24,7 @@ class RunStats:
     started: float = field(default_factory=time.perf_counter)
     steps: int = 0
     tokens: int = 0
-    padding_tokens: int = 0
+    microbatch_padding: list[float] = field(default_factory=list)  # 1 - tokens / seq_len, per micro-batch
     capacity_tokens: int = 0
     source_tokens: np.ndarray = None  # type: ignore[assignment]
     target_tokens: np.ndarray = None  # type: ignore[assignment]
@@ -45,7 +45,7 @@ class RunStats:
         self.efficiency.append(plan.efficiency)
         self.max_over_lb.append(plan.max_over_lb)
         self.tokens_max_over_mean.append(plan.tokens_max_over_mean)
-        self.capacity_tokens += plan.ranks * plan.microbatches * plan.capacity
+        self.capacity_tokens += plan.slots
         self.source_tokens += np.bincount(plan.items.source, weights=plan.items.length, minlength=len(self.source_names)).astype(np.int64)
         self.target_tokens += weights * plan.tokens
         self.empty_documents += plan.empty_documents
@@ -53,7 +53,7 @@ class RunStats:
 
     def add_batch(self, mb: MicroBatch) -> None:
         self.tokens += mb.num_tokens
-        self.padding_tokens += mb.num_tokens - int(mb.cu_seqlens[-1])
+        self.microbatch_padding.append(mb.padding_fraction)
         batch_digest_update(self.digests.setdefault(mb.dp_rank, hashlib.sha256()), mb)
 
     @property
@@ -76,8 +76,10 @@ class RunStats:
             "efficiency_min": float(np.min(self.efficiency)) if self.efficiency else None,
             "max_over_lb_mean": float(np.mean(self.max_over_lb)) if self.max_over_lb else None,
             "tokens_max_over_mean": float(np.mean(self.tokens_max_over_mean)) if self.tokens_max_over_mean else None,
-            "padding_fraction": self.padding_tokens / max(1, self.tokens),
-            "capacity_fill": self.tokens / max(1, self.capacity_tokens),
+            # Padding = unfilled seq_len capacity: 1 - tokens / (micro-batches run x seq_len).
+            "fill": self.tokens / max(1, self.capacity_tokens),
+            "padding_fraction": 1.0 - self.tokens / max(1, self.capacity_tokens),
+            "padding_fraction_worst_microbatch": max(self.microbatch_padding, default=0.0),
             "carried_at_end": self.carried,
             "empty_documents": self.empty_documents,
             "digests": {str(r): h.hexdigest() for r, h in sorted(self.digests.items())},

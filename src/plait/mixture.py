@@ -1,9 +1,11 @@
 """Mixture: token-share weights over steps, and the exact per-step quota of each source.
 
 Quotas use error diffusion: each source carries a deficit = (tokens it should have had so far) -
-(tokens drawn from it so far). A step adds weight * budget to every deficit and takes documents from a
-source while the next document *starts* before the deficit is used up. The cumulative share therefore
-never drifts: at any step each source is within one document of its exact target. No random draws.
+(tokens drawn from it so far). A step adds weight * budget to every deficit and takes chunks (a document
+of at most seq_len tokens is one chunk; a longer one is cut into chunks of seq_len) from a source while
+the next chunk *starts* before the deficit is used up. The cumulative share therefore never drifts: at
+any step each source is within one chunk (seq_len tokens) of its exact target, however long its
+documents. No random draws.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ class MixtureSchedule:
 
 
 def take_count(lengths: np.ndarray, deficit: float) -> int:
-    """How many of the next documents to take: those that start before the deficit is used up."""
+    """How many of the next documents (or chunks) to take: those that start before the deficit is used up.
+
+    The Planner applies it to whole documents, then takes of the last one only its chunks that start
+    before the deficit is used up."""
     if deficit <= 0 or len(lengths) == 0:
         return 0
     starts = np.cumsum(lengths) - lengths

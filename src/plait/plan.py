@@ -109,6 +109,7 @@ class StepPlan:
     # rank runs its own count (at most `microbatches`) and losses must be normalised by
     # stats()["global_label_tokens"], the label tokens of the whole step over all ranks.
     rank_microbatches: np.ndarray | None = None
+    vocab_size: int | None = None  # the spec's, when it states one
 
     @property
     def tokens(self) -> int:
@@ -134,6 +135,17 @@ class StepPlan:
         mean = float(per_rank.mean())
         return float(per_rank.max()) / mean if mean > 0 else 1.0
 
+    @property
+    def slots(self) -> int:
+        """Token slots of the step: micro-batches actually run (all ranks) x seq_len."""
+        runs = self.ranks * self.microbatches if self.rank_microbatches is None else int(self.rank_microbatches.sum())
+        return runs * self.capacity
+
+    @property
+    def fill(self) -> float:
+        """Tokens / token slots: 1 - fill is the step's padding (unfilled seq_len capacity)."""
+        return self.tokens / self.slots if self.slots else 0.0
+
     def for_rank(self, dp_rank: int) -> "RankPlan":
         sel = np.flatnonzero(self.rank == dp_rank)
         count = self.microbatches if self.rank_microbatches is None else int(self.rank_microbatches[dp_rank])
@@ -149,6 +161,9 @@ class StepPlan:
         return {
             "step": self.step,
             "tokens": self.tokens,
+            "samples": len(self.items),
+            "vocab_size": self.vocab_size,
+            "microbatches": self.microbatches,
             "global_label_tokens": int((self.items.length - 1).clip(min=0).sum()),
             "efficiency": self.efficiency,
             "max_over_mean": self.max_over_mean,
@@ -156,6 +171,9 @@ class StepPlan:
             "max_rank_cost": float(self.rank_cost.max()) if len(self.rank_cost) else 0.0,
             "lower_bound": self.lower_bound,
             "tokens_max_over_mean": self.tokens_max_over_mean,
+            "capacity": self.capacity,
+            "fill": self.fill,
+            "padding_fraction": 1.0 - self.fill,
             "carried": self.carried,
             "delayed_outliers": self.delayed_outliers,
             "empty_documents": self.empty_documents,

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -53,6 +53,14 @@ class SourceSpec(_Model):
         0, ge=0, description="standby loaders per loader of this source: they follow their primary through "
         "differential checkpoints and take over if it dies, so training does not wait (ray runtime)",
     )
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _known_format(cls, value: Any) -> Any:
+        formats = get_args(Format)
+        if value is not None and value not in formats:
+            raise ValueError(f"unknown format {value!r}; supported formats: {', '.join(formats)}")
+        return value
 
     @model_validator(mode="after")
     def _one_field(self) -> "SourceSpec":
@@ -181,6 +189,7 @@ class Spec(_Model):
     balance: BalanceSpec = Field(default_factory=BalanceSpec)
     seed: int = 0
     steps: int | None = Field(None, ge=1, description="stop after this many global steps (unbounded if unset)")
+    vocab_size: int | None = Field(None, ge=1, description="the model's vocabulary: a token id >= it is a bad record")
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
     @field_validator("sources")
@@ -222,6 +231,8 @@ class Spec(_Model):
             s.pop("on_error", None)
             s.pop("storage_options", None)
             s.pop("shadows", None)
+        if self.vocab_size is not None:  # it decides which records are delivered (only when set: old
+            core["vocab_size"] = self.vocab_size  # states keep their fingerprint)
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_overrides(self, **changes: Any) -> "Spec":

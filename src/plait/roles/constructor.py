@@ -6,60 +6,51 @@ padding-free fields (packing.py). TP/PP ranks of a replica share the result; CP 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 
+from plait.batch import MicroBatch
 from plait.packing import pack_fields, ragged_arange
-from plait.plan import RankPlan
+from plait.plan import Items, RankPlan
 
 
-@dataclass
-class MicroBatch:
-    step: int
-    microbatch: int
-    num_microbatches: int
-    dp_rank: int
-    input_ids: np.ndarray  # int32 [T]
-    labels: np.ndarray  # int32 [T], IGNORE_INDEX at each document's last token
-    position_ids: np.ndarray  # int32 [T]
-    cu_seqlens: np.ndarray  # int32 [docs+1]
-    sample_ids: np.ndarray  # int64 [docs, 5]: source, epoch, shard, row, chunk
-    source_ids: np.ndarray  # int32 [docs]
-    stats: dict = field(default_factory=dict)
+class PayloadSource(Protocol):
+    """Where a Constructor gets token payloads: `fetch(items)` returns their tokens, concatenated."""
 
-    @property
-    def num_tokens(self) -> int:
-        return int(len(self.input_ids))
+    def fetch(self, items: Items) -> np.ndarray: ...
 
-    def to_torch(self, device=None) -> dict:
-        """The batch as torch tensors (ids and labels as int64, the rest int32). Needs plait[torch]."""
-        import torch
 
-        def t(a, dtype):
-            if not a.flags.writeable:  # batches from Ray's object store are read-only views
-                a = a.copy()
-            return torch.from_numpy(a).to(dtype=dtype, device=device)
+class LoaderPayloads:
+    """Payloads gathered from SourceLoader objects in this process (one loader per source or shared)."""
 
-        return {
-            "input_ids": t(self.input_ids, torch.long),
-            "labels": t(self.labels, torch.long),
-            "position_ids": t(self.position_ids, torch.long),
-            "cu_seqlens": t(self.cu_seqlens, torch.int32),
-            "max_seqlen": self.max_seqlen,
-            "sample_ids": t(self.sample_ids, torch.long),
-            "source_ids": t(self.source_ids, torch.int32),
-        }
+    def __init__(self, loader_for: Callable[[int], object]):
+        self._loader_for = loader_for
 
-    @property
-    def max_seqlen(self) -> int:
-        return int(np.diff(self.cu_seqlens).max()) if len(self.cu_seqlens) > 1 else 0
+    def fetch(self, items: Items) -> np.ndarray:
+        if not len(items):
+            return np.zeros(0, dtype=np.int32)
+        keys, block_index = items.block_keys()
+        # Group by owning loader; locally that is a single call.
+        by_loader: dict[int, list[int]] = {}
+        for b, key in enumerate(keys):
+            by_loader.setdefault(id(self._loader_for(key[0])), []).append(b)
+        if len(by_loader) == 1:
+            loader = self._loader_for(keys[0][0])
+            return loader.gather(items.source, keys, block_index, items.position, items.offset, items.length)
+        out = np.empty(int(items.length.sum()), dtype=np.int32)
+        starts = np.cumsum(items.length) - items.length
+        for blocks in by_loader.values():
+            sel = np.flatnonzero(np.isin(block_index, blocks))
+            loader = self._loader_for(keys[blocks[0]][0])
+            part = loader.gather(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
+            out[ragged_arange(starts[sel], items.length[sel])] = part
+        return out
 
 
 class Constructor:
-    def __init__(self, loaders):
-        """`loaders(source) -> SourceLoader`-like object with gather(); locally one loader for all."""
-        self._loader_for = loaders
+    def __init__(self, payloads: PayloadSource):
+        self.payloads = payloads
 
     def build(self, plan: RankPlan, only: set[int] | None = None) -> list[MicroBatch]:
         micros = [m for m in range(plan.microbatches) if only is None or m in only]
@@ -69,7 +60,7 @@ class Constructor:
         sel = np.flatnonzero(np.isin(plan.micro, micros)) if only is not None else np.arange(len(plan.micro))
         sel = sel[np.argsort(plan.micro[sel], kind="stable")]
         items = plan.items.take(sel)
-        tokens = self._fetch(items)
+        tokens = self.payloads.fetch(items)
         # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
@@ -91,24 +82,4 @@ class Constructor:
                     stats=stats,
                 )
             )
-        return out
-
-    def _fetch(self, items) -> np.ndarray:
-        if not len(items):
-            return np.zeros(0, dtype=np.int32)
-        keys, block_index = items.block_keys()
-        # Group by owning loader; locally that is a single call.
-        by_loader: dict[int, list[int]] = {}
-        for b, key in enumerate(keys):
-            by_loader.setdefault(id(self._loader_for(key[0])), []).append(b)
-        if len(by_loader) == 1:
-            loader = self._loader_for(keys[0][0])
-            return loader.gather(items.source, keys, block_index, items.position, items.offset, items.length)
-        out = np.empty(int(items.length.sum()), dtype=np.int32)
-        starts = np.cumsum(items.length) - items.length
-        for blocks in by_loader.values():
-            sel = np.flatnonzero(np.isin(block_index, blocks))
-            loader = self._loader_for(keys[blocks[0]][0])
-            part = loader.gather(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
-            out[ragged_arange(starts[sel], items.length[sel])] = part
         return out

@@ -2,10 +2,11 @@
 
 For each global step it
   1. decides how many tokens each source contributes (mixture quotas, error diffusion),
-  2. takes that many documents from each source in the source's deterministic order (metadata only),
-  3. cuts documents longer than seq_len into chunks,
-  4. assigns every chunk to a (DP rank, micro-batch) minimising the slowest rank's cost (balance.py),
-  5. carries what did not fit (rare) to the next step, ahead of new documents.
+  2. takes that many tokens from each source in the source's deterministic order (metadata only), chunk
+     by chunk: a document longer than seq_len is cut into chunks of seq_len tokens that are drawn over as
+     many steps as the source's share allows (the cursor remembers the offset inside the document),
+  3. assigns every chunk to a (DP rank, micro-batch) minimising the slowest rank's cost (balance.py),
+  4. carries what did not fit (rare) to the next step, ahead of new documents.
 
 Its state (per-source cursor and deficit, the carried chunks, the step) is a few hundred bytes plus the
 carry, and fully defines the rest of the data stream: a checkpoint of the Planner is a checkpoint of the
@@ -24,9 +25,8 @@ from plait.cost import CostModel
 from plait.errors import PlaitError, SourceError
 from plait.mixture import MixtureSchedule, take_count
 from plait.plan import Items, StepPlan
+from plait.roles.state_schema import STATE_VERSION, check_data_state
 from plait.spec import Spec
-
-STATE_VERSION = 1
 
 
 class MetadataProvider(Protocol):
@@ -50,9 +50,12 @@ class Planner:
         self.mixture = MixtureSchedule(spec)
         n = len(spec.sources)
         self.step = 0
-        self.cursor = np.zeros((n, 4), dtype=np.int64)  # epoch, file_pos, block_pos, position
+        # epoch, file_pos, block_pos, position, offset (tokens of the document at `position` already drawn)
+        self.cursor = np.zeros((n, 5), dtype=np.int64)
         self.deficit = np.zeros(n, dtype=np.float64)
         self.drawn = np.zeros(n, dtype=np.int64)  # tokens drawn per source (metrics only)
+        self.delivered_tokens = 0  # tokens and samples (chunks) placed in the steps planned so far
+        self.delivered_samples = 0
         self.carry = Items.empty()
         self._meta: dict[int, object] = {}
         self.empty_docs = 0  # zero-token documents skipped in the step being planned
@@ -69,7 +72,7 @@ class Planner:
         budget = max(0, step_capacity - carry_tokens)
         weights = self.mixture.weights(self.step)
         self.deficit += weights * budget
-        new = Items.concat([self._draw(i) for i in range(len(self.spec.sources))])
+        new = Items.concat([self.draw(i) for i in range(len(self.spec.sources))])
         items = Items.concat([self.carry, new])
         priority = np.concatenate([self.carry.delayed + 1, np.zeros(len(new), dtype=np.int64)])
         held = self._hold_outliers(items)
@@ -77,7 +80,7 @@ class Planner:
             # Held outliers wait in the carry; the mixture tops the step up with as many tokens.
             topup = int(items.length[held].sum())
             self.deficit += weights * topup
-            extra = Items.concat([self._draw(i) for i in range(len(self.spec.sources))])
+            extra = Items.concat([self.draw(i) for i in range(len(self.spec.sources))])
             outliers = items.take(np.flatnonzero(held))
             items = Items.concat([items.take(np.flatnonzero(~held)), extra])
             priority = np.concatenate([priority[~held], np.zeros(len(extra), dtype=np.int64)])
@@ -111,7 +114,10 @@ class Planner:
             empty_documents=self.empty_docs,
             state_before=state_before,
             rank_microbatches=result.microbatches,
+            vocab_size=self.spec.vocab_size,
         )
+        self.delivered_tokens += plan.tokens
+        self.delivered_samples += len(placed)
         self.step += 1
         return plan
 
@@ -134,28 +140,53 @@ class Planner:
             return held
         return outlier
 
-    def _draw(self, source: int) -> Items:
-        """Take documents from one source until its deficit is used up (error diffusion)."""
+    def draw(self, source: int) -> Items:
+        """Take chunks from one source while the next chunk starts before its deficit is used up.
+
+        Error diffusion at chunk granularity: a document longer than seq_len is drawn chunk by chunk over
+        as many steps as the source's share allows (the cursor's last field is the offset reached inside
+        the current document), so a giant document never floods a step or the carry and every source
+        stays within one chunk of its target share. A document of at most seq_len tokens is one chunk.
+        """
         parts: list[Items] = []
         got = 0  # tokens: a source of only empty documents must fail, not loop forever
         start_epoch = int(self.cursor[source, 0])
+        S = self.seq_len
         while self.deficit[source] > 0:
-            epoch, fpos, bpos, pos = (int(x) for x in self.cursor[source])
+            epoch, fpos, bpos, pos, offset = (int(x) for x in self.cursor[source])
             meta = self._block_meta(source, (epoch, fpos, bpos))
             first = int(np.searchsorted(meta.positions, pos))
-            lengths = meta.lengths[first:]
-            k = take_count(lengths, self.deficit[source])
+            remaining = meta.lengths[first:].astype(np.int64)
+            if offset:
+                if not len(remaining) or int(meta.positions[first]) != pos or offset >= remaining[0]:
+                    raise PlaitError(
+                        f"source {self.spec.sources[source].name!r}: the data state points {offset} tokens into "
+                        f"document {pos} of block {(epoch, fpos, bpos)}, which that block does not hold")
+                remaining[0] -= offset
+            deficit = float(self.deficit[source])
+            k = take_count(remaining, deficit)  # documents whose rest starts before the deficit is used up
+            end = 0  # chunks taken of the last of them (0: the whole rest)
             if k:
+                start = int(remaining[:k - 1].sum())
+                rest = int(remaining[k - 1])
+                if start + rest > deficit:  # the last one ends past the deficit: take its chunks that start before
+                    m = int((deficit - start) // S)
+                    end = m + (start + m * S < deficit)
+                    if end * S >= rest:
+                        end = 0
                 sel = np.arange(first, first + k)
-                parts.append(self._docs_to_items(meta, sel))
-                taken = int(lengths[:k].sum())
+                items = self._docs_to_items(meta, sel, offset, end)
+                parts.append(items)
+                taken = int(items.length.sum())
                 got += taken
                 self.deficit[source] -= taken
                 self.drawn[source] += taken
-            if first + k < len(meta.positions):
-                self.cursor[source, 3] = meta.positions[first + k]
+            if end:
+                self.cursor[source, 3:] = (meta.positions[first + k - 1], (offset if k == 1 else 0) + end * S)
+            elif first + k < len(meta.positions):
+                self.cursor[source, 3:] = (meta.positions[first + k], 0)
             else:
-                self.cursor[source] = (*meta.next_key, 0)
+                self.cursor[source] = (*meta.next_key, 0, 0)
                 self._meta.pop(source, None)
                 if not got and self.cursor[source, 0] > start_epoch + 1:
                     name = self.spec.sources[source].name
@@ -169,17 +200,27 @@ class Planner:
             self._meta[source] = meta
         return meta
 
-    def _docs_to_items(self, meta, sel: np.ndarray) -> Items:
+    def _docs_to_items(self, meta, sel: np.ndarray, offset: int = 0, end: int = 0) -> Items:
+        """Chunks of the documents `sel`: the first one from `offset` tokens in (its earlier chunks were
+        drawn in earlier steps); of the last one only its first `end` chunks when end > 0."""
         lengths = meta.lengths[sel].astype(np.int64)
+        S = self.seq_len
+        skip = np.zeros(len(sel), dtype=np.int64)
+        skip[:1] = offset
+        # Offsets are exact token counts; chunk numbers continue the document's (rounded up, so that a
+        # state resumed with a smaller seq_len cannot reuse a number already delivered).
+        first_chunk = -(-skip // S)
+        nchunks = -(-(lengths - skip) // S)
+        if end:
+            nchunks[-1] = end
         nonempty = lengths > 0
         self.empty_docs += int((~nonempty).sum())
-        sel, lengths = sel[nonempty], lengths[nonempty]
-        S = self.seq_len
-        nchunks = -(-lengths // S)
+        sel, lengths, skip, first_chunk, nchunks = (a[nonempty] for a in (sel, lengths, skip, first_chunk, nchunks))
         doc = np.repeat(np.arange(len(sel)), nchunks)
-        chunk = np.arange(len(doc)) - np.repeat(np.cumsum(nchunks) - nchunks, nchunks)
-        offset = chunk * S
-        length = np.minimum(S, lengths[doc] - offset)
+        j = np.arange(len(doc)) - np.repeat(np.cumsum(nchunks) - nchunks, nchunks)  # chunk within this draw
+        chunk = first_chunk[doc] + j
+        offsets = skip[doc] + j * S
+        length = np.minimum(S, lengths[doc] - offsets)
         m = len(doc)
 
         def full(v: int) -> np.ndarray:
@@ -189,7 +230,7 @@ class Planner:
         return Items(
             source=full(meta.source), epoch=full(epoch), fpos=full(fpos), bpos=full(bpos),
             position=meta.positions[sel][doc].astype(np.int64), shard=full(meta.shard),
-            row=meta.rows[sel][doc].astype(np.int64), chunk=chunk.astype(np.int64), offset=offset.astype(np.int64),
+            row=meta.rows[sel][doc].astype(np.int64), chunk=chunk.astype(np.int64), offset=offsets.astype(np.int64),
             length=length.astype(np.int64), delayed=full(0),
         )
 
@@ -210,25 +251,44 @@ class Planner:
                 for i, s in enumerate(self.spec.sources)
             },
             "carry": self.carry.to_rows(),
+            "delivered": {"tokens": self.delivered_tokens, "samples": self.delivered_samples},
         }
 
+    def _check_cursors(self) -> None:
+        """Every cursor must name a block of its source and a document in it (a tampered or foreign
+        state would otherwise fail later, or silently read elsewhere)."""
+        for i, s in enumerate(self.spec.sources):
+            epoch, fpos, bpos, pos, offset = (int(x) for x in self.cursor[i])
+            try:
+                meta = self._block_meta(i, (epoch, fpos, bpos))
+            except (IndexError, KeyError, ValueError) as e:
+                raise PlaitError(
+                    f"the data state's cursor of source {s.name!r} (file {fpos}, block {bpos}) is outside the "
+                    f"source ({type(e).__name__}: {e}); the state was edited or belongs to other data"
+                ) from None
+            ends = meta.positions
+            if pos > (int(ends[-1]) if len(ends) else 0) or (offset and pos not in set(ends.tolist())):
+                raise PlaitError(
+                    f"the data state's cursor of source {s.name!r} points at document {pos} (offset {offset}), "
+                    "which its block does not hold; the state was edited or belongs to other data"
+                )
+
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise PlaitError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
-        if state.get("fingerprint") != self.fingerprint:
-            raise PlaitError(
-                "the data state was saved with a different spec (sources, mixture or seed changed); "
-                "resuming would not continue the same data stream"
-            )
+        """Continue from a data state: validated (schema, then ranges against the spec and the data)."""
+        check_data_state(state, self.spec, self.fingerprint)
         state = copy.deepcopy(state)
         self.step = int(state["step"])
         for i, s in enumerate(self.spec.sources):
             src = state["sources"][s.name]
-            self.cursor[i] = src["cursor"]
+            cursor = list(src["cursor"])
+            self.cursor[i] = cursor + [0] * (5 - len(cursor))  # states before chunk-level drawing: 4 fields
             self.deficit[i] = src["deficit"]
             self.drawn[i] = src["drawn"]
         self.carry = Items.from_rows(state["carry"])
+        delivered = state.get("delivered") or {"tokens": 0, "samples": 0}
+        self.delivered_tokens, self.delivered_samples = int(delivered["tokens"]), int(delivered["samples"])
         self._meta.clear()
+        self._check_cursors()
         # The state is layout-free, with one limit: carried chunks were cut for the saved seq_len and
         # must still fit a micro-batch, or they could never be delivered.
         if len(self.carry) and int(self.carry.length.max()) > self.capacity:

@@ -1,6 +1,6 @@
 """Shadow: a standby SourceLoader that follows its primary and takes over when it dies.
 
-While standing by, a Shadow applies its primary's deltas (plait.checkpoint) in order: it learns which
+While standing by, a Shadow applies its primary's deltas (plait.roles.deltas) in order: it learns which
 blocks the primary buffers and which of their samples were already served. If `warm`, it decodes the
 newly buffered blocks as they are announced, so it holds the same ready samples as its primary, one
 delta interval behind; otherwise it keeps only their keys.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from plait.checkpoint import FollowerView
+from plait.roles.deltas import FollowerView
 from plait.roles.source_loader import SourceLoader
 from plait.spec import Spec
 
@@ -45,12 +45,17 @@ class ShadowLoader(SourceLoader):
         self.resyncs = 0
 
     # ----- standby ---------------------------------------------------------------------------------
+    @property
+    def early_deltas(self) -> int:
+        """Deltas received ahead of a missing one, held until it arrives (bounded by MAX_EARLY_DELTAS)."""
+        return len(self._early)
+
     def follow(self, delta: dict) -> int:
         """Apply the primary's next delta; returns the number of blocks now buffered here.
 
         Deltas that arrive early (a runtime may deliver them out of order) wait for their turn; stale
         ones (already covered by a snapshot) are ignored."""
-        from plait.checkpoint import nbytes
+        from plait.roles.state_log import nbytes
 
         self.delta_bytes += nbytes(delta)
         if delta["seq"] <= self.view.seq:
@@ -85,7 +90,7 @@ class ShadowLoader(SourceLoader):
         if self.warm:
             for k in added:
                 if k not in self._blocks and self._mine(k):
-                    self._block(k[0], k[1:])
+                    self.block(k[0], k[1:])
                     self.blocks_prefetched += 1
 
     def pending_blocks(self) -> list:
@@ -108,7 +113,7 @@ class ShadowLoader(SourceLoader):
         t0 = time.perf_counter()
         missing = [k for k in self.pending_blocks() if k not in self._blocks]
         for k in missing:
-            self._block(k[0], k[1:])
+            self.block(k[0], k[1:])
         self.standby = False
         # Continue the primary's delta sequence so followers of the new primary see one stream.
         tracker = self.delta_tracker

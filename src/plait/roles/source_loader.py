@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.checkpoint import DeltaTracker
+from plait.roles.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
 from plait.spec import Spec
@@ -58,7 +58,7 @@ class SourceLoader:
         if partitions is not None:
             idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
         self.partitions = {int(s): (int(n), frozenset(owned)) for s, (n, owned) in (partitions or {}).items()}
-        self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed) for i in idx}
+        self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed, vocab_size=spec.vocab_size) for i in idx}
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
         self.blocks_read = 0
@@ -68,7 +68,7 @@ class SourceLoader:
         return self.sources[source].first_key()
 
     def block_meta(self, source: int, key: BlockKey) -> BlockMeta:
-        block = self._block(source, key)
+        block = self.block(source, key)
         src = self.sources[source]
         return BlockMeta(
             source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions
@@ -91,7 +91,7 @@ class SourceLoader:
         for b in np.unique(block_index):
             sel = np.flatnonzero(block_index == b)
             full = keys[int(b)]
-            block = self._block(full[0], full[1:])
+            block = self.block(full[0], full[1:])
             doc = np.searchsorted(block.positions, position[sel])
             src_start = block.starts[doc] + offset[sel]
             copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
@@ -116,7 +116,8 @@ class SourceLoader:
     def num_files(self) -> dict[int, int]:
         return {i: len(s.files) for i, s in self.sources.items()}
 
-    def _block(self, source: int, key: BlockKey) -> DocBlock:
+    def block(self, source: int, key: BlockKey) -> DocBlock:
+        """The decoded block at `key` of a source (read and kept in the bounded cache when not buffered)."""
         full = (source, *key)
         block = self._blocks.get(full)
         if block is None:
@@ -160,7 +161,7 @@ class SourceLoader:
     def checkpoint_delta(self, step: int | None = None) -> dict:
         """What changed since the previous delta: read cursors, blocks buffered and dropped, samples
         served (so the buffered samples not yet consumed are known). A few hundred bytes per interval;
-        a Shadow applies the deltas in order (plait.checkpoint)."""
+        a Shadow applies the deltas in order (plait.roles.deltas)."""
         return self.delta_tracker.take(set(self._blocks), step)
 
     def checkpoint_snapshot(self, step: int | None = None) -> dict:

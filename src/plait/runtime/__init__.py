@@ -1,13 +1,88 @@
 """Runtimes decide where the roles run: `local` (one process) or `ray` (actors).
 
-Every runtime offers the same methods, used by the Client (`iter_rank`) and by whole-job drivers such
-as `plait run` and the benchmarks (`plan` / `build` / `release`):
-
-  iter_rank(dp_rank, start_state, start_micro, max_steps) -> iterator of (state_before, MicroBatch)
-  plan() -> StepPlan                       next global step (advances the Planner)
-  build(plan, dp_rank, only=None) -> [MicroBatch]
-  release(*in_flight_plans)                let loaders drop blocks no one needs any more
-  state_dict() / load_state_dict(state)    the data state (the Planner's)
-  error_report() -> {source: {"skipped": n, "messages": [...]}}
-  close()
+Every runtime implements `Runtime` below; the Client uses `iter_rank`, whole-job drivers (`plait run`,
+the benchmarks) use `plan` / `build` / `release`. `make_runtime` is the one way to get one: it names
+any option the chosen runtime does not take instead of silently dropping it.
 """
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
+
+from plait.errors import PlaitError
+
+if TYPE_CHECKING:  # types only: importing them at run time would load every role for a name
+    from plait.batch import MicroBatch
+    from plait.plan import StepPlan
+    from plait.spec import Spec
+
+RUNTIMES = ("local", "ray")
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What every runtime offers. States are the Planner's data state (JSON-serialisable dicts)."""
+
+    def iter_rank(
+        self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None
+    ) -> Iterator[tuple[dict, MicroBatch]]:
+        """One DP rank's micro-batches from a data state on: (state at the step's start, batch)."""
+        ...
+
+    def plan(self) -> StepPlan:
+        """Plan the next global step (advances the Planner)."""
+        ...
+
+    def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        """Build one DP rank's micro-batches of a planned step (`only`: those micro-batch indices)."""
+        ...
+
+    def release(self, *in_flight: StepPlan) -> None:
+        """Let loaders drop blocks that neither the Planner nor the given plans still need."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def error_report(self) -> dict:
+        """{source: {"skipped": n, "messages": [...]}} for records skipped under `on_error: skip`."""
+        ...
+
+    def close(self) -> None:
+        """Release what this runtime started (never starts anything)."""
+        ...
+
+
+def runtime_class(name: str) -> type:
+    if name == "local":
+        from plait.runtime.local import LocalRuntime
+
+        return LocalRuntime
+    if name == "ray":
+        try:
+            from plait.runtime.ray import RayRuntime
+        except ImportError as e:  # ray is an extra
+            raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
+        return RayRuntime
+    raise PlaitError(f"unknown runtime {name!r} (choose one of: {', '.join(RUNTIMES)})")
+
+
+def accepted_options(cls: type) -> list[str]:
+    """The keyword options a runtime's constructor takes (besides the spec)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def make_runtime(spec: Spec, name: str = "local", **options) -> Runtime:
+    """The runtime `name` for `spec`; an option it does not take is an error naming it."""
+    cls = runtime_class(name)
+    allowed = accepted_options(cls)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise PlaitError(
+            f"the {name} runtime does not take the option(s) {', '.join(unknown)}"
+            f" (it takes: {', '.join(allowed) or 'none'})"
+        )
+    return cls(spec, **options)

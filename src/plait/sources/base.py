@@ -10,26 +10,44 @@ Blocks. `read_block(key)` returns a DocBlock: the block's documents, tokenized, 
 flat int32 token array with offsets, plus each document's data coordinates (shard, row in the file),
 which become its sample id. Bad records are dropped from the block (policy `skip`, counted) or raise
 (policy `raise`) with source, shard and record named.
+
+Bad files. A file that cannot be read as a whole (corrupt or truncated, whatever the codec; not of its
+format; missing the field; holding no records at all) is, like a bad record, an error under `raise` and
+a counted, named skip under `skip`. A source keeps going as long as one of its files is readable; when
+every file is bad it stops with an error naming them.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 
 from plait.errors import SourceError
+from plait.ragged import ragged_arange
+from plait.sources.formats import FORMATS, infer_format, reader_for, supported
+from plait.sources.reader import FormatReader, RawBlock, describe
 from plait.spec import SourceSpec
 from plait.transforms.tokenize import TextEncoder, add_special_tokens
+
+__all__ = ["BlockKey", "DocBlock", "FormatReader", "RawBlock", "Source", "file_order"]
 
 BlockKey = tuple[int, int, int]  # (epoch, file_pos, block_pos)
 
 
 def _rng(*key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key])))
+
+
+def file_order(seed: int, source: int, epoch: int, num_files: int) -> np.ndarray:
+    """Source `source`'s file order in `epoch`: a seeded permutation of its sorted file list.
+
+    Public because the ray runtime's placement (which loader owns a block) needs the order without
+    opening the source; `Source.file_order` is this function (cached)."""
+    return _rng(seed, source, epoch).permutation(num_files)
 
 
 @dataclass
@@ -57,46 +75,12 @@ class DocBlock:
         return sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
 
 
-@dataclass
-class RawBlock:
-    """What a format reader returns for one block: the readable records' field values.
-
-    The block holds records first_row .. first_row+num_records-1 of its file; `values[i]` belongs to
-    record first_row + ok_index[i]; records missing from ok_index were unreadable (listed in `bad`).
-    """
-
-    first_row: int
-    num_records: int
-    ok_index: np.ndarray  # int64, increasing
-    values: pa.Array  # string or list<int> array aligned with ok_index
-    bad: list[tuple[int, str]] = field(default_factory=list)  # (record index in file, reason)
-
-
-class FormatReader:
-    """Reads blocks of one file format. Subclasses: ParquetReader, JsonlReader."""
-
-    def __init__(self, spec: SourceSpec, fs: fsspec.AbstractFileSystem):
-        self.spec = spec
-        self.fs = fs
-        self.field = spec.text_field or spec.tokens_field
-
-    def num_blocks(self, path: str) -> int:
-        raise NotImplementedError
-
-    def read_block(self, path: str, block: int) -> RawBlock:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
 class Source:
     """One source's files, order, and block decoding. Cheap to create: lists files, reads nothing."""
 
-    def __init__(self, spec: SourceSpec, index: int, seed: int):
-        from plait.sources import reader_for  # late: formats register there
-
+    def __init__(self, spec: SourceSpec, index: int, seed: int, *, vocab_size: int | None = None):
         self.spec = spec
+        self.vocab_size = vocab_size  # ids at or above it are bad records (the model has no row for them)
         self.index = index
         self.name = spec.name
         self.seed = seed
@@ -108,12 +92,13 @@ class Source:
         self.errors: Counter[str] = Counter()
         self.error_log: list[str] = []
         self._seen_bad: set[tuple[str, str | None]] = set()
+        self._bad_files: set[str] = set()  # files found unreadable as a whole (skip policy)
 
     # ----- order -------------------------------------------------------------------------------
     def file_order(self, epoch: int) -> np.ndarray:
         order = self._file_orders.get(epoch)
         if order is None:
-            order = _rng(self.seed, self.index, epoch).permutation(len(self.files))
+            order = file_order(self.seed, self.index, epoch, len(self.files))
             self._file_orders[epoch] = order
             while len(self._file_orders) > 2:
                 self._file_orders.popitem(last=False)
@@ -126,10 +111,10 @@ class Source:
             try:
                 n = self.reader.num_blocks(path)
             except SourceError as e:  # e.g. the column is missing: the policy decides, as for any bad shard
-                self._bad(path, e.record, e.reason)
+                self._bad_file(path, e.record, e.reason)
                 n = 0
             except Exception as e:  # corrupt footer, unreadable file, ...
-                self._bad(path, None, f"cannot open: {_describe(e)}")
+                self._bad_file(path, None, f"cannot open: {describe(e)}")
                 n = 0
             self._num_blocks[file_idx] = n
         return n
@@ -145,19 +130,26 @@ class Source:
         return self._settle((epoch, fpos, bpos + 1))
 
     def _settle(self, key: BlockKey) -> BlockKey:
-        """Move a key past file ends (and epoch ends) to the next block that exists."""
+        """Move a key past file ends (and epoch ends) to the next block that exists.
+
+        Only files found to hold no blocks count toward giving up (the file being left, which had
+        blocks, does not): the search stops with an error once every file is known to be empty, and
+        otherwise reaches a readable file within the next epoch.
+        """
         epoch, fpos, bpos = key
-        scanned = 0
+        empty: set[int] = set()
         while True:
             if fpos >= len(self.files):
                 epoch, fpos, bpos = epoch + 1, 0, 0
             file_idx = int(self.file_order(epoch)[fpos])
-            if bpos < self.num_blocks(file_idx):
+            n = self.num_blocks(file_idx)
+            if bpos < n:
                 return (epoch, fpos, bpos)
+            if n == 0:
+                empty.add(file_idx)
+                if len(empty) == len(self.files):
+                    raise SourceError(self.name, None, None, "no readable blocks in any file" + self._skipped_hint())
             fpos, bpos = fpos + 1, 0
-            scanned += 1
-            if scanned > len(self.files):
-                raise SourceError(self.name, None, None, "no readable blocks in any file" + self._skipped_hint())
 
     # ----- decoding ----------------------------------------------------------------------------
     def read_block(self, key: BlockKey) -> DocBlock:
@@ -167,10 +159,13 @@ class Source:
         path = self.files[file_idx]
         try:
             raw = self.reader.read_block(path, block_idx)
-        except SourceError:
-            raise
+        except SourceError as e:  # the reader named the problem (a corrupt or empty file, ...)
+            whole_file = e.record is None or self.num_blocks(file_idx) == 1
+            (self._bad_file if whole_file else self._bad)(path, e.record, e.reason)
+            raw = self._empty_raw()
         except Exception as e:
-            self._bad(path, f"block {block_idx}", f"cannot read: {_describe(e)}")
+            whole_file = self.num_blocks(file_idx) == 1
+            (self._bad_file if whole_file else self._bad)(path, f"block {block_idx}", f"cannot read: {describe(e)}")
             raw = self._empty_raw()
         for record, reason in raw.bad:
             self._bad(path, str(record), reason)
@@ -190,6 +185,8 @@ class Source:
             self._bad(path, e.record or f"block {block_idx}", e.reason)
             raw, ok_index = self._empty_raw(), np.zeros(0, np.int64)
             tokens, offsets = self._tokens(raw.values, path, 0)
+        if self.vocab_size is not None:
+            tokens, offsets, ok_index = self._drop_out_of_vocab(tokens, offsets, ok_index, path, raw.first_row)
         # Shuffle over every record position of the block, bad ones included, so that a record's
         # position never depends on which other records were readable.
         perm = _rng(self.seed, self.index, epoch, file_idx, block_idx + 1).permutation(raw.num_records)
@@ -218,6 +215,24 @@ class Source:
         keep = np.flatnonzero(~bad)
         return values.take(pa.array(keep)), ok_index[keep]
 
+    def _drop_out_of_vocab(self, tokens: np.ndarray, offsets: np.ndarray, ok_index: np.ndarray, path: str,
+                           first_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Report records holding an id >= vocab_size (policy: raise, or skip and count) and leave them out."""
+        lengths = np.diff(offsets)
+        if not len(tokens) or int(tokens.max()) < self.vocab_size:
+            return tokens, offsets, ok_index
+        nonempty = lengths > 0
+        record_max = np.full(len(lengths), -1, dtype=np.int64)
+        record_max[nonempty] = np.maximum.reduceat(tokens, offsets[:-1][nonempty])
+        bad = record_max >= self.vocab_size
+        for i in np.flatnonzero(bad):
+            self._bad(path, str(first_row + int(ok_index[i])),
+                      f"token id {int(record_max[i])} is outside the vocabulary (vocab_size {self.vocab_size})")
+        keep = np.flatnonzero(~bad)
+        kept_tokens = tokens[ragged_arange(offsets[:-1][keep], lengths[keep])]
+        kept_offsets = np.concatenate([[0], np.cumsum(lengths[keep])]).astype(offsets.dtype)
+        return kept_tokens, kept_offsets, ok_index[keep]
+
     def _tokens(self, values: pa.Array, path: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
         if self.encoder is not None:
             if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
@@ -245,13 +260,26 @@ class Source:
     def _skipped_hint(self) -> str:
         if not self.error_log:
             return ""
-        return f" ({self.errors['skipped']} skipped; first: {self.error_log[0]})"
+        hint = f" ({self.errors['skipped']} skipped; first: {self.error_log[0]})"
+        if self._bad_files:
+            names = sorted(self._bad_files)
+            more = f", ... ({len(names)} in all)" if len(names) > 5 else ""
+            hint += f"; bad files: {', '.join(names[:5])}{more}"
+        return hint
 
     def _empty_raw(self) -> RawBlock:
         value_type = pa.string() if self.encoder is not None else pa.list_(pa.int32())
         return RawBlock(0, 0, np.zeros(0, np.int64), pa.array([], value_type))
 
     # ----- errors ------------------------------------------------------------------------------
+    def _bad_file(self, path: str, record: str | None, reason: str) -> None:
+        """A whole file is unreadable: the policy decides; under skip, once every file of the source
+        is known bad the source has nothing to give, which is an error naming them."""
+        self._bad(path, record, reason)
+        self._bad_files.add(path)
+        if len(self._bad_files) == len(self.files):
+            raise SourceError(self.name, None, None, "no readable file" + self._skipped_hint())
+
     def _bad(self, path: str, record: str | None, reason: str) -> None:
         err = SourceError(self.name, path, record, reason)
         if self.spec.on_error == "raise":
@@ -306,11 +334,7 @@ def _make_encoder(spec: SourceSpec) -> TextEncoder | None:
     try:
         return TextEncoder(spec.tokenizer, spec.storage_options)
     except Exception as e:  # missing or invalid tokenizer.json: a problem with this source, named as such
-        raise SourceError(spec.name, None, None, f"cannot load tokenizer {spec.tokenizer!r}: {_describe(e)}") from None
-
-
-def _describe(e: Exception) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise SourceError(spec.name, None, None, f"cannot load tokenizer {spec.tokenizer!r}: {describe(e)}") from None
 
 
 def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]:
@@ -320,7 +344,7 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
         try:
             fs_i, _ = fsspec.core.url_to_fs(pattern, **spec.storage_options)
         except Exception as e:  # unknown protocol, its package missing, bad storage_options
-            raise SourceError(spec.name, pattern, None, f"cannot open the filesystem: {_describe(e)}") from None
+            raise SourceError(spec.name, pattern, None, f"cannot open the filesystem: {describe(e)}") from None
         fs = fs or fs_i
         try:
             if any(ch in pattern for ch in "*?["):
@@ -334,7 +358,7 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
         except SourceError:
             raise
         except Exception as e:
-            raise SourceError(spec.name, pattern, None, f"cannot list: {type(e).__name__}: {e}") from None
+            raise SourceError(spec.name, pattern, None, f"cannot list: {describe(e)}") from None
         protocol = fs_i.protocol if isinstance(fs_i.protocol, str) else fs_i.protocol[0]
         for m in matches:
             files.append(m if protocol in ("file", "local") or "://" in m else f"{protocol}://{m}")
@@ -346,12 +370,13 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
 
 def _data_files(paths: list[str], spec: SourceSpec) -> list[str]:
     """The files of a folder that hold this source's data: those of its format (by extension)."""
-    from plait.sources import infer_format
-
     kinds = {p: infer_format(p) for p in paths}
     formats = {k for k in kinds.values() if k is not None}
     if spec.format is None and len(formats) > 1:
         raise SourceError(spec.name, None, None, f"the folder holds several formats {sorted(formats)}; set `format`")
+    if spec.format is None and not formats and paths:
+        raise SourceError(spec.name, None, None, f"the folder holds no file of a supported format "
+                          f"({', '.join(FORMATS)}); supported: {supported()}")
     wanted = spec.format or (formats.pop() if formats else None)
     return [p for p, k in kinds.items() if k is not None and k == wanted]
 

@@ -1,5 +1,11 @@
 """JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst): one block per file.
 
+The file is read whole and decompressed here (not by fsspec), strictly: a gzip or zstd stream that is
+corrupt or truncated is an error naming the file, never a silently short (or empty) file. A file that
+holds no records at all (0 bytes, a valid compressed stream of nothing, only blank lines) is reported
+too ("file holds no records"): under `on_error: raise` it stops the run, under `skip` it is counted
+and named like any bad file.
+
 Fast path: Arrow's native JSON reader parses the whole file, converting only the needed field (other
 keys may hold anything). If it refuses (a malformed line, a value of the wrong type), a line-by-line
 pass finds exactly which records are bad so that the policy can name them.
@@ -7,22 +13,42 @@ pass finds exactly which records are bad so that the policy can name them.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.json as pajson
+import zstandard
 
-from plait.sources.base import FormatReader, RawBlock
+from plait.errors import SourceError
+from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock, describe
 
 
 def _compression(path: str) -> str | None:
-    if path.endswith(".gz"):
+    p = path.lower()
+    if p.endswith(".gz"):
         return "gzip"
-    if path.endswith(".zst"):
+    if p.endswith(".zst"):
         return "zstd"
     return None
+
+
+def decompress(data: bytes, codec: str | None) -> bytes:
+    """The whole decompressed content; raises on a corrupt or truncated stream (every frame/member)."""
+    if codec is None:
+        return data
+    if codec == "gzip":
+        return gzip.decompress(data)  # BadGzipFile, EOFError (truncated), zlib.error (corrupt)
+    out = []
+    while data:  # a .zst file may hold several frames, one after the other
+        d = zstandard.ZstdDecompressor().decompressobj()
+        out.append(d.decompress(data))
+        if not d.eof:
+            raise EOFError("the zstd stream ends in the middle of a frame (truncated file)")
+        data = d.unused_data
+    return b"".join(out)
 
 
 class JsonlReader(FormatReader):
@@ -30,12 +56,18 @@ class JsonlReader(FormatReader):
         return 1
 
     def _read_bytes(self, path: str) -> bytes:
-        with self.fs.open(path, "rb", compression=_compression(path)) as f:
-            return f.read()
+        with self.fs.open(path, "rb") as f:
+            raw = f.read()
+        codec = _compression(path)
+        try:
+            return decompress(raw, codec)
+        except Exception as e:  # zstd/gzip errors, EOFError: the file itself is bad
+            raise SourceError(self.spec.name, path, None, f"cannot decompress ({codec}): {describe(e)}") from None
 
     def read_block(self, path: str, block: int) -> RawBlock:
         data = self._read_bytes(path)
-        lines = None
+        if not data.strip():
+            raise SourceError(self.spec.name, path, None, EMPTY_FILE)
         try:
             table = pajson.read_json(
                 io.BytesIO(data), read_options=pajson.ReadOptions(block_size=1 << 24), parse_options=self._parse_options

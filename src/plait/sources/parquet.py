@@ -8,8 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from plait.errors import SourceError
-
-from plait.sources.base import FormatReader, RawBlock
+from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock
 
 
 class ParquetReader(FormatReader):
@@ -29,6 +28,8 @@ class ParquetReader(FormatReader):
                     raise SourceError(
                         self.spec.name, path, None, f"no column {self.field!r} (columns: {pf.schema_arrow.names})"
                     )
+                if pf.metadata.num_rows == 0:
+                    raise SourceError(self.spec.name, path, None, EMPTY_FILE)
             except BaseException:
                 if handle is not None:  # a bad file must not leak its (remote) handle
                     handle.close()

@@ -98,7 +98,7 @@ def _rank_worker(spec_dict: dict, rank: int, steps: int, q, worker: int = 0, wor
 
 
 def _trainer() -> None:
-    """One trainer process (`python -m plait.bench.memory --trainer JSON`): loads, reports, waits."""
+    """One trainer process (`python -m plait.cli.bench.memory --trainer JSON`): loads, reports, waits."""
     import psutil
 
     cfg = json.loads(sys.argv[2])
@@ -160,7 +160,7 @@ def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dic
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for r in range(ranks):
         cfg = {"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra}
-        procs.append(subprocess.Popen([sys.executable, "-m", "plait.bench.memory", "--trainer", json.dumps(cfg)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "plait.cli.bench.memory", "--trainer", json.dumps(cfg)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     reports = []
     for p in procs:

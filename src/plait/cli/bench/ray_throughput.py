@@ -94,7 +94,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from plait.demo import default_cache_dir, generate
+    from plait.cli.demo_data import default_cache_dir, generate
     from plait.spec import load_spec
 
     console = Console()
@@ -138,6 +138,6 @@ if __name__ == "__main__":  # pragma: no cover
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m plait.bench.ray_throughput", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m plait.cli.bench.ray_throughput", description=DESCRIPTION)
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

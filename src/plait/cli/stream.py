@@ -14,19 +14,9 @@ from rich.table import Table
 from plait.errors import PlaitError
 from plait.metrics import RunStats
 from plait.mixture import MixtureSchedule
+from plait.roles.state_schema import check_client_state
+from plait.runtime import make_runtime
 from plait.spec import Spec
-
-
-def make_runtime(spec: Spec, runtime: str = "local", **options):
-    if runtime == "local":
-        from plait.runtime.local import LocalRuntime
-
-        return LocalRuntime(spec)
-    if runtime == "ray":
-        from plait.runtime.ray import RayRuntime
-
-        return RayRuntime(spec, **options)
-    raise ValueError(runtime)
 
 
 def stream(
@@ -88,6 +78,8 @@ def _resume(rt, resume: dict) -> None:
     driver streams whole steps, so it continues after that step when it was fully consumed, and
     refuses a mid-step state rather than deliver the consumed micro-batches again.
     """
+    if "next_microbatch" in resume:  # a Loader state: check its shape before reading it
+        check_client_state(resume, max_microbatches=2 * rt.spec.packing.num_microbatches)
     rt.load_state_dict(resume.get("data", resume))
     consumed = int(resume.get("next_microbatch", 0))
     if consumed:
@@ -111,8 +103,9 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     head.add_row("balance efficiency (mean/max rank cost), mean", f"{s['efficiency_mean']:.4f}")
     head.add_row("balance efficiency, worst step", f"{s['efficiency_min']:.4f}")
     head.add_row("max rank cost / lower bound, mean", f"{s['max_over_lb_mean']:.4f}")
-    head.add_row("padding fraction", f"{s['padding_fraction']:.4f}")
-    head.add_row("capacity filled (tokens / seq_len slots)", f"{s['capacity_fill']:.4f}")
+    head.add_row("fill (tokens / seq_len slots of the micro-batches run)", f"{s['fill']:.4f}")
+    head.add_row("padding (unfilled seq_len slots = 1 - fill)", f"{s['padding_fraction']:.4f}")
+    head.add_row("padding, worst micro-batch", f"{s['padding_fraction_worst_microbatch']:.4f}")
     skipped = sum(s.get("errors", {}).values())
     head.add_row("bad records skipped", str(skipped))
     head.add_row("empty documents (0 tokens) drawn", str(s.get("empty_documents", 0)))

@@ -100,7 +100,7 @@ def run(args) -> int:
     if args.runtime == "ray":
         import argparse
 
-        from plait.bench import ray_throughput
+        from plait.cli.bench import ray_throughput
 
         ray_args = argparse.ArgumentParser()
         ray_throughput.add_arguments(ray_args)

@@ -203,21 +203,22 @@ class LocalGroup:
 
     # provider (Planner) and loader_for (Constructor)
     def first_key(self, source):
-        return self._call(source, "first_key", source)
+        return self.call(source, "first_key", source)
 
     def block_meta(self, source, key):
-        return self._call(source, "block_meta", source, key)
+        return self.call(source, "block_meta", source, key)
 
     def loader_for(self, source):
         group = self
 
         class _Route:
             def gather(self, *a):
-                return group._call(source, "gather", *a)
+                return group.call(source, "gather", *a)
 
         return _Route()
 
-    def _call(self, source, method, *a):
+    def call(self, source, method, *a):
+        """`method` on the source's current owner; a dead owner is replaced and the call retried."""
         while True:
             owner = self.owner[source]
             try:
@@ -257,16 +258,16 @@ class LocalGroup:
 
     def release(self, live: set) -> None:
         for i in range(len(self.owner)):
-            self._call(i, "retain", {k for k in live if k[0] == i})
+            self.call(i, "retain", {k for k in live if k[0] == i})
 
     def checkpoint(self) -> None:
         """Every `interval` steps: each owner's delta to its shadows."""
-        from plait.checkpoint import nbytes
+        from plait.roles.state_log import nbytes
 
         if self.step % self.interval:
             return
         for i in range(len(self.owner)):
-            delta = self._call(i, "checkpoint_delta", self.step)
+            delta = self.call(i, "checkpoint_delta", self.step)
             self.delta_bytes.append(nbytes(delta))
             for sh in self.shadows[i]:
                 sh.follow(delta)
@@ -274,13 +275,13 @@ class LocalGroup:
 
 def simulate(spec, *, steps: int, failures: int, shadows: int, interval: int = 1, seed: int = 0) -> dict:
     """Reference run, then the same run with loader deaths (in-process); exactly-once and timings."""
-    from plait.roles.constructor import Constructor
+    from plait.roles.constructor import Constructor, LoaderPayloads
     from plait.roles.planner import Planner
 
     def one_run(kills: dict[int, int]):
         group = LocalGroup(spec, shadows=shadows if kills else 0, interval=interval)
         planner = Planner(spec, group)
-        constructor = Constructor(group.loader_for)
+        constructor = Constructor(LoaderPayloads(group.loader_for))
         ids, step_s = [], []
         for step in range(steps):
             group.step = step

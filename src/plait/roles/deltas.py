@@ -1,26 +1,14 @@
-"""Data state and differential checkpoints.
+"""Loader deltas: what one SourceLoader changed since its previous delta, for its Shadow to follow.
 
-Two kinds of state keep the stream exactly-once through failures:
-
-* The **data state** is the Planner's state (per-source cursor and deficit, carried chunks, step). It
-  fully defines the rest of the stream and says nothing about the job's layout, so the same state
-  resumes on any number of DP ranks (`advance` moves a state saved mid-layout to the next step
-  boundary). `diff_state` / `apply_state_diff` give the per-step change of it, so a dead Planner is
-  rebuilt from the last full state plus the small diffs that followed (`PlannerLog`).
-
-* A **loader delta** is what one SourceLoader changed since its previous delta: how far it has read in
-  each source (cursor moves), which blocks it started or stopped buffering, and which samples it served
-  (so a follower knows which buffered samples are not yet consumed). A Shadow applies the deltas in
-  order and therefore holds the same buffer as its primary; reading is deterministic (a block is
-  re-decodable from its key), so whatever the shadow missed since the last delta it simply reads again.
-
-Everything here is JSON-serialisable; `nbytes` is the size that would cross the wire.
+A delta holds how far the loader has read in each source (cursor moves), which blocks it started or
+stopped buffering, and which samples it served (so a follower knows which buffered samples are not yet
+consumed). A Shadow applies the deltas in order and therefore holds the same buffer as its primary;
+reading is deterministic (a block is re-decodable from its key), so whatever the shadow missed since the
+last delta it simply reads again. Deltas are JSON-serialisable.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,101 +17,6 @@ FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
 DELTA_VERSION = 1
 
 
-def nbytes(obj) -> int:
-    """Size of an object serialised as compact JSON: what a checkpoint or a delta costs to ship."""
-    return len(json.dumps(obj, separators=(",", ":")).encode())
-
-
-# ----- data state: elastic resume -------------------------------------------------------------------
-def advance(spec, state: dict, *, dp: int, steps: int = 1, provider=None) -> dict:
-    """The data state `steps` global steps after `state`, planned on `dp` ranks (metadata only).
-
-    A trainer checkpoint taken at the end of a step on layout A holds the state at that step's *start*
-    (the client resumes by re-planning it). To resume on layout B the step must be re-planned on A,
-    whose budget and assignment produced what was delivered; the state after it is layout-free.
-    """
-    from plait.roles.planner import Planner
-    from plait.roles.source_loader import SourceLoader
-
-    loader = provider
-    if loader is None:
-        loader = SourceLoader(spec, max_cached_blocks=8)
-    try:
-        planner = Planner(spec, loader, dp=dp)
-        planner.load_state_dict(state)
-        for _ in range(steps):
-            planner.plan_step()
-        return planner.state_dict()
-    finally:
-        if provider is None:
-            loader.close()
-
-
-# ----- data state: per-step diffs (Planner recovery) --------------------------------------------------
-def diff_state(old: dict, new: dict) -> dict:
-    """What changed from one data state to the next: step, moved cursors and deficits, and the carry as
-    (indices of the old carry rows kept, rows added). Never larger than the new state itself."""
-    d: dict = {"step": new["step"], "sources": {n: s for n, s in new["sources"].items() if old["sources"].get(n) != s}}
-    position = {tuple(r): i for i, r in enumerate(old["carry"])}
-    new_rows = [tuple(r) for r in new["carry"]]
-    keep = [position[r] for r in new_rows if r in position]
-    added = [list(r) for r in new_rows if r not in position]
-    if keep == sorted(keep) and [tuple(old["carry"][i]) for i in keep] + [tuple(r) for r in added] == new_rows:
-        d["carry_keep"], d["carry_add"] = keep, added
-    else:  # reordered: ship the carry itself
-        d["carry"] = copy.deepcopy(new["carry"])
-    if nbytes(d) >= nbytes(new):
-        return {"full": copy.deepcopy(new)}
-    return d
-
-
-def apply_state_diff(state: dict, d: dict) -> dict:
-    if "full" in d:
-        return copy.deepcopy(d["full"])
-    out = copy.deepcopy(state)
-    out["step"] = d["step"]
-    for name, s in d["sources"].items():
-        out["sources"][name] = copy.deepcopy(s)
-    if "carry" in d:
-        out["carry"] = copy.deepcopy(d["carry"])
-    else:
-        out["carry"] = [out["carry"][i] for i in d["carry_keep"]] + copy.deepcopy(d["carry_add"])
-    return out
-
-
-class PlannerLog:
-    """The last full data state plus the diffs of the steps planned since; rebuilds a lost Planner.
-
-    `record(state)` after every planned step costs one diff (tens of bytes plus changed carry rows);
-    every `full_every` steps the diffs are folded into a new base so the log stays bounded.
-    """
-
-    def __init__(self, state: dict, full_every: int = 64):
-        self.base = copy.deepcopy(state)
-        self.diffs: list[dict] = []
-        self._last = copy.deepcopy(state)
-        self.full_every = full_every
-
-    def record(self, state: dict) -> dict:
-        d = diff_state(self._last, state)
-        self._last = copy.deepcopy(state)
-        self.diffs.append(d)
-        if len(self.diffs) >= self.full_every:
-            self.base, self.diffs = copy.deepcopy(state), []
-        return d
-
-    def latest(self) -> dict:
-        s = self.base
-        for d in self.diffs:
-            s = apply_state_diff(s, d)
-        return s
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.base) + sum(nbytes(d) for d in self.diffs)
-
-
-# ----- loader deltas -----------------------------------------------------------------------------------
 def _ranges(sorted_positions: np.ndarray) -> list[int]:
     """[a0, b0, a1, b1, ...]: half-open runs of consecutive integers."""
     if not len(sorted_positions):
@@ -154,6 +47,11 @@ class DeltaTracker:
     # Nothing is recorded until someone follows (the first take or snapshot): a loader without
     # shadows must not accumulate served ids forever.
     active: bool = False
+
+    @property
+    def pending_served(self) -> int:
+        """Blocks with served samples not yet shipped in a delta (0 when nobody takes deltas)."""
+        return len(self._served)
 
     def note_served(self, keys: list, block_index: np.ndarray, position: np.ndarray, chunk: np.ndarray) -> None:
         if not self.active:

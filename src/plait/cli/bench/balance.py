@@ -206,9 +206,26 @@ def measure(p: Placement, lengths, costs, R, M, C, pp) -> dict:
 
 
 # ----- the sweep -------------------------------------------------------------------------------
-def sweep(dists, dps, seq_lens, *, microbatches, pp, steps, seed, user=None, progress=None, keep=None,
-          repeats: int = 1) -> list[dict]:
+@dataclass
+class Sweep:
+    """What one `bench balance` run covers: every (distribution, dp, seq_len) over `steps` random steps."""
+
+    dists: list[str]
+    dps: list[int]
+    seq_lens: list[int]
+    microbatches: int
+    pp: int
+    steps: int
+    seed: int
+    user: np.ndarray | None = None  # document lengths for `--lengths`
+    repeats: int = 1
+
+
+def sweep(cfg: Sweep, *, progress=None, keep=None) -> list[dict]:
     from plait.cost import CostModel
+
+    dists, dps, seq_lens, microbatches, pp = cfg.dists, cfg.dps, cfg.seq_lens, cfg.microbatches, cfg.pp
+    steps, seed, user, repeats = cfg.steps, cfg.seed, cfg.user, cfg.repeats
 
     cost_model = CostModel.from_dims(4096, 32, 11008, 32)  # a 7B Llama-like model
     rows = []
@@ -294,8 +311,9 @@ def run(args) -> int:
     with Progress(TextColumn("[bold]balance[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                   TimeElapsedColumn(), console=err, disable=args.quiet) as bar:
         task = bar.add_task("sweep", total=total)
-        rows = sweep(dists, dps, seq_lens, microbatches=args.microbatches, pp=args.pp, steps=args.steps,
-                     seed=args.seed, user=user, progress=lambda: bar.advance(task), keep=keep, repeats=args.repeats)
+        cfg = Sweep(dists, dps, seq_lens, microbatches=args.microbatches, pp=args.pp, steps=args.steps, seed=args.seed,
+                    user=user, repeats=args.repeats)
+        rows = sweep(cfg, progress=lambda: bar.advance(task), keep=keep)
     elapsed = time.perf_counter() - t0
     if not args.quiet:
         print_table(rows, warm, elapsed, args)

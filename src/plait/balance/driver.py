@@ -1,0 +1,129 @@
+"""The driver: `assign()` runs the stages over one global step and returns an `Assignment`.
+
+The objective is the step time: the largest total cost over DP ranks, subject to every micro-batch
+holding at most `capacity` tokens. Pure: arrays in, arrays out, deterministic. The stages (see the
+package docstring) run in placement order on contiguous arrays; the result is mapped back to the
+caller's order at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import tuning
+from .certificate import lower_bound, pass_ratio, placed_tokens
+from .exchange import rebalance
+from .lpt import Items, LptRun
+from .microbatches import middle_heavy, pack_micro
+from .ordering import scatter_back, sorted_items
+
+
+@dataclass
+class Assignment:
+    rank: np.ndarray  # int32 [n]; -1: not placed this step (carried to the next)
+    micro: np.ndarray  # int32 [n]; position of the micro-batch in the rank's order
+    rank_cost: np.ndarray  # float64 [R]
+    micro_cost: np.ndarray  # float64 [R, W]
+    micro_tokens: np.ndarray  # int64 [R, W]
+    microbatches: np.ndarray | None = None  # int64 [R]: micro-batches of each rank (W for all in equal mode)
+
+    def __post_init__(self):
+        if self.microbatches is None:
+            self.microbatches = np.full(len(self.rank_cost), self.micro_cost.shape[1], dtype=np.int64)
+
+    @property
+    def placed(self) -> np.ndarray:
+        return self.rank >= 0
+
+
+def assign(
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    *,
+    ranks: int,
+    microbatches: int,
+    capacity: int,
+    priority: np.ndarray | None = None,
+    mode: str = "equal",
+    max_microbatches: int | None = None,
+) -> Assignment:
+    """Place items on (rank, micro-batch) minimising the largest rank cost; see the package docstring.
+
+    Items with `priority` >= 2 (the Planner gives every carried item that: steps waited + 1) are placed
+    before all others and are never held back by the cost cap, so nothing is carried twice for balance.
+    """
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    costs = np.ascontiguousarray(costs, dtype=np.float64)
+    n = len(lengths)
+    R = int(ranks)
+    C = int(capacity)
+    if mode == "equal":
+        W = int(microbatches)
+    elif mode == "variable":
+        W = int(max_microbatches or 2 * microbatches)
+    else:
+        raise ValueError(f"unknown balance mode {mode!r} (equal or variable)")
+    # Stage 1: work in placement order, so the passes below stream through contiguous arrays.
+    order, Ls, Cs = sorted_items(costs, priority, lengths)
+    Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
+    # Stages 2 and 3: LPT passes at cost caps, the best certificate kept.
+    rank_s, micro_s, rank_cost, micro_cost, room, ratio = _lpt_passes(Us, Ls, Cs, costs, R, W, C)
+    # Stage 4: re-pack the micro-batches inside each rank.
+    counts = np.full(R, W, dtype=np.int64)
+    pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, C, mode == "variable", counts)
+    # Stage 5 (equal mode): rebalance between ranks when the step still certifies badly.
+    if mode == "equal" and R > 1 and n and ratio > 1.0 + tuning.RECAP_ABOVE:
+        rank_cost = rebalance(Items(Us, Ls, Cs), rank_s, micro_s, micro_cost, room, C,
+                              int(tuning.REBALANCE_TOKENS * int(Ls.sum())))
+    micro_tokens = C - room
+    # Stage 6: the heaviest micro-batches to the middle of each rank's order; back to the caller's order.
+    new_pos = np.empty((R, W), dtype=np.int64)
+    middle_heavy(micro_cost, counts, new_pos)
+    rank = np.empty(n, dtype=np.int32)
+    micro = np.empty(n, dtype=np.int32)
+    scatter_back(order, rank_s, micro_s, new_pos, rank, micro)
+    inv = np.argsort(new_pos, axis=1, kind="stable")
+    micro_cost = np.take_along_axis(micro_cost, inv, axis=1)
+    micro_tokens = np.take_along_axis(micro_tokens, inv, axis=1)
+    if mode == "variable":
+        width = max(1, int(counts.max()))
+        micro_cost, micro_tokens = micro_cost[:, :width].copy(), micro_tokens[:, :width].copy()
+    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens, counts)
+
+
+def _lpt_passes(Us, Ls, Cs, costs, R, W, capacity):
+    """Stages 2 and 3: the LPT pass at a cost cap just above the lower bound, and the passes at other
+    caps that may certify better. Returns rank, micro, rank_cost, micro_cost, room of the pass kept, and
+    its certificate (max/LB of the items it placed).
+
+    Tokens may bind before cost: some ranks full of cheap short documents while others hold the
+    expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto the
+    expensive ranks. Where it holds nothing back it *is* the plain (uncapped) pass. Where it does, the
+    plain pass would have put the first held-back item on top, reaching first_over, and its bound is at
+    most the bound of all items: if the capped pass certifies below first_over / LB(all) it wins
+    without running the plain one; otherwise both are compared. When carrying lowered the bound itself,
+    a pass capped at the new bound follows, kept if it carries at most RECAP_TOKENS more of the step's
+    tokens. All passes share their decisions up to the first item where their caps disagree: LptRun
+    resumes each later pass from a snapshot of the first.
+    """
+    lb_all = lower_bound(Cs, R)
+    total_tokens = int(Ls.sum())
+    cap = lower_bound(costs, R) * (1.0 + tuning.CAP_SLACK)  # (summed in the caller's order: same float as always)
+    first = LptRun(Us, Ls, Cs, R, W, capacity, cap)
+    best = first.result
+    ratio = pass_ratio(best.rank, best.rank_cost, Cs, R)
+    if best.skipped and ratio > best.first_over / lb_all:
+        plain = first.rerun(np.inf)
+        ratio_plain = pass_ratio(plain.rank, plain.rank_cost, Cs, R)
+        if ratio_plain <= ratio:
+            best, ratio = plain, ratio_plain
+    if best.skipped and ratio > 1.0 + tuning.RECAP_ABOVE:
+        recap = lower_bound(Cs[best.rank >= 0], R) * (1.0 + tuning.CAP_SLACK)
+        again = first.rerun(recap)
+        lost = placed_tokens(best.rank, Ls) - placed_tokens(again.rank, Ls)
+        ratio_again = pass_ratio(again.rank, again.rank_cost, Cs, R)
+        if ratio_again < ratio and lost <= tuning.RECAP_TOKENS * total_tokens:
+            best, ratio = again, ratio_again
+    return best.rank, best.micro, best.rank_cost, best.micro_cost, best.room, ratio

@@ -1,0 +1,59 @@
+"""`plait inspect`: a spec's sources, files and first documents, without streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from plait.roles.source_loader import SourceLoader
+from plait.spec import load_spec
+
+HELP = "show a spec's sources, files and a few documents"
+DESCRIPTION = (
+    "Validate SPEC and show each source's files, format, first block and "
+    "document-length statistics, without streaming."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("spec", help="the spec (YAML)")
+    p.add_argument("--docs", type=int, default=3, help="documents to preview per source")
+
+
+def run(args) -> int:
+    spec = load_spec(args.spec)
+    loader = SourceLoader(spec)
+    out = Console()
+    vocab = f"; model vocab_size {spec.vocab_size}" if spec.vocab_size else "; no vocab_size stated"
+    table = Table(title=f"sources of {args.spec}{vocab}")
+    for col in ("source", "format", "files", "weight", "first block docs", "median len", "max len", "tokenizer",
+                "tokenizer vocab", "max id (first block)"):
+        table.add_column(col)
+    previews = []
+    for i, s in enumerate(spec.sources):
+        src = loader.sources[i]
+        key = loader.first_key(i)
+        meta = loader.block_meta(i, key)
+        fmt = type(src.reader).__name__.replace("Reader", "").lower()
+        lens = meta.lengths
+        block = loader.block(i, key)
+        tok_vocab = str(src.encoder.vocab_size) if src.encoder is not None else "-"
+        max_id = str(int(block.tokens.max())) if len(block.tokens) else "-"
+        table.add_row(s.name, fmt, str(len(src.files)), f"{s.weight:g}", str(len(lens)),
+                      f"{np.median(lens):.0f}" if len(lens) else "-", str(int(lens.max())) if len(lens) else "-",
+                      Path(s.tokenizer).name if s.tokenizer else ("bytes" if s.text_field else "pre-tokenized"),
+                      tok_vocab, max_id)
+        for d in range(min(args.docs, len(lens))):
+            toks = block.tokens[block.starts[d] : block.starts[d] + block.lengths[d]]
+            previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]), len(toks), toks[:12].tolist()))
+    out.print(table)
+    prev = Table(title="first documents in order")
+    for col in ("source", "shard", "row", "tokens", "first ids"):
+        prev.add_column(col)
+    for name, shard, row, n, ids in previews:
+        prev.add_row(name, shard, str(row), str(n), " ".join(map(str, ids)))
+    out.print(prev)
+    return 0

@@ -1,0 +1,92 @@
+"""`plait run`: stream a spec for every DP rank of its topology, as a job would, and report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from plait.cli.common import console, loaders_arg, positive_int
+from plait.cli.stream import print_summary, stream
+from plait.errors import PlaitError
+from plait.metrics import combined_digest
+from plait.spec import load_spec
+
+HELP = "stream a spec for every DP rank and report"
+DESCRIPTION = (
+    "Stream SPEC for every DP rank of its topology, as a job would, and report "
+    "throughput, mixture and balance. --digest prints a sha256 of each rank's batch stream."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("spec", help="the spec (YAML)")
+    p.add_argument("--steps", type=positive_int, default=None, help="global steps (default: the spec's `steps`, else 100)")
+    p.add_argument("--dp", type=positive_int, default=None, help="override topology.dp")
+    p.add_argument("--digest", action="store_true", help="print a stable sha256 of every rank's batch stream")
+    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    p.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
+    p.add_argument("--address", default=None, help="Ray cluster address (auto, ray://...); default: start a local one")
+    p.add_argument("--loaders", type=loaders_arg, default="auto",
+                   help="ray runtime: SourceLoader actors, `auto` (default: from each source's measured cost and "
+                   "mixture share) or a number")
+    p.add_argument("--step-time", type=float, default=None, metavar="S",
+                   help="ray runtime, --loaders auto: seconds per training step the loaders must keep up with "
+                   "(default 1)")
+    p.add_argument("--resume", metavar="STATE", help="start from a data state saved with --save-state")
+    p.add_argument("--save-state", metavar="PATH", help="write the data state after the last step (JSON)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+
+
+def run(args) -> int:
+    spec = load_spec(args.spec)
+    if args.dp:
+        spec = spec.with_overrides(topology={"dp": args.dp})
+    resume = read_state(args.resume) if args.resume else None
+    options = {}
+    if args.runtime == "ray":
+        options = {k: v for k, v in (("address", args.address), ("loaders", args.loaders),
+                                     ("step_time", args.step_time)) if v is not None}
+        if not args.quiet:
+            options["on_layout"] = print_layout
+    summary = stream(
+        spec, steps=args.steps or spec.steps or 100, runtime=args.runtime, progress=not args.quiet,
+        resume=resume, save_state=args.save_state, runtime_options=options,
+    )
+    if not args.quiet:
+        print_summary(spec, summary, console=Console())
+    if args.digest:
+        for rank, d in summary["digests"].items():
+            print(f"rank {rank}: {d}")
+        print(f"digest: {combined_digest(summary['digests'])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def print_layout(rows: list[dict]) -> None:
+    """The ray runtime's loader layout: which sources and partitions each SourceLoader owns."""
+    table = Table(title="SourceLoaders (ray)")
+    for col in ("loader", "sources [partitions/of] (measured µs per 1k tokens)", "demand (cores)"):
+        table.add_column(escape(col), justify="left" if col.startswith("sources") else "right")
+    for r in rows:
+        dem = "-" if math.isnan(r["demand"]) else f"{r['demand']:.3f}"
+        table.add_row(str(r["loader"]), escape(r["sources"]), dem)
+    console.print(table)
+
+
+def read_state(path: str) -> dict:
+    """A state file (--save-state output or a Loader.state_dict()), or a PlaitError saying what is wrong."""
+    try:
+        state = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise PlaitError(f"cannot read the state file {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlaitError(f"the state file {path} is not JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise PlaitError(f"the state file {path} holds a {type(state).__name__}, not a plait state (a JSON object)")
+    return state

@@ -1,0 +1,22 @@
+"""Ray runtime: the Planner, the SourceLoaders and the Constructors are Ray actors.
+
+Wiring (one job; actor names are `<job>/planner`, `<job>/loader-<i>`, `<job>/constructor-<node|rank>` in
+the `plait` namespace, so trainer processes started by torchrun attach by job name). One module each:
+
+  runtime            RayRuntime, the driver side a trainer process or `plait run` holds (options: RayOptions)
+  planner_actor      the job's one Planner: decides the layout, plans every step once, keeps a window
+  loader_actor       a SourceLoader owning partitions of one or several sources (plait.runtime.placement)
+  shadow_actor       a standby SourceLoader following its primary's deltas
+  constructor_actor  builds (step, dp_rank) once for every TP/PP/CP rank of a replica, from payloads
+                     pulled straight from the loaders (RayPayloads); serves each CP rank its shard
+  recovery           what happens when a loader, a shadow, a Constructor or the Planner dies
+  common             namespace, names, `get`, dead-actor errors, actor options
+
+The stream is the local runtime's, bit for bit. Ray is imported lazily (plait[ray] is optional); the
+local runtime never imports this package.
+"""
+
+from plait.runtime.ray.common import NAMESPACE
+from plait.runtime.ray.runtime import RayOptions, RayRuntime, check_reachable, loaders_option
+
+__all__ = ["NAMESPACE", "RayOptions", "RayRuntime", "check_reachable", "loaders_option"]

@@ -1,0 +1,66 @@
+"""Ray helpers every module of the ray runtime shares: the namespace and actor names, `get` that re-raises
+plait's own errors, what "the actor is dead" looks like, and the options an actor is started with.
+
+Ray is imported lazily (plait[ray] is an optional extra): `ray_module()` is the one place that imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.errors import PlaitError
+
+NAMESPACE = "plait"  # every actor of every job lives here; a job's actors are named `<job>/...`
+
+
+def ray_module():
+    """The `ray` module, or a PlaitError naming the extra to install."""
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - exercised without the extra
+        raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
+    return ray
+
+
+def get(refs, timeout: float | None = None):
+    """ray.get that re-raises plait's own errors as themselves (a bad spec or shard, not a Ray trace)."""
+    ray = ray_module()
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, PlaitError):
+            raise cause from None
+        raise
+
+
+def dead_errors() -> tuple[type, ...]:
+    """Exceptions meaning "the actor you called is dead" (killed, crashed, its node lost)."""
+    return (ray_module().exceptions.RayActorError,)
+
+
+def planner_name(job: str) -> str:
+    return f"{job}/planner"
+
+
+def constructor_name(job: str, key: str) -> str:
+    return f"{job}/constructor-{key}"
+
+
+def actor_options(name: str | None = None, lifetime: str | None = None, **resources: Any) -> dict:
+    """Options for `ray.remote(cls).options(...)`: a named actor is found again by its name (in
+    NAMESPACE) rather than started twice; `lifetime="detached"` outlives its creator (shared jobs)."""
+    opts = dict(resources)
+    if name is not None:
+        opts.update(name=name, namespace=NAMESPACE, get_if_exists=True)
+    if lifetime:
+        opts["lifetime"] = lifetime
+    return opts
+
+
+def use_numpy_kernels() -> None:
+    """Loader and Constructor actors copy a few spans per request: the numpy kernels (same values) do it
+    without importing numba and llvmlite (60-80 MiB per process). The Planner keeps compiled balancing."""
+    from plait import kernels
+
+    kernels.use_compiled(False)

@@ -1,0 +1,215 @@
+"""The Constructor actor: builds (step, dp_rank) once for every TP/PP/CP rank of the replica.
+
+One per node (serving the DP replicas of that node; default) or one per DP replica
+(`constructors="replica"`). For (step, dp_rank) it fetches the rank's plan from the Planner, pulls the
+payloads straight from the owning loaders (`RayPayloads`: Ray's object store, never through the Planner),
+packs the micro-batches (plait.roles.constructor.Constructor) and keeps `prefetch` steps built ahead. A
+CP rank is served its shard of the shared build: the cut happens here, so only the shard travels.
+
+`ConstructorPool` is a driver process's set of handles to its Constructors (found or started by name).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from plait.batch import MicroBatch
+from plait.context_parallel import shard_for_rank
+from plait.roles.constructor import Constructor
+from plait.runtime.placement import PartitionMap
+from plait.runtime.ray.common import (
+    NAMESPACE,
+    actor_options,
+    constructor_name,
+    dead_errors,
+    get,
+    planner_name,
+    ray_module,
+    use_numpy_kernels,
+)
+
+
+class RayPayloads:
+    """A Constructor's payloads (plait.roles.constructor.PayloadSource), pulled from the owning loader
+    actors in parallel; a part whose loader died is asked of the loader's replacement."""
+
+    def __init__(self, loaders: list, pmap: PartitionMap, planner=None):
+        self.loaders = loaders
+        self.pmap = pmap
+        self.planner = planner  # asked to replace a loader found dead (None: errors propagate)
+
+    def fetch(self, items) -> np.ndarray:
+        from plait.packing import ragged_arange
+
+        if not len(items):
+            return np.zeros(0, dtype=np.int32)
+        keys, block_index = items.block_keys()
+        owner_of_block = np.array([self.pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
+        owner = owner_of_block[block_index]
+        refs, sels, owners = [], [], []
+        for k in np.unique(owner):
+            sel = np.flatnonzero(owner == k)
+            sels.append(sel)
+            owners.append((int(k), self.loaders[int(k)]))
+            refs.append(self._gather(self.loaders[int(k)], items, keys, block_index, sel))
+        parts = self._collect(refs, sels, owners, (items, keys, block_index))
+        if len(parts) == 1:
+            return parts[0]
+        out = np.empty(int(items.length.sum()), dtype=np.int32)
+        starts = np.cumsum(items.length) - items.length
+        for sel, part in zip(sels, parts):
+            out[ragged_arange(starts[sel], items.length[sel])] = part
+        return out
+
+    @staticmethod
+    def _gather(handle, items, keys, block_index, sel):
+        return handle.gather.remote(items.source[sel], keys, block_index[sel], items.position[sel],
+                                    items.offset[sel], items.length[sel])
+
+    def _collect(self, refs, sels, owners, request) -> list:
+        """Each loader's part; a part whose loader died is asked again of the loader's replacement."""
+        try:
+            return get(refs)
+        except dead_errors():
+            if self.planner is None:
+                raise
+        parts = []
+        for ref, sel, (k, handle) in zip(refs, sels, owners):
+            while True:
+                try:
+                    parts.append(get(ref))
+                    break
+                except dead_errors():
+                    self.loaders[:] = get(self.planner.replace_loader.remote(k, handle))
+                    handle = self.loaders[k]
+                    ref = self._gather(handle, *request, sel)
+        return parts
+
+
+class ConstructorActor:
+    """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead."""
+
+    def __init__(self, job: str, prefetch: int, threads: int = 2):
+        use_numpy_kernels()
+        ray = ray_module()
+        self.planner = ray.get_actor(planner_name(job), namespace=NAMESPACE)
+        info = get(self.planner.info.remote())
+        loaders = get(self.planner.get_loaders.remote())
+        pmap = PartitionMap(**info["pmap"])
+        self.constructor = Constructor(RayPayloads(loaders, pmap, planner=self.planner))
+        self.prefetch = max(0, int(prefetch))
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
+        self.lock = threading.Lock()
+        self.builds: dict[tuple[int, int, int], Future] = {}
+        self.waits = 0  # requests that found their build not finished yet
+        self.requests = 0
+
+    def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
+        plan, state = get([self.planner.rank_plan.remote(gen, step, dp_rank),
+                           self.planner.state_at.remote(gen, step)])
+        batches = self.constructor.build(plan)
+        self.planner.mark_built.remote(gen, step, dp_rank)
+        return state, batches
+
+    def _ensure(self, gen: int, step: int, dp_rank: int) -> Future:
+        key = (gen, step, dp_rank)
+        fut = self.builds.get(key)
+        if fut is None:
+            fut = self.pool.submit(self._build, gen, step, dp_rank)
+            self.builds[key] = fut
+        return fut
+
+    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
+            cp: tuple[int, int] = (1, 0)) -> tuple[dict, list[MicroBatch]]:
+        """(state at the start of `step`, the rank's micro-batches of `step`), each cut to CP rank cp[1]
+        of cp[0] (the build is shared by the replica's ranks; only the shard travels to the trainer)."""
+        with self.lock:
+            fut = self._ensure(gen, step, dp_rank)
+            for k in range(1, self.prefetch + 1):
+                if limit is None or step + k < limit:
+                    self._ensure(gen, step + k, dp_rank)
+            # Keep a little history: other TP/PP/CP ranks of the replica may still ask for it.
+            for key in [k for k in self.builds if k[2] == dp_rank and (k[0] != gen or k[1] < step - self.prefetch - 1)]:
+                self.builds.pop(key).cancel()
+            self.requests += 1
+            if not fut.done():
+                self.waits += 1
+        try:
+            state, batches = fut.result()
+        except BaseException:
+            with self.lock:
+                self.builds.pop((gen, step, dp_rank), None)
+            raise
+        return state, shard_for_rank(batches, *cp)
+
+    def stats(self) -> dict:
+        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds)}
+
+
+class ConstructorPool:
+    """A driver process's Constructor actors, by key: `node-<node id>` (one per node, serving the DP
+    replicas whose ranks run there) or `replica-<dp rank>`. A Constructor is found by name when another
+    process of the job started it already, else started on this node."""
+
+    def __init__(self, job: str, mode: str, prefetch: int, dp: int, lifetime: str | None = None):
+        self.job = job
+        self.mode = mode  # "node" or "replica"
+        self.prefetch = prefetch
+        self.dp = dp
+        self.lifetime = lifetime
+        self.handles: dict[str, object] = {}
+
+    def key(self, dp_rank: int) -> str:
+        """The Constructor serving `dp_rank` from this process."""
+        if self.mode == "replica":
+            return f"replica-{dp_rank}"
+        return f"node-{ray_module().get_runtime_context().get_node_id()[:16]}"
+
+    def name(self, key: str) -> str:
+        return constructor_name(self.job, key)
+
+    def for_rank(self, dp_rank: int, planner):
+        """The handle serving `dp_rank`, started (and registered with `planner`) when this process has none."""
+        key = self.key(dp_rank)
+        handle = self.handles.get(key)
+        if handle is None:
+            ray = ray_module()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            opts = actor_options(self.name(key), self.lifetime, num_cpus=0, max_concurrency=64,
+                                 scheduling_strategy=here)
+            handle = ray.remote(ConstructorActor).options(**opts).remote(self.job, self.prefetch)
+            planner.register_constructor.remote(self.name(key))
+            self.handles[key] = handle
+        return handle
+
+    def restart_missing(self, planner) -> list[int]:
+        """Start Constructors for the DP ranks whose Constructor was dropped; returns those ranks."""
+        missing = [r for r in range(self.dp) if self.key(r) not in self.handles]
+        for r in missing:
+            self.for_rank(r, planner)
+        return missing
+
+    def items(self) -> list[tuple[str, object]]:
+        return list(self.handles.items())
+
+    def names(self) -> list[str]:
+        return [self.name(k) for k in self.handles]
+
+    def drop(self, key: str) -> None:
+        del self.handles[key]
+
+    def kill_all(self) -> None:
+        """End every Constructor of this process (they may be gone already) and forget them."""
+        ray = ray_module()
+        for handle in self.handles.values():
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - may be gone already
+                pass
+        self.handles.clear()

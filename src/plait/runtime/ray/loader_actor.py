@@ -1,0 +1,113 @@
+"""The SourceLoader actor: a plait.roles.source_loader.SourceLoader owning some partitions of some sources,
+behind a lock (the loader and its format readers are not thread-safe), plus `LoaderConfig`, the one
+recipe every loader actor of a job (first ones, cold replacements, shadows) is started from.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.runtime.placement import Layout, loader_name
+from plait.runtime.ray.common import actor_options, ray_module, use_numpy_kernels
+from plait.spec import load_spec
+
+
+def partitions_of(owned: list[tuple[int, int]], num_partitions: dict[int, int]) -> dict[int, tuple[int, set[int]]]:
+    """(source, partition) pairs as SourceLoader's `partitions`: {source: (partitions, owned ones)}."""
+    parts: dict[int, tuple[int, set[int]]] = {}
+    for s, p in owned:
+        parts.setdefault(s, (num_partitions[s], set()))[1].add(p)
+    return parts
+
+
+class LoaderActor:
+    """A SourceLoader owning some partitions of some sources."""
+
+    def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
+                 max_cached_blocks: int):
+        use_numpy_kernels()
+        from plait.roles.source_loader import SourceLoader
+
+        self.loader = SourceLoader(load_spec(spec_dict), max_cached_blocks=max_cached_blocks,
+                                   partitions=partitions_of(owned, num_partitions))
+        self.lock = threading.Lock()  # SourceLoader and its readers are not thread-safe
+
+    def num_files(self) -> dict[int, int]:
+        return self.loader.num_files()
+
+    def first_keys(self, sources: list[int]) -> dict[int, tuple[int, int, int]]:
+        with self.lock:
+            return {s: self.loader.first_key(s) for s in sources}
+
+    def block_meta(self, source: int, key):
+        with self.lock:
+            return self.loader.block_meta(source, tuple(key))
+
+    def gather(self, source, keys, block_index, position, offset, length) -> np.ndarray:
+        with self.lock:
+            return self.loader.gather(source, keys, block_index, position, offset, length)
+
+    def retain(self, live) -> None:
+        with self.lock:
+            mine = {k for k in live if k[0] in self.loader.sources}
+            self.loader.retain(mine)
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"blocks_read": self.loader.blocks_read, "cached_bytes": self.loader.cached_bytes,
+                    "sources": sorted(self.loader.sources), "pid": os.getpid()}
+
+    def error_report(self) -> dict:
+        with self.lock:
+            return self.loader.error_report()
+
+    def close(self) -> None:
+        with self.lock:
+            self.loader.close()
+
+    # differential checkpoints, for this loader's shadows (plait.roles.deltas)
+    def checkpoint_delta(self, step: int | None = None) -> dict:
+        with self.lock:
+            return self.loader.checkpoint_delta(step)
+
+    def checkpoint_snapshot(self, step: int | None = None) -> dict:
+        with self.lock:
+            return self.loader.checkpoint_snapshot(step)
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """What loader k of a job is made of (its partitions of the layout) and how its actor is placed."""
+
+    job: str
+    spec_dict: dict
+    layout: Layout
+    max_cached_blocks: int = 256
+    cpus: float = 0  # CPUs each loader actor reserves (0: placement by spreading only)
+    lifetime: str | None = None  # "detached" in a shared job: the loaders outlive their Planner
+
+    @classmethod
+    def from_options(cls, job: str, spec_dict: dict, layout: Layout, options: dict) -> LoaderConfig:
+        return cls(job, spec_dict, layout, int(options.get("max_cached_blocks", 256)),
+                   options.get("loader_cpus", 0), options.get("lifetime"))
+
+    def args(self, k: int) -> tuple:
+        """LoaderActor's (and ShadowActor's first) constructor arguments for loader k."""
+        return self.spec_dict, self.layout.owned[k], self.layout.num_partitions, self.max_cached_blocks
+
+    def options(self, name: str | None = None) -> dict:
+        """Actor options of a loader (named) or a shadow (unnamed, not detached: it dies with its Planner)."""
+        return actor_options(name, self.lifetime if name else None, num_cpus=self.cpus, max_concurrency=4,
+                             scheduling_strategy="SPREAD")
+
+    def name(self, k: int, generation: int = 0) -> str:
+        return loader_name(self.job, k, generation)
+
+    def start(self, k: int, generation: int = 0):
+        """Start (or, by name, find) loader k's actor; a replacement has the next generation's name."""
+        ray = ray_module()
+        return ray.remote(LoaderActor).options(**self.options(self.name(k, generation))).remote(*self.args(k))

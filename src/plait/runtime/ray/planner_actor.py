@@ -1,0 +1,285 @@
+"""The Planner actor: the job's one plait.roles.planner.Planner, planning every global step exactly once.
+
+It decides the loader layout (plait.runtime.placement; measured in a throw-away Ray task for
+`loaders="auto"`), starts the loaders and their shadows (a `LoaderFleet`, plait.runtime.ray.recovery, which
+also replaces them when they die) and keeps a window of planned steps: Constructors and clients ask for
+step t of generation g, nobody "advances" it. Metadata (block ids, lengths) comes to it from the loaders
+by `block_meta`; it never sees a token. A client that resumes from another data state `seek`s, which starts
+a new generation of the stream. `PlannerRecipe` is the one way a Planner actor is started (by the first
+client of a job, and again after the Planner died).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from plait.errors import PlaitError
+from plait.plan import RankPlan, StepPlan
+from plait.runtime.placement import Layout, PartitionMap, decide_layout
+from plait.runtime.ray.common import (
+    NAMESPACE,
+    actor_options,
+    dead_errors,
+    get,
+    planner_name,
+    ray_module,
+)
+from plait.runtime.ray.loader_actor import LoaderConfig
+from plait.runtime.ray.recovery import LoaderFleet
+from plait.runtime.scaling import format_layout, probe_costs
+from plait.spec import Spec, load_spec
+
+scale_log = logging.getLogger("plait.scaling")
+PLAN_WINDOW = 64  # planned steps the Planner keeps (ranks of one job are at most `prefetch` apart)
+PROBE_TIMEOUT_S = 600.0
+
+
+class StaleGeneration(PlaitError):
+    """The plan stream was reset (a client resumed from another data state) under this request."""
+
+
+class LoaderMetadata:
+    """The Planner's MetadataProvider: asks the loader that owns each block (a dead one is replaced)."""
+
+    def __init__(self, fleet: LoaderFleet, pmap: PartitionMap, first_keys: dict[int, tuple]):
+        self.fleet = fleet
+        self.pmap = pmap
+        self.first = first_keys
+
+    def first_key(self, source: int):
+        return self.first[source]
+
+    def block_meta(self, source: int, key):
+        owner = self.pmap.loader_of(source, key[0], key[1])
+        while True:
+            handle = self.fleet.handles[owner]
+            try:
+                return get(handle.block_meta.remote(source, tuple(key)))
+            except dead_errors():  # metadata is a pure function of the key: ask the new owner
+                self.fleet.replace_if_current(owner, handle)
+
+
+class PlannerActor:
+    """The job's one Planner, plus the bookkeeping of a shared, windowed plan stream."""
+
+    def __init__(self, spec_dict: dict, job: str, options: dict):
+        self.spec = load_spec(spec_dict)
+        self.job = job
+        self.layout = layout_for(self.spec, options)
+        self.loaders = LoaderFleet(LoaderConfig.from_options(job, spec_dict, self.layout, options), self.spec,
+                                   options, now=lambda: self.planner.step, on_replaced=self._release)
+        num_files: dict[int, int] = {}
+        for counts in get([ld.num_files.remote() for ld in self.loaders.handles]):
+            num_files.update({int(s): n for s, n in counts.items()})
+        owner = self.layout.owner()
+        self.pmap = PartitionMap(self.spec.seed, num_files, self.layout.num_partitions, owner)
+        by_loader: dict[int, list[int]] = {}
+        for s in range(len(self.spec.sources)):
+            by_loader.setdefault(owner[(s, 0)], []).append(s)
+        first: dict[int, tuple] = {}
+        for part in get([self.loaders.handles[k].first_keys.remote(srcs) for k, srcs in by_loader.items()]):
+            first.update({int(s): tuple(v) for s, v in part.items()})
+        from plait.roles.planner import Planner
+
+        self.planner = Planner(self.spec, LoaderMetadata(self.loaders, self.pmap, first), dp=options.get("dp"))
+        self.loaders.start_shadows()
+        self.gen = 0
+        self.window: OrderedDict[int, StepPlan] = OrderedDict()
+        self.base_state = self.planner.state_dict()
+        self.built: dict[int, set[int]] = {}
+        self.planned = 0  # steps planned in total (each exactly once per generation)
+        self.clients = 0
+        self.constructors: set[str] = set()
+
+    # ----- shared plan stream --------------------------------------------------------------------
+    def info(self) -> dict:
+        return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
+                "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict()}
+
+    def get_loaders(self) -> list:
+        return self.loaders.handles
+
+    def seek(self, state: dict) -> int:
+        """Make step state['step'] start from `state`; a no-op when the stream already does."""
+        step = int(state["step"])
+        plan = self.window.get(step)
+        if plan is not None and plan.state_before == state:
+            return self.gen
+        if plan is None and self.planner.step == step and self.planner.state_dict() == state:
+            return self.gen
+        self.planner.load_state_dict(state)  # validates version and fingerprint
+        self.window.clear()
+        self.built.clear()
+        self.base_state = self.planner.state_dict()
+        self.gen += 1
+        return self.gen
+
+    def _plan(self, gen: int, step: int) -> StepPlan:
+        if gen != self.gen:
+            raise StaleGeneration(f"the plan stream was reset (generation {self.gen}, asked {gen})")
+        if step in self.window:
+            return self.window[step]
+        if step < self.planner.step:
+            raise PlaitError(f"step {step} left the Planner's window; resume from a saved state")
+        while self.planner.step <= step:
+            plan = self.planner.plan_step()
+            self.planned += 1
+            self.window[plan.step] = plan
+            while len(self.window) > PLAN_WINDOW:
+                old, _ = self.window.popitem(last=False)
+                self.built.pop(old, None)
+        self._release()
+        self.loaders.after_planning(self.planner.step)
+        return self.window[step]
+
+    def step_plan(self, gen: int, step: int) -> StepPlan:
+        return self._plan(gen, step)
+
+    def rank_plan(self, gen: int, step: int, dp_rank: int) -> RankPlan:
+        return self._plan(gen, step).for_rank(dp_rank)
+
+    def state_at(self, gen: int, step: int) -> dict:
+        if gen == self.gen and step == self.base_state["step"]:
+            return self.base_state
+        if gen == self.gen and step == self.planner.step:
+            return self.planner.state_dict()
+        return self._plan(gen, step).state_before
+
+    def mark_built(self, gen: int, step: int, dp_rank: int) -> None:
+        if gen != self.gen or step not in self.window:
+            return
+        done = self.built.setdefault(step, set())
+        done.add(dp_rank)
+        if len(done) == self.planner.ranks:
+            self._release()
+
+    def _release(self) -> None:
+        """Tell loaders which blocks are still live: the Planner's own, and those of unbuilt steps."""
+        live = self.planner.live_blocks()
+        for step, plan in self.window.items():
+            if len(self.built.get(step, ())) < self.planner.ranks:
+                live.update(plan.items.block_keys()[0])
+        for ld in self.loaders.handles:
+            ld.retain.remote(live)
+
+    def stats(self) -> dict:
+        return {"planned": self.planned, "step": self.planner.step, "gen": self.gen, "clients": self.clients,
+                "constructors": sorted(self.constructors)}
+
+    # ----- lifetime -----------------------------------------------------------------------------
+    def attach(self, fingerprint: str) -> int:
+        if fingerprint != self.spec.data_fingerprint():
+            raise PlaitError(f"job {self.job!r} runs a different spec (data fingerprint differs)")
+        self.clients += 1
+        return self.clients
+
+    def register_constructor(self, name: str) -> None:
+        self.constructors.add(name)
+
+    def base(self) -> tuple[int, dict]:
+        """The current generation and the data state it started from."""
+        return self.gen, self.base_state
+
+    def detach(self) -> int:
+        self.clients -= 1
+        return self.clients
+
+    def shutdown(self) -> None:
+        ray = ray_module()
+        for name in self.constructors:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+            except Exception:  # noqa: BLE001
+                pass
+        self.loaders.close()
+
+    # ----- reports, and what the loaders' recovery needs from the outside -------------------------
+    def error_report(self) -> dict:
+        out: dict[str, dict] = {}
+        for rep in self.loaders.each("error_report"):
+            for name, r in rep.items():
+                agg = out.setdefault(name, {"skipped": 0, "messages": []})
+                agg["skipped"] += r["skipped"]
+                agg["messages"].extend(m for m in r["messages"] if m not in agg["messages"])
+        return out
+
+    def loader_stats(self) -> list[dict]:
+        return self.loaders.each("stats")
+
+    def replace_loader(self, k: int, dead) -> list:
+        """Called by a Constructor whose gather found loader k (handle `dead`) dead; returns the current
+        handles."""
+        self.loaders.replace_if_current(k, dead)
+        return self.loaders.handles
+
+    def recovery_events(self) -> list[dict]:
+        return list(self.loaders.events)
+
+    def get_shadows(self) -> list[list]:
+        return self.loaders.shadows
+
+    def shadow_stats(self) -> list[list[dict]]:
+        return self.loaders.shadow_stats()
+
+
+@dataclass(frozen=True)
+class PlannerRecipe:
+    """How a job's Planner actor is made: by the job's first client, and again after it died."""
+
+    spec_dict: dict
+    job: str
+    options: dict  # loaders, partitions, dp, lifetime, ...; `layout` once decided (a new Planner keeps it)
+    fingerprint: str
+
+    @property
+    def name(self) -> str:
+        return planner_name(self.job)
+
+    @property
+    def shared(self) -> bool:
+        return self.options.get("lifetime") == "detached"
+
+    def loader_names(self) -> list[str]:
+        """The first loaders' names (those a new Planner starts again)."""
+        config = LoaderConfig(self.job, self.spec_dict, Layout.from_dict(self.options["layout"]))
+        return [config.name(k) for k in range(config.layout.loaders)]
+
+    def start(self):
+        """Start the job's Planner actor, or find it by name when another client already did."""
+        ray = ray_module()
+        opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0)
+        return ray.remote(PlannerActor).options(**opts).remote(self.spec_dict, self.job, self.options)
+
+
+# ----- the layout decision, with the cost probe in a process of its own -------------------------------
+def layout_for(spec: Spec, options: dict) -> Layout:
+    """plait.runtime.placement.decide_layout, measuring costs in a throw-away process; logs auto layouts."""
+    t0 = time.perf_counter()
+    layout = decide_layout(spec, options, probe=probe_elsewhere)
+    if options.get("layout") or options["loaders"] != "auto":
+        return layout
+    scale_log.info("auto layout: %d loader(s) for %d source(s), probed in %.2f s", layout.loaders,
+                   len(spec.sources), time.perf_counter() - t0)
+    for line in format_layout(layout, spec.source_names):
+        scale_log.info("  %s", line)
+    return layout
+
+
+def probe_elsewhere(spec: Spec) -> tuple[list[float], list[int]]:
+    """probe_costs in a one-off Ray worker process that exits afterwards: what reading and decoding the
+    probe's blocks leaves behind (allocator pages, file-system and footer caches: ~60 MiB for 64
+    sources) goes with it instead of staying in the Planner for the whole job."""
+    ray = ray_module()
+    task = ray.remote(num_cpus=0, max_calls=1)(probe_task)
+    try:
+        return get(task.remote(spec.model_dump(mode="json")), timeout=PROBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise PlaitError(f"the cost probe (each source's first blocks) took over {PROBE_TIMEOUT_S:.0f} s: is the "
+                         "storage reachable? Pass loaders=N to skip the probe") from None
+
+
+def probe_task(spec_dict: dict) -> tuple[list[float], list[int]]:
+    return probe_costs(load_spec(spec_dict))

@@ -1,0 +1,359 @@
+"""The driver side of the ray runtime: `RayRuntime`, what a trainer process (or `plait run`) holds.
+
+It joins (or starts) Ray, finds or starts the job's Planner actor by name (`<job>/planner` in the `plait`
+namespace, so trainer processes started by torchrun attach by job name) and its Constructor actors, and
+asks them for plans and builds. Detecting a dead Planner or Constructor happens here, where a request
+fails; what is then done about it is plait.runtime.ray.recovery.
+
+The stream is the local runtime's, bit for bit: the Planner is the same class fed the same metadata
+(`block_meta` is a pure function of the data), and payload gathers are pure functions of block keys.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator
+
+from plait.batch import MicroBatch
+from plait.errors import PlaitError
+from plait.plan import StepPlan
+from plait.roles.state_log import PlannerLog
+from plait.runtime.placement import Layout
+from plait.runtime.ray import recovery
+from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
+from plait.runtime.ray.constructor_actor import ConstructorPool
+from plait.runtime.ray.planner_actor import PlannerRecipe
+from plait.runtime.scaling import describe
+from plait.spec import Spec, load_spec
+
+
+def loaders_option(loaders) -> int | str:
+    """The `loaders` option: "auto" (also for None) or a positive integer."""
+    if loaders is None or loaders == "auto":
+        return "auto"
+    try:
+        n = int(loaders)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(loaders, float) and loaders != n):
+        raise PlaitError(f"loaders must be 'auto' or a positive integer, not {loaders!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """RayRuntime's options, checked before anything starts.
+
+      job           name shared by all trainer processes of one job (they attach); default: private
+      address       Ray address (`auto`, `ray://host:10001`); default: the running one, else a local one
+      loaders       "auto" (default) or a number of SourceLoader actors. auto: each source's cost per token
+                    is measured (plait.runtime.scaling.probe_costs); loaders follow the total demand (cost x
+                    mixture share x tokens per step / step_time), at most one per CPU of the cluster and
+                    one per partition; an expensive source is split over several loaders, cheap ones share
+                    one; pairs are dealt by measured demand (plait.runtime.placement). A number: dealt by
+                    mixture weight, no probe.
+      partitions    int (every source) or {source: n}: partitions per source (default: from the measured
+                    demand with auto; else 1, more when there are more loaders than sources)
+      step_time     seconds per training step the loaders must keep up with (auto only; default 1.0):
+                    each loader is sized to be busy at most half of it
+      on_layout     called with the layout, one row per loader (plait.runtime.scaling.describe), once
+      prefetch      steps each Constructor builds ahead (default 2)
+      constructors  "node" (one per node, default) or "replica" (one per DP replica)
+      dp            override the topology's DP size
+      loader_cpus   CPUs each loader actor reserves (default 0: placement by spreading only)
+      max_cached_blocks  decoded blocks a loader keeps (LRU; plus what plans still need)
+      init_options  extra keyword arguments of `ray.init` (when this runtime starts Ray)
+      checkpoint_interval  steps between loader deltas to their shadows (`shadows` per source in the spec)
+      respawn_delay  steps after a takeover before a new shadow starts (a worker process start-up costs
+                    about a second of CPU; it should not land on the failure step)
+    """
+
+    job: str | None = None
+    address: str | None = None
+    loaders: int | str | None = "auto"
+    partitions: int | dict[str, int] | None = None
+    step_time: float = 1.0
+    on_layout: Callable[[list[dict]], None] | None = None
+    prefetch: int = 2
+    constructors: str = "node"
+    dp: int | None = None
+    loader_cpus: float = 0
+    max_cached_blocks: int = 256
+    init_options: dict | None = None
+    checkpoint_interval: int = 1
+    respawn_delay: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "loaders", loaders_option(self.loaders))
+        step_time = self.step_time
+        if not (isinstance(step_time, (int, float)) and step_time > 0 and math.isfinite(step_time)):
+            raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
+        if self.constructors not in ("node", "replica"):
+            raise PlaitError(f"constructors must be 'node' or 'replica', not {self.constructors!r}")
+
+    def planner_options(self, dp: int, cpus: int) -> dict:
+        """What the Planner actor is told (JSON-able: it is also how a dead Planner is made again)."""
+        return {"loaders": self.loaders, "partitions": self.partitions, "dp": dp, "loader_cpus": self.loader_cpus,
+                "max_cached_blocks": self.max_cached_blocks, "lifetime": "detached" if self.job else None,
+                "checkpoint_interval": self.checkpoint_interval, "respawn_delay": self.respawn_delay,
+                "cpus": cpus, "step_time": self.step_time}
+
+
+def check_reachable(address: str | None, timeout: float = 3.0) -> None:
+    """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
+
+    Only `host:port` and `ray://host:port` are checked (one TCP connect); `auto`, `local` and None are
+    left to Ray.
+    """
+    if not address or address in ("auto", "local"):
+        return
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise PlaitError(f"cannot reach the Ray cluster at {address!r}: {e.strerror or e} (is `ray start --head` "
+                         "running there? leave --address unset to start a local instance)") from None
+
+
+def start_ray(options: RayOptions) -> bool:
+    """Join the cluster at `options.address`, or start a local Ray instance; True when one was started."""
+    ray = ray_module()
+    check_reachable(options.address)
+    kwargs = dict(options.init_options or {})
+    started = options.address is None
+    if started:
+        kwargs.setdefault("include_dashboard", False)
+    try:
+        ray.init(address=options.address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+    except ConnectionError as e:
+        raise PlaitError(f"cannot join the Ray cluster at {options.address!r}: {e} (start one with `ray start "
+                         "--head`, or leave --address unset to start a local instance)") from None
+    serialization_without_arrow()
+    return started
+
+
+def serialization_without_arrow() -> None:
+    """Create this process's Ray serialization context without importing pyarrow, if nothing has yet.
+
+    Ray imports pyarrow (about 25-40 MiB resident, mostly libarrow) when it creates a process's
+    serialization context, only to register reducers for Arrow tables and JSON options. A trainer
+    process that Ray was started in by plait exchanges numpy arrays and plain objects with plait's
+    actors, never Arrow data, so the context is created (by a first `ray.put`) while pyarrow reads as
+    absent (Ray then skips those reducers; Arrow objects still serialize, by pickle). Where pyarrow is
+    already imported, or PLAIT_RAY_ARROW=1, nothing changes.
+    """
+    if "pyarrow" in sys.modules or os.environ.get("PLAIT_RAY_ARROW") == "1":
+        return
+    sys.modules["pyarrow"] = None  # `import pyarrow` raises ModuleNotFoundError meanwhile
+    try:
+        ray_module().put(None)
+    except Exception:  # noqa: BLE001 - created normally on first use instead
+        pass
+    finally:
+        if "pyarrow" in sys.modules and sys.modules["pyarrow"] is None:
+            del sys.modules["pyarrow"]
+
+
+class RayRuntime:
+    """The runtime interface (see plait.runtime) over Ray actors; options: `RayOptions`."""
+
+    def __init__(self, spec: Spec, **options: Any):
+        opts = RayOptions(**options)
+        ray = ray_module()
+        self.spec = load_spec(spec)
+        self._started_ray = False
+        if not ray.is_initialized():
+            self._started_ray = start_ray(opts)
+        self.shared = opts.job is not None
+        self.job = opts.job or f"job-{uuid.uuid4().hex[:12]}"
+        self.prefetch = opts.prefetch
+        self.dp = opts.dp or self.spec.topology.dp
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        planner_options = opts.planner_options(self.dp, cpus)
+        recipe = PlannerRecipe(self.spec.model_dump(mode="json"), self.job, planner_options,
+                               self.spec.data_fingerprint())
+        self.planner = recipe.start()
+        self.info = get(self.planner.info.remote())
+        if self.info["ranks"] != self.dp:
+            raise PlaitError(f"job {self.job!r} plans for {self.info['ranks']} DP ranks, this client's topology has "
+                             f"{self.dp}: every trainer process of a job must use the same spec and layout")
+        # A recreated Planner keeps this layout (no second probe, same loaders).
+        planner_options["layout"] = self.info["layout"]
+        self._recipe = recipe  # how to make the Planner again, should it die
+        self.layout = Layout.from_dict(self.info["layout"])
+        if opts.on_layout is not None:
+            opts.on_layout(describe(self.layout, self.spec.source_names))
+        self._constructors = ConstructorPool(self.job, opts.constructors, self.prefetch, self.dp,
+                                             planner_options["lifetime"])
+        self._closed = False
+        get(self.planner.attach.remote(recipe.fingerprint))
+        self._gen, base = get(self.planner.base.remote())
+        self._next_step = int(base["step"])
+        self._plan_refs: dict[int, Any] = {}
+        self._build_refs: dict[int, Any] = {}
+        self._build_step: int | None = None
+        self.recovery_log: list[dict] = []  # this process's recoveries (Constructors); loaders: the Planner's
+        # To rebuild a dead Planner: the data state of the steps this process is at.
+        self._planner_log = PlannerLog(base)
+
+    def _constructor_for(self, dp_rank: int):
+        return self._constructors.for_rank(dp_rank, self.planner)
+
+    # ----- driver interface ------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        step = self._next_step
+        for k in range(self.prefetch + 1):
+            if step + k not in self._plan_refs:
+                self._plan_refs[step + k] = self.planner.step_plan.remote(self._gen, step + k)
+        while True:
+            try:
+                plan = get(self._plan_refs.pop(step))
+                break
+            except dead_errors():
+                self._planner_died(step)
+                self._plan_refs[step] = self.planner.step_plan.remote(self._gen, step)
+        self._planner_log.record(plan.state_before)
+        self._next_step = step + 1
+        # Ask for every rank's build now (the Constructors also start the next `prefetch` steps):
+        # build() then only waits.
+        self._build_refs = {r: self._constructor_for(r).get.remote(self._gen, step, r) for r in range(plan.ranks)}
+        self._build_step = step
+        return plan
+
+    def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        ref = self._build_refs.pop(dp_rank, None) if self._build_step == plan.step else None
+        if ref is None:
+            ref = self._constructor_for(dp_rank).get.remote(self._gen, plan.step, dp_rank)
+        _, batches = self._get_build(ref, plan.step, dp_rank)
+        return [mb for mb in batches if only is None or mb.microbatch in only]
+
+    def release(self, *in_flight: StepPlan) -> None:
+        """Nothing to do: the Planner tells loaders what is live as Constructors finish steps."""
+
+    def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
+                  cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
+        """One rank's micro-batches from a data state on, each cut to CP rank `cp_rank`'s shard by the
+        Constructor. Every rank of the job reads the same, once-planned stream; the DP replica's
+        Constructor builds each step once for all its ranks."""
+        self._seek(start_state)
+        step, skip = int(start_state["step"]), start_micro
+        cp = (self.spec.topology.cp, cp_rank)
+
+        def request(t):
+            return self._constructor_for(dp_rank).get.remote(self._gen, t, dp_rank, max_steps, cp)
+
+        ahead = request(step) if max_steps is None or step < max_steps else None
+        while ahead is not None:
+            state, batches = self._get_build(ahead, step, dp_rank, (max_steps, cp))
+            self._planner_log.record(state)
+            nxt = step + 1
+            ahead = request(nxt) if max_steps is None or nxt < max_steps else None
+            for mb in batches:
+                if mb.microbatch >= skip:
+                    yield state, mb
+            skip = 0
+            step = nxt
+
+    def _get_build(self, ref, step: int, dp_rank: int, extra: tuple = ()):
+        """A build's result; if its Constructor died, a new one rebuilds the step (asked again with the
+        same `extra` arguments: limit, CP rank); if the Planner died, it is recreated first."""
+        while True:
+            try:
+                return get(ref)
+            except dead_errors():
+                if recovery.planner_alive(self.planner):
+                    self._constructor_died(dp_rank, step)
+                else:  # the Constructor failed because the Planner (and its loaders) are gone
+                    self._planner_died(step)
+                ref = self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, *extra)
+
+    def _planner_died(self, step: int) -> None:
+        self.planner, self._gen, event = recovery.recreate_planner(
+            self._recipe, self._planner_log.latest(), self._constructors, step)
+        self.info = get(self.planner.info.remote())
+        for ref in list(self._plan_refs.values()) + list(self._build_refs.values()):
+            try:  # collect the errors of requests to the dead actors (else Ray reports them as unhandled)
+                get(ref, timeout=0.5)
+            except Exception:  # noqa: BLE001
+                pass
+        self._plan_refs.clear()
+        self._build_refs = {}
+        self.recovery_log.append(event)
+
+    def _constructor_died(self, dp_rank: int, step: int) -> None:
+        event = recovery.replace_dead_constructors(self._constructors, self.planner, step, dp_rank)
+        if event is not None:
+            self.recovery_log.append(event)
+
+    def _seek(self, state: dict) -> None:
+        gen = get(self.planner.seek.remote(state))
+        if gen != self._gen:
+            self._plan_refs.clear()
+        self._gen = gen
+        self._next_step = int(state["step"])
+
+    def state_dict(self) -> dict:
+        return get(self.planner.state_at.remote(self._gen, self._next_step))
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seek(state)
+
+    def error_report(self) -> dict:
+        return get(self.planner.error_report.remote())
+
+    # ----- introspection (tests, benchmarks, chaos drills) ---------------------------------------------
+    def recovery_events(self) -> list[dict]:
+        """Every failure survived so far: SourceLoaders (replaced by the Planner) and Constructors."""
+        return get(self.planner.recovery_events.remote()) + list(self.recovery_log)
+
+    def constructor_handles(self) -> list:
+        """The Constructor actors this process uses (e.g. to kill them in a chaos test)."""
+        return [handle for _, handle in self._constructors.items()]
+
+    def stats(self) -> dict:
+        out = get(self.planner.stats.remote())
+        out["loaders"] = get(self.planner.loader_stats.remote())
+        out["constructors"] = {k: get(c.stats.remote()) for k, c in self._constructors.items()}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ray = ray_module()
+        try:
+            left = get(self.planner.detach.remote(), timeout=30)
+            if left <= 0:
+                get(self.planner.shutdown.remote(), timeout=60)
+                for _, c in self._constructors.items():
+                    ray.kill(c)
+                ray.kill(self.planner)
+        except Exception:  # noqa: BLE001 - closing is best effort; actors die with the driver anyway
+            pass
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _keyword_signature(options: type) -> inspect.Signature:
+    """RayRuntime(spec, *, <every RayOptions field>): the options as keyword parameters, so that
+    plait.runtime.make_runtime (which reads a runtime's keyword parameters) names an unknown one."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("spec", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Spec)]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(options)]
+    return inspect.Signature(params)
+
+
+RayRuntime.__init__.__signature__ = _keyword_signature(RayOptions)  # type: ignore[attr-defined]

@@ -1,0 +1,95 @@
+"""What a torchrun user needs: ranks from the environment, a topology that is checked, no silent
+no-op on load_state_dict, tensors only from to_torch, runtime options that are checked."""
+
+from __future__ import annotations
+
+import pytest
+
+import plait
+from plait.errors import PlaitError
+from plait.topology import Layout, ParallelRanks, layout_for_world
+from helpers import make_spec, token_parquet
+
+
+@pytest.fixture
+def spec(tmp_path):
+    ds = token_parquet(tmp_path / "a", files=2, docs_per_file=30, row_group_size=6, lo=4, hi=40)
+    s = make_spec([ds], seq_len=64, microbatches=2)
+    s.pop("topology", None)  # a spec that leaves the layout to the launcher
+    return s
+
+
+def test_megatron_rank_order_round_trips():
+    layout = Layout(dp=3, tp=2, pp=2, cp=2)
+    seen = set()
+    for g in range(layout.world_size):
+        r = layout.ranks_of(g)
+        assert layout.global_rank(r) == g
+        seen.add((r.dp, r.tp, r.pp, r.cp))
+    assert len(seen) == layout.world_size
+    # tensor-parallel ranks are consecutive (one node), then CP, then DP, then PP
+    assert layout.ranks_of(1) == ParallelRanks(dp=0, tp=1, pp=0, cp=0)
+    assert layout.ranks_of(2) == ParallelRanks(dp=0, tp=0, pp=0, cp=1)
+    assert layout.ranks_of(4) == ParallelRanks(dp=1, tp=0, pp=0, cp=0)
+    assert layout.ranks_of(12) == ParallelRanks(dp=0, tp=0, pp=1, cp=0)
+
+
+def test_world_that_does_not_divide_is_refused():
+    with pytest.raises(PlaitError, match="not a multiple of tp\\*pp\\*cp"):
+        layout_for_world(6, tp=4)
+
+
+def test_from_torchrun_reads_ranks_and_fills_topology(spec, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    with plait.Loader.from_torchrun(spec, tp=2, steps=1) as loader:
+        assert loader.spec.topology.dp == 2 and loader.spec.topology.tp == 2
+        assert (loader.dp_rank, loader.tp_rank) == (1, 1)
+        batches = list(loader)
+    assert batches and all(b.dp_rank == 1 for b in batches)
+
+
+def test_from_torchrun_refuses_a_stated_dp_that_does_not_match(spec, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    spec["topology"] = {"dp": 8}
+    with pytest.raises(PlaitError, match="dp: 8.*make dp=4"):
+        plait.Loader.from_torchrun(spec)
+
+
+def test_from_torchrun_outside_torchrun_says_so(spec, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(PlaitError, match="RANK is not set"):
+        plait.Loader.from_torchrun(spec)
+
+
+def test_load_state_dict_while_iterating_is_an_error(spec):
+    loader = plait.Loader(spec, steps=4)
+    state = loader.state_dict()
+    it = iter(loader)
+    next(it)
+    with pytest.raises(PlaitError, match="being iterated"):
+        loader.load_state_dict(state)
+    it.close()
+    loader.load_state_dict(state)  # after the loop: fine, and the stream restarts from it
+    assert next(iter(loader)).step == 0
+
+
+def test_an_option_the_runtime_does_not_take_is_named(spec):
+    with pytest.raises(PlaitError, match="local runtime does not take the option\\(s\\) job, loaders"):
+        plait.Loader(spec, runtime="local", loaders=2, job="x")
+
+
+def test_ids_at_or_above_vocab_size_are_bad_records(tmp_path):
+    ds = token_parquet(tmp_path / "v", files=1, docs_per_file=40, row_group_size=40, lo=2, hi=6, vocab=520)
+    spec = make_spec([ds], seq_len=64, microbatches=2, vocab_size=500)
+    with pytest.raises(PlaitError, match="outside the vocabulary \\(vocab_size 500\\)"):
+        list(plait.Loader(spec, steps=1))
+    spec["sources"][0]["on_error"] = "skip"
+    loader = plait.Loader(spec, steps=4)
+    batches = list(loader)
+    assert batches and max(b.max_token_id for b in batches) < 500
+    assert all(b.stats["vocab_size"] == 500 for b in batches)
+    report = loader.error_report()[spec["sources"][0]["name"]]
+    assert report["skipped"] > 0 and "outside the vocabulary" in report["messages"][0]
