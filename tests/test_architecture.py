@@ -114,3 +114,19 @@ def test_functions_take_few_parameters():
                 if len(names) > MAX_PARAMS:
                     wide.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}({len(names)})")
     assert wide == []
+
+
+def test_every_runtime_implements_the_runtime_contract():
+    import inspect
+
+    from plait.runtime import Runtime, runtime_class
+
+    contract = [n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")]
+    assert {"iter_rank", "plan", "build", "release", "state_dict", "load_state_dict", "close"} <= set(contract)
+    for name in ("local", "ray"):
+        cls = runtime_class(name)
+        for method in contract:
+            assert hasattr(cls, method), f"{name} runtime lacks {method}"
+            want = list(inspect.signature(getattr(Runtime, method)).parameters)
+            have = list(inspect.signature(getattr(cls, method)).parameters)
+            assert have[: len(want)] == want or "args" in have[-1:], f"{name}.{method}{have} != contract {want}"

@@ -25,9 +25,10 @@ class Runtime(Protocol):
     """What every runtime offers. States are the Planner's data state (JSON-serialisable dicts)."""
 
     def iter_rank(
-        self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None
+        self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None, cp_rank: int = 0
     ) -> Iterator[tuple[dict, MicroBatch]]:
-        """One DP rank's micro-batches from a data state on: (state at the step's start, batch)."""
+        """One DP rank's micro-batches from a data state on: (state at the step's start, batch); with
+        context parallelism, the shard of CP rank `cp_rank` (cut in exactly one place per runtime)."""
         ...
 
     def plan(self) -> StepPlan:
@@ -70,7 +71,10 @@ def runtime_class(name: str) -> type:
 
 
 def accepted_options(cls: type) -> list[str]:
-    """The keyword options a runtime's constructor takes (besides the spec)."""
+    """The keyword options a runtime's constructor takes (besides the spec): its `option_names()`, or
+    else its keyword-only parameters."""
+    if hasattr(cls, "option_names"):
+        return list(cls.option_names())
     params = inspect.signature(cls.__init__).parameters.values()
     return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 

@@ -11,12 +11,12 @@ The stream is the local runtime's, bit for bit: the Planner is the same class fe
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
+import platform
 import socket
 import sys
-import time
+import tempfile
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
@@ -127,19 +127,82 @@ def check_reachable(address: str | None, timeout: float = 3.0) -> None:
                          "running there? leave --address unset to start a local instance)") from None
 
 
+class StderrCapture:
+    """Copies what this process writes to file descriptor 2 (C++ logs included) while active; passes it
+    on to the real stderr afterwards, so nothing is hidden."""
+
+    def __enter__(self) -> "StderrCapture":
+        sys.stderr.flush()
+        self.text = ""
+        self._saved = os.dup(2)
+        self._file = tempfile.TemporaryFile()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.text = self._file.read().decode(errors="replace")
+        self._file.close()
+        sys.stderr.write(self.text)
+
+
+def explain_join_failure(address: str | None, error: Exception, said: str) -> str:
+    """One sentence naming why joining a Ray cluster failed, from Ray's exception and its logs."""
+    text = f"{error}\n{said}"
+    lowered = text.lower()
+    if "invalidauthtoken" in lowered or "unauthenticated" in lowered:
+        cause = ("authentication failed: the cluster uses Ray's token authentication and this process has no "
+                 "token or another one (set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH as on "
+                 "the head)")
+    elif "version mismatch" in lowered or "mismatched version" in lowered:
+        cause = (f"version mismatch: this process runs Ray {ray_module().__version__} on Python "
+                 f"{platform.python_version()}; the cluster runs another (use the same versions)")
+    else:
+        cause = ("no Ray head answered there (is `ray start --head` running, and is the port right? leave "
+                 "--address unset to start a local instance)")
+    return f"cannot join the Ray cluster at {address!r}: {cause}. Ray said: {str(error).strip()[:300]}"
+
+
+class LocalInstance:
+    """The local Ray instance plait started in this process, shared by every RayRuntime that uses it:
+    the last one to close shuts it down (an earlier close must not pull Ray from under the others)."""
+
+    users = 0
+
+    @classmethod
+    def attach(cls) -> None:
+        cls.users += 1
+
+    @classmethod
+    def detach(cls) -> bool:
+        """True when the caller was the last user (and should shut the instance down)."""
+        cls.users = max(0, cls.users - 1)
+        return cls.users == 0
+
+
 def start_ray(options: RayOptions) -> bool:
-    """Join the cluster at `options.address`, or start a local Ray instance; True when one was started."""
+    """Join the cluster at `options.address`, or start a local Ray instance; True when one was started.
+
+    A local instance starts without the dashboard; Ray (2.59+) protects its servers with token
+    authentication by default. Ray's own gRPC servers still listen on every interface (README, Ray)."""
     ray = ray_module()
     check_reachable(options.address)
     kwargs = dict(options.init_options or {})
     started = options.address is None
     if started:
         kwargs.setdefault("include_dashboard", False)
-    try:
-        ray.init(address=options.address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
-    except ConnectionError as e:
-        raise PlaitError(f"cannot join the Ray cluster at {options.address!r}: {e} (start one with `ray start "
-                         "--head`, or leave --address unset to start a local instance)") from None
+    with StderrCapture() as said:  # Ray's core logs the real cause of a failed join to stderr only
+        try:
+            ray.init(address=options.address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+        except (ConnectionError, RuntimeError) as e:
+            error = e
+        else:
+            error = None
+    if error is not None:
+        raise PlaitError(explain_join_failure(options.address, error, said.text)) from None
     serialization_without_arrow()
     return started
 
@@ -169,13 +232,22 @@ def serialization_without_arrow() -> None:
 class RayRuntime:
     """The runtime interface (see plait.runtime) over Ray actors; options: `RayOptions`."""
 
+    @staticmethod
+    def option_names() -> list[str]:
+        """The options this runtime takes (plait.runtime.make_runtime names any other)."""
+        return [f.name for f in fields(RayOptions)]
+
     def __init__(self, spec: Spec, **options: Any):
         opts = RayOptions(**options)
         ray = ray_module()
         self.spec = load_spec(spec)
-        self._started_ray = False
+        self._uses_local_instance = False
         if not ray.is_initialized():
-            self._started_ray = start_ray(opts)
+            self._uses_local_instance = start_ray(opts)
+        elif LocalInstance.users > 0:  # the instance another plait runtime of this process started
+            self._uses_local_instance = True
+        if self._uses_local_instance:
+            LocalInstance.attach()
         self.shared = opts.job is not None
         self.job = opts.job or f"job-{uuid.uuid4().hex[:12]}"
         self.prefetch = opts.prefetch
@@ -329,10 +401,16 @@ class RayRuntime:
         return out
 
     def close(self) -> None:
+        """Release what this runtime started (its job's actors when it is the job's last client, the local
+        Ray instance when it is its last user); never starts anything."""
         if self._closed:
             return
         self._closed = True
         ray = ray_module()
+        if not ray.is_initialized():  # Ray is gone already: a call now would start a new instance
+            if self._uses_local_instance:
+                LocalInstance.detach()
+            return
         try:
             left = get(self.planner.detach.remote(), timeout=30)
             if left <= 0:
@@ -342,18 +420,6 @@ class RayRuntime:
                 ray.kill(self.planner)
         except Exception:  # noqa: BLE001 - closing is best effort; actors die with the driver anyway
             pass
-        if self._started_ray:
+        if self._uses_local_instance and LocalInstance.detach():
             ray.shutdown()
 
-
-def _keyword_signature(options: type) -> inspect.Signature:
-    """RayRuntime(spec, *, <every RayOptions field>): the options as keyword parameters, so that
-    plait.runtime.make_runtime (which reads a runtime's keyword parameters) names an unknown one."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("spec", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Spec)]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(options)]
-    return inspect.Signature(params)
-
-
-RayRuntime.__init__.__signature__ = _keyword_signature(RayOptions)  # type: ignore[attr-defined]
