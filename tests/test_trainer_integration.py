@@ -93,3 +93,23 @@ def test_ids_at_or_above_vocab_size_are_bad_records(tmp_path):
     assert all(b.stats["vocab_size"] == 500 for b in batches)
     report = loader.error_report()[spec["sources"][0]["name"]]
     assert report["skipped"] > 0 and "outside the vocabulary" in report["messages"][0]
+
+
+def test_torch_distributed_checkpoint_round_trip(spec, tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    loader = plait.Loader(spec, steps=6, prefetch=0)
+    it = iter(loader)
+    consumed = [next(it) for _ in range(3)]
+    it.close()
+    saved = plait.DistributedCheckpoint(loader)
+    assert isinstance(saved, Stateful)
+    with pytest.warns(UserWarning):  # no process group: DCP runs in its single-process mode
+        dcp.save({"data": saved}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh = plait.Loader(spec, steps=6, prefetch=0)
+    with pytest.warns(UserWarning):
+        dcp.load({"data": plait.DistributedCheckpoint(fresh)}, checkpoint_id=str(tmp_path / "ckpt"))
+    rest = [(b.step, b.microbatch) for b in fresh]
+    full = [(b.step, b.microbatch) for b in plait.Loader(spec, steps=6, prefetch=0)]
+    assert [(b.step, b.microbatch) for b in consumed] + rest == full

@@ -12,6 +12,7 @@ the last consumed micro-batch, so the stream continues bit for bit.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import warnings
@@ -25,7 +26,6 @@ from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
 from plait.topology import env_int, layout_for_world
 
-Batch = MicroBatch
 
 
 class Loader:
@@ -239,6 +239,30 @@ class Loader:
 
     def close(self) -> None:
         self._runtime.close()
+
+
+class DistributedCheckpoint:
+    """A Loader as a `torch.distributed.checkpoint` Stateful: `dcp.save({"data": DistributedCheckpoint(loader),
+    "model": ...}, checkpoint_id=path)` and `dcp.load(...)` with a new one before iterating.
+
+    The state travels as one JSON string: its lists (carried chunks) change length from step to step,
+    which DCP's in-place loading of nested containers would not allow.
+    """
+
+    KEY = "plait_loader_state"
+
+    def __init__(self, loader: "Loader"):
+        self.loader = loader
+
+    def state_dict(self) -> dict:
+        return {self.KEY: json.dumps(self.loader.state_dict(), separators=(",", ":"))}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        try:
+            state = json.loads(state_dict[self.KEY])
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise PlaitError(f"this checkpoint holds no plait Loader state ({type(e).__name__}: {e})") from None
+        self.loader.load_state_dict(state)
 
 
 class LayoutChangeWarning(UserWarning):
