@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import warnings
 from typing import Iterator
 
@@ -24,7 +25,7 @@ from plait.roles.state_schema import CLIENT_STATE_VERSION, check_client_state
 from plait.runtime import make_runtime
 from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
-from plait.topology import env_int, layout_for_world
+from plait.topology import Layout, ParallelRanks, env_int, layout_for_world
 
 
 
@@ -128,6 +129,12 @@ class Loader:
         options = dict(options)
         if job is not None:
             options["job"] = job
+        port = self.spec.metrics.port
+        if runtime == "local" and port:  # one endpoint per trainer process: the port plus its global rank
+            topo = self.spec.topology
+            rank = Layout(dp=topo.dp, tp=topo.tp, pp=topo.pp, cp=topo.cp).global_rank(
+                ParallelRanks(dp=self.dp_rank, tp=self.tp_rank, pp=self.pp_rank, cp=self.cp_rank))
+            options.setdefault("metrics_port", port + rank)
         return make_runtime(self.spec, runtime, **options)
 
     # ----- iteration ---------------------------------------------------------------------------
@@ -142,7 +149,16 @@ class Loader:
         self._iterating = True
         try:
             source = self._produce() if self.prefetch == 0 else _prefetched(self._produce(), self.prefetch)
-            for state, mb in source:
+            watch = getattr(self._runtime, "telemetry", None)
+            items = iter(source)
+            while True:
+                waited = time.perf_counter()
+                try:
+                    state, mb = next(items)
+                except StopIteration:
+                    break
+                if watch is not None:  # time this rank waited for data (0 when prefetch keeps ahead)
+                    watch.observe_wait(self.dp_rank, time.perf_counter() - waited)
                 self._resume_state = state
                 self._resume_micro = mb.microbatch + 1
                 self._step_done = self._resume_micro >= mb.num_microbatches

@@ -178,6 +178,13 @@ class BalanceSpec(_Model):
     outlier_factor: float = Field(1.0, gt=0, description="delay documents costing more than this x mean rank load")
 
 
+class MetricsSpec(_Model):
+    """Prometheus metrics (plait.telemetry): off unless a port is given."""
+
+    port: int | None = Field(None, ge=0, le=65535, description="serve /metrics here (0: any free port)")
+    address: str = Field("127.0.0.1", description="the interface to serve on (loopback by default)")
+
+
 class Spec(_Model):
     """A whole job's data description."""
 
@@ -190,6 +197,7 @@ class Spec(_Model):
     seed: int = 0
     steps: int | None = Field(None, ge=1, description="stop after this many global steps (unbounded if unset)")
     vocab_size: int | None = Field(None, ge=1, description="the model's vocabulary: a token id >= it is a bad record")
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
     @field_validator("sources")

@@ -22,6 +22,7 @@ COMMAND_MODULES = {
     "inspect": "plait.cli.inspect",
     "plan": "plait.cli.plan",
     "fit-cost": "plait.cli.fit_cost",
+    "top": "plait.cli.top",
 }
 BENCH_MODULES = {
     "throughput": "plait.cli.bench.throughput",

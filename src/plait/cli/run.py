@@ -15,6 +15,7 @@ from plait.cli.stream import print_summary, stream
 from plait.errors import PlaitError
 from plait.metrics import combined_digest
 from plait.spec import load_spec
+from plait.telemetry import json_logs
 
 HELP = "stream a spec for every DP rank and report"
 DESCRIPTION = (
@@ -40,12 +41,21 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", metavar="STATE", help="start from a data state saved with --save-state")
     p.add_argument("--save-state", metavar="PATH", help="write the data state after the last step (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on 127.0.0.1:P/metrics while running (watch with `plait top`)")
+    p.add_argument("--log-json", action="store_true", help="events (failures, recoveries, ...) as JSON lines on stderr")
 
 
 def run(args) -> int:
     spec = load_spec(args.spec)
     if args.dp:
         spec = spec.with_overrides(topology={"dp": args.dp})
+    if args.metrics_port is not None:
+        spec = spec.with_overrides(metrics={"port": args.metrics_port})
+        console.print(f"metrics: http://{spec.metrics.address}:{args.metrics_port}/metrics "
+                      f"(plait top {spec.metrics.address}:{args.metrics_port})")
+    if args.log_json:
+        json_logs()
     resume = read_state(args.resume) if args.resume else None
     options = {}
     if args.runtime == "ray":

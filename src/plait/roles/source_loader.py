@@ -9,6 +9,7 @@ this process, e.g. after a restart) is simply decoded again: reading is determin
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ class SourceLoader:
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
         self.blocks_read = 0
+        self.busy_seconds = 0.0  # reading and decoding blocks, copying payloads (for the busy ratio)
+        self.started = time.perf_counter()
 
     # ----- metadata (to the Planner) -------------------------------------------------------------
     def first_key(self, source: int) -> BlockKey:
@@ -84,6 +87,7 @@ class SourceLoader:
         `block_index[i]` indexes `keys`; span i is tokens [offset, offset+length) of the document at
         shuffled `position[i]` of that block.
         """
+        t0 = time.perf_counter()
         length = np.asarray(length, dtype=np.int64)
         self.delta_tracker.note_served(keys, block_index, position, np.asarray(offset) // self.spec.packing.seq_len)
         out = np.empty(int(length.sum()), dtype=np.int32)
@@ -95,6 +99,7 @@ class SourceLoader:
             doc = np.searchsorted(block.positions, position[sel])
             src_start = block.starts[doc] + offset[sel]
             copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
+        self.busy_seconds += time.perf_counter() - t0
         return out
 
     def retain(self, live: set[FullKey]) -> None:
@@ -123,7 +128,9 @@ class SourceLoader:
         if block is None:
             if self.partitions and not self.owns(source, tuple(key)):
                 raise ValueError(f"block {full} belongs to a partition this loader does not own")
+            t0 = time.perf_counter()
             block = self.sources[source].read_block(tuple(key))
+            self.busy_seconds += time.perf_counter() - t0
             self.blocks_read += 1
             self._blocks[full] = block
             while len(self._blocks) > self.max_cached_blocks:
@@ -135,6 +142,12 @@ class SourceLoader:
     @property
     def cached_bytes(self) -> int:
         return sum(b.nbytes for b in self._blocks.values())
+
+    def telemetry(self) -> dict:
+        """Live figures for plait.telemetry: buffered bytes, busy fraction of wall time, skipped records."""
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        return {"buffer_bytes": self.cached_bytes, "busy_fraction": min(1.0, self.busy_seconds / wall),
+                "skipped": {s.name: s.errors.get("skipped", 0) for s in self.sources.values()}}
 
     def error_report(self) -> dict[str, dict]:
         return {

@@ -11,20 +11,34 @@ from plait.roles.constructor import Constructor, LoaderPayloads
 from plait.roles.planner import Planner
 from plait.roles.source_loader import SourceLoader
 from plait.spec import Spec
+from plait.telemetry import Stopwatch, Telemetry
 
 
 class LocalRuntime:
-    def __init__(self, spec: Spec, *, dp: int | None = None):
+    """Options: `dp` (override the topology's DP size); `metrics_port` (serve Prometheus metrics there;
+    default: the spec's `metrics.port`, off when unset)."""
+
+    def __init__(self, spec: Spec, *, dp: int | None = None, metrics_port: int | None = None):
         self.spec = spec
         self.loader = SourceLoader(spec)
         self.planner = Planner(spec, self.loader, dp=dp)
         self.constructor = Constructor(LoaderPayloads(lambda source: self.loader))
+        self.telemetry = Telemetry(spec.source_names)
+        self.telemetry.watch_loader(self.loader.telemetry)
+        port = metrics_port if metrics_port is not None else spec.metrics.port
+        self.metrics_port = None if port is None else self.telemetry.serve(port, spec.metrics.address)
 
     def plan(self) -> StepPlan:
-        return self.planner.plan_step()
+        with Stopwatch() as t:
+            plan = self.planner.plan_step()
+        self.telemetry.observe_plan(plan, t.seconds)
+        return plan
 
     def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        return self.constructor.build(plan.for_rank(dp_rank), only=only)
+        with Stopwatch() as t:
+            batches = self.constructor.build(plan.for_rank(dp_rank), only=only)
+        self.telemetry.observe_build(batches, t.seconds)
+        return batches
 
     def release(self, *in_flight: StepPlan) -> None:
         """Let the loader drop blocks that neither the Planner nor the given plans still need."""

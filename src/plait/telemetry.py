@@ -1,0 +1,149 @@
+"""Telemetry: Prometheus metrics of a running job, and structured event logs.
+
+Off by default. `metrics: {port: 9400}` in the spec (or `plait run --metrics-port`) serves the figures on
+`http://<address>:<port>/metrics` with `prometheus_client`: per source the tokens and samples delivered
+and the records skipped; per step the planning and build time, the balance certificate and the fill;
+per rank the time spent waiting for data; recovery events. Names follow Prometheus conventions
+(`plait_` prefix, units in the name, counters end in `_total`). Each runtime has its own registry, so
+several Loaders in one process never collide; gauges that describe a live object (buffer bytes, records
+skipped) are read when scraped, from the object itself.
+
+Events (failures, recoveries, rescaling, mixture changes) go to the `plait.events` logger; with
+`PLAIT_LOG_JSON=1` (or `json_logs()`) each is one JSON line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+EVENTS = logging.getLogger("plait.events")
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Telemetry:
+    """The metric families of one runtime (one registry); cheap to update, read by a scrape."""
+
+    def __init__(self, source_names: list[str]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.source_names = list(source_names)
+        self.tokens = Counter("plait_source_tokens", "Tokens delivered in batches, per source", ["source"], registry=r)
+        self.samples = Counter("plait_source_samples", "Samples (document chunks) delivered, per source", ["source"],
+                               registry=r)
+        self.steps = Counter("plait_steps_planned", "Global steps planned", registry=r)
+        self.plan_seconds = Histogram("plait_step_plan_seconds", "Time to plan one global step (metadata, "
+                                      "mixture, balance)", buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.build_seconds = Histogram("plait_rank_build_seconds", "Time to build one DP rank's micro-batches of "
+                                       "a step", buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.max_over_lb = Gauge("plait_step_max_over_lower_bound", "Last step's max rank cost over the lower "
+                                 "bound (1.0 is optimal)", registry=r)
+        self.fill = Gauge("plait_step_fill_ratio", "Last step's tokens over its seq_len slots (1 - padding)",
+                          registry=r)
+        self.wait_seconds = Counter("plait_rank_wait_seconds", "Time a trainer rank waited for its next batch",
+                                    ["rank"], registry=r)
+        self.recoveries = Counter("plait_recovery_events", "Failures recovered from, per role", ["role"], registry=r)
+        for name in self.source_names:  # every series exists from the start (a scrape sees 0, not nothing)
+            self.tokens.labels(source=name)
+            self.samples.labels(source=name)
+
+    def observe_plan(self, plan, seconds: float) -> None:
+        self.steps.inc()
+        self.plan_seconds.observe(seconds)
+        self.max_over_lb.set(plan.max_over_lb)
+        self.fill.set(plan.fill)
+
+    def observe_build(self, batches: Iterable, seconds: float) -> None:
+        self.build_seconds.observe(seconds)
+        n = len(self.source_names)
+        tokens, samples = np.zeros(n), np.zeros(n)
+        for mb in batches:
+            tokens += np.bincount(mb.source_ids, weights=np.diff(mb.cu_seqlens), minlength=n)
+            samples += np.bincount(mb.source_ids, minlength=n)
+        for i in np.flatnonzero(samples):
+            name = self.source_names[i]
+            self.tokens.labels(source=name).inc(float(tokens[i]))
+            self.samples.labels(source=name).inc(float(samples[i]))
+
+    def observe_wait(self, rank: int, seconds: float) -> None:
+        self.wait_seconds.labels(rank=str(rank)).inc(seconds)
+
+    def observe_recovery(self, role: str) -> None:
+        self.recoveries.labels(role=role).inc()
+
+    def watch_loader(self, read: Callable[[], dict]) -> None:
+        """Gauges read from a live loader at scrape time: `read()` returns {"buffer_bytes": n,
+        "busy_fraction": f, "skipped": {source: n}} (what SourceLoader.telemetry() gives)."""
+        self.registry.register(_LoaderCollector(read))
+
+    def serve(self, port: int, address: str = "127.0.0.1") -> int:
+        """Serve /metrics on (address, port); port 0 picks a free one. Returns the port."""
+        server, _ = start_http_server(port, addr=address, registry=self.registry)
+        return server.server_address[1]
+
+
+class _LoaderCollector:
+    def __init__(self, read: Callable[[], dict]):
+        self.read = read
+
+    def collect(self):
+        now = self.read()
+        yield GaugeMetricFamily("plait_loader_buffer_bytes", "Decoded data the SourceLoader holds",
+                                value=float(now["buffer_bytes"]))
+        yield GaugeMetricFamily("plait_loader_busy_ratio", "Fraction of wall time the SourceLoader spent reading "
+                                "and decoding", value=float(now["busy_fraction"]))
+        skipped = GaugeMetricFamily("plait_source_skipped_records", "Bad records skipped (on_error: skip), "
+                                    "per source", labels=["source"])
+        for name, n in now["skipped"].items():
+            skipped.add_metric([name], float(n))
+        yield skipped
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per event: time, level, logger, message, and the record's `event` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "message": record.getMessage()}
+        out.update(getattr(record, "event", {}) or {})
+        return json.dumps(out, default=str)
+
+
+def json_logs(stream=None) -> logging.Handler:
+    """Send plait's events (and recovery logs) to `stream` (stderr) as JSON lines; returns the handler."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonLines())
+    for name in ("plait.events", "plait.recovery"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+def event(kind: str, message: str, **fields) -> None:
+    """Log one structured event (failure, recovery, rescale, mixture change)."""
+    EVENTS.info(message, extra={"event": {"event": kind, **fields}})
+
+
+class Stopwatch:
+    """`with Stopwatch() as t: ...; t.seconds`."""
+
+    def __enter__(self) -> "Stopwatch":
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+if os.environ.get("PLAIT_LOG_JSON") == "1":  # opt-in for processes started by others (actors, torchrun)
+    json_logs()
