@@ -89,9 +89,12 @@ def render(before: Sample, now: Sample) -> Group:
     ranks = Table(title="ranks", title_justify="left")
     ranks.add_column("rank")
     ranks.add_column("waiting for data (share of time)", justify="right")
-    for rank, total in sorted(now.series("plait_rank_wait_seconds_total", "rank").items(), key=lambda kv: int(kv[0])):
+    waits = now.series("plait_rank_wait_seconds_total", "rank")
+    for rank, total in sorted(waits.items(), key=lambda kv: int(kv[0])):
         share = (total - before.get("plait_rank_wait_seconds_total", rank=rank)) / dt
         ranks.add_row(rank, f"{share:.1%}")
+    if not waits:
+        ranks.add_row("-", "no trainer rank reports here (`plait run` drives the ranks itself)")
     return Group(sources, job, ranks)
 
 
