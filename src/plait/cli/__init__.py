@@ -22,6 +22,7 @@ COMMAND_MODULES = {
     "inspect": "plait.cli.inspect",
     "plan": "plait.cli.plan",
     "fit-cost": "plait.cli.fit_cost",
+    "jobs": "plait.cli.jobs",
     "top": "plait.cli.top",
 }
 BENCH_MODULES = {
@@ -31,6 +32,7 @@ BENCH_MODULES = {
     "memory": "plait.cli.bench.memory",
     "startup": "plait.cli.bench.startup",
     "recovery": "plait.cli.bench.recovery",
+    "scale": "plait.cli.bench.scale",
 }
 
 
