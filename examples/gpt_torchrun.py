@@ -5,8 +5,10 @@
 
 Every process is one data-parallel rank and asks plait for its own micro-batches:
   local  each rank plans the (cheap, metadata-only) global step itself and builds only its share;
-  ray    rank 0 starts a local Ray instance (or joins --address), every rank attaches to the same job
-         by name: one Planner actor plans each step once, a Constructor builds each rank's batches.
+  ray    rank 0 starts a local Ray instance (or joins --address) and creates the job; the other ranks
+         join it by name (attach=True): one Planner actor plans each step once, a Constructor builds
+         each rank's batches. The job ends when every rank has closed its Loader (or, for a rank killed
+         without closing, after the job's idle timeout).
 The gradient is the exact gradient of the global mean token loss: each rank's summed loss is divided by
 the global label-token count, and gradients are summed (all-reduce) across ranks.
 """
@@ -55,7 +57,7 @@ def main() -> int:
         job = args.job or f"gpt-torchrun-{os.environ.get('MASTER_PORT', '0')}"
         options = {"job": job, "loaders": 1}
         # Rank 0 creates the job's actors (and a local Ray instance unless --address); the others
-        # attach to the same instance (its address broadcast over torch.distributed) and job.
+        # join the same instance (its address broadcast over torch.distributed) and job (attach=True).
         address = [args.address]
         if rank == 0:
             loader = plait.Loader.from_torchrun(spec, runtime="ray", address=args.address, **options)
@@ -66,7 +68,7 @@ def main() -> int:
         if rank != 0:
             if args.address is None:  # rank 0's local instance uses token auth (Ray >= 2.59), shared token file
                 os.environ.setdefault("RAY_AUTH_MODE", "token")
-            loader = plait.Loader.from_torchrun(spec, runtime="ray", address=address[0], **options)
+            loader = plait.Loader.from_torchrun(spec, runtime="ray", address=address[0], attach=True, **options)
     else:
         loader = plait.Loader.from_torchrun(spec)  # ranks from RANK / WORLD_SIZE
 

@@ -2,9 +2,10 @@
 
     python examples/ray_train_gpt.py --workers 2 --steps 40
 
-Ray Train starts one worker actor per data-parallel rank; inside each, `plait.Loader.from_ray_train(..., 
-job=...)` finds Ray already running and attaches to the job's Planner/SourceLoader/Constructor actors
-(the first worker creates them). Data never passes through the driver or the Ray Train controller.
+Ray Train starts one worker actor per data-parallel rank; inside each, `plait.Loader.from_ray_train(...,
+job=...)` finds Ray already running; worker 0 creates the job's Planner/SourceLoader/Constructor actors,
+the others join them (`attach=True`, waiting for worker 0 if they start first). Data never passes through
+the driver or the Ray Train controller.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     spec = example_spec(config["data"], world, config["steps"], config["seq_len"])
-    loader = plait.Loader.from_ray_train(spec, job=config["job"], loaders=1)  # ranks from the Train context
+    # Ranks from the Train context; worker 0 creates the job, the others join it.
+    loader = plait.Loader.from_ray_train(spec, job=config["job"], attach=rank > 0, loaders=1)
     model = TinyGPT(max_len=config["seq_len"])
     for prm in model.parameters():
         dist.broadcast(prm.data, 0)

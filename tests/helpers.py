@@ -319,3 +319,149 @@ class FakeProvider:
 
     def max_length(self, source: int) -> int:
         return self.ranges[source][1]
+
+
+# ----- the read-only formats: writers from their published layouts ---------------------------------
+# Each writes what the format's reference writer writes (megatron-core's IndexedDatasetBuilder,
+# `datasets`' save_to_disk, streaming's MDSWriter), from the published layout, byte for byte where the
+# layout fixes the bytes (tests/test_formats.py checks against the reference writers when installed).
+MEGATRON_DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
+                        np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.float32): 7,
+                        np.dtype(np.uint16): 8}
+
+
+def write_megatron(prefix, docs: list[np.ndarray], *, dtype=np.int32) -> None:
+    """A Megatron-Core indexed dataset (prefix.bin + prefix.idx), one sequence per document."""
+    dtype = np.dtype(dtype)
+    sizes = np.array([len(d) for d in docs], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) * dtype.itemsize)[:-1]]).astype(np.int64)
+    doc_idx = np.arange(len(docs) + 1, dtype=np.int64)  # [0, 1, ..., n]: each sequence ends a document
+    Path(f"{prefix}.bin").write_bytes(b"".join(np.asarray(d, dtype=dtype).tobytes() for d in docs))
+    header = b"MMIDIDX\x00\x00" + np.uint64(1).tobytes() + np.uint8(MEGATRON_DTYPE_CODES[dtype]).tobytes()
+    counts = np.uint64(len(docs)).tobytes() + np.uint64(len(doc_idx)).tobytes()
+    Path(f"{prefix}.idx").write_bytes(header + counts + sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+
+
+def write_arrow_stream(path, columns: dict[str, pa.Array], *, batch_rows: int = 8) -> None:
+    """An Arrow IPC stream of record batches of `batch_rows` rows (what `datasets` writes)."""
+    table = pa.table(columns)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            writer.write_batch(batch)
+
+
+def mds_encode(encoding: str, value) -> bytes:
+    """One column value as streaming's MDS encodings store it (str, ints, ndarray[:dtype[:shape]])."""
+    if encoding == "str":
+        return value.encode("utf-8")
+    if encoding == "int":
+        return np.int64(value).tobytes()
+    parts = encoding.split(":")
+    if parts[0] != "ndarray":
+        return np.asarray(value, dtype=np.dtype(encoding)).tobytes()
+    arr = np.asarray(value, dtype=parts[1] if len(parts) > 1 else None)
+    head = b""
+    if len(parts) == 1:  # the dtype is stored
+        codes = {"uint8": 8, "int8": 9, "uint16": 16, "int16": 17, "uint32": 32, "int32": 33, "uint64": 64, "int64": 65}
+        head += bytes([codes[arr.dtype.name]])
+    if len(parts) < 3:  # the shape is stored, in the smallest unsigned type that holds it
+        code = next(i for i, lim in enumerate((1 << 8, 1 << 16, 1 << 32, 1 << 64)) if max(arr.shape) < lim)
+        head += bytes([(arr.ndim << 2) | code]) + np.asarray(arr.shape, dtype=f"<u{2 ** code}").tobytes()
+    return head + arr.tobytes()
+
+
+def write_mds(folder, samples: list[dict], columns: dict[str, str], *, compression: str | None = None,
+              samples_per_shard: int = 10**9) -> list[str]:
+    """An MDS folder (index.json + shard.NNNNN.mds[.zstd]); returns the shard files plait reads."""
+    import zstandard
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(columns)  # MDSWriter sorts the columns
+    encodings = [columns[n] for n in names]
+    fixed = {"int": 8, **{k: np.dtype(k).itemsize for k in ("uint8", "uint16", "uint32", "uint64", "int8", "int16",
+                                                           "int32", "int64")}}
+    sizes = []
+    for e in encodings:
+        parts = e.split(":")
+        sizes.append(fixed.get(e) if parts[0] != "ndarray" else
+                     (int(np.prod([int(d) for d in parts[2].split(",")])) * np.dtype(parts[1]).itemsize
+                      if len(parts) == 3 else None))
+    config = {"column_encodings": encodings, "column_names": names, "column_sizes": sizes,
+              "compression": compression, "format": "mds", "hashes": [], "size_limit": None, "version": 2}
+    config_bytes = json.dumps(config, sort_keys=True).encode()
+    shards, files = [], []
+    for s, lo in enumerate(range(0, len(samples), samples_per_shard)):
+        encoded = []
+        for sample in samples[lo : lo + samples_per_shard]:
+            data = [mds_encode(e, sample[n]) for n, e in zip(names, encodings)]
+            head = np.array([len(d) for d, size in zip(data, sizes) if size is None], np.uint32).tobytes()
+            encoded.append(head + b"".join(data))
+        n = np.uint32(len(encoded))
+        offsets = np.array([0] + [len(x) for x in encoded]).cumsum().astype(np.uint32)
+        offsets += 4 + len(offsets.tobytes()) + len(config_bytes)
+        raw = n.tobytes() + offsets.tobytes() + config_bytes + b"".join(encoded)
+        raw_name = f"shard.{s:05}.mds"
+        entry = {**config, "raw_data": {"basename": raw_name, "bytes": len(raw), "hashes": {}},
+                 "samples": len(encoded), "zip_data": None}
+        if compression == "zstd":
+            zipped = zstandard.ZstdCompressor().compress(raw)
+            (folder / (raw_name + ".zstd")).write_bytes(zipped)
+            entry["zip_data"] = {"basename": raw_name + ".zstd", "bytes": len(zipped), "hashes": {}}
+            files.append(str(folder / (raw_name + ".zstd")))
+        else:
+            (folder / raw_name).write_bytes(raw)
+            files.append(str(folder / raw_name))
+        shards.append(entry)
+    (folder / "index.json").write_text(json.dumps({"shards": shards, "version": 2}, sort_keys=True))
+    return files
+
+
+def megatron_source(root, *, name: str = "meg", files: int = 2, docs_per_file: int = 30, lo: int = 1, hi: int = 60,
+                    dtype=np.int32, vocab: int = 1000, seed: int = 0, **options) -> Dataset:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    docs, prefixes = {}, []
+    for f in range(files):
+        d = token_docs(docs_per_file, lo=lo, hi=hi, vocab=vocab, seed=seed * 1000 + f + 11)
+        prefix = str(root / f"corpus{f}_text_document")
+        write_megatron(prefix, d, dtype=dtype)
+        prefixes.append(prefix)
+        docs.update({(f, r): t for r, t in enumerate(d)})
+    return Dataset({"name": name, "path": prefixes, "format": "megatron", **options}, sorted(prefixes), docs)
+
+
+def arrow_source(root, *, name: str = "hf", files: int = 2, docs_per_file: int = 30, batch_rows: int = 8,
+                 lo: int = 1, hi: int = 60, seed: int = 0, lengths: bool = False, **options) -> Dataset:
+    """A `save_to_disk`-like folder: data-0000i-of-0000N.arrow streams (input_ids, text) + the json files."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    docs = {}
+    for f in range(files):
+        d = token_docs(docs_per_file, lo=lo, hi=hi, seed=seed * 1000 + f + 23)
+        cols = {"input_ids": pa.array([x.tolist() for x in d], pa.list_(pa.int32())),
+                "text": pa.array([f"doc {f}-{i}" for i in range(len(d))])}
+        if lengths:
+            cols["n_tokens"] = pa.array([len(x) for x in d], pa.int32())
+        write_arrow_stream(root / f"data-{f:05d}-of-{files:05d}.arrow", cols, batch_rows=batch_rows)
+        docs.update({(f, r): t for r, t in enumerate(d)})
+    (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": p.name} for p in sorted(root.glob("*.arrow"))]}))
+    (root / "dataset_info.json").write_text("{}")
+    files_ = sorted(str(p) for p in root.glob("*.arrow"))
+    return Dataset({"name": name, "path": str(root), "tokens_field": "input_ids", **options}, files_, docs)
+
+
+def mds_source(root, *, name: str = "mds", docs: int = 40, per_shard: int = 15, lo: int = 1, hi: int = 60,
+               seed: int = 0, compression: str | None = None, encoding: str = "ndarray:int32", text: bool = True,
+               **options) -> Dataset:
+    """An MDS folder of token arrays (`ids`), a stored length (`n_tokens`) and, when `text`, a str column."""
+    d = token_docs(docs, lo=lo, hi=hi, seed=seed + 31)
+    columns = {"ids": encoding, "n_tokens": "int32"}
+    if text:
+        columns["text"] = "str"
+    samples = [{"ids": x.astype(np.int32 if ":" not in encoding else encoding.split(":")[1]), "n_tokens": len(x),
+                "text": f"sample {i}"} for i, x in enumerate(d)]
+    files = write_mds(root, samples, columns, compression=compression, samples_per_shard=per_shard)
+    docs_ = {(i // per_shard, i % per_shard): x for i, x in enumerate(d)}
+    return Dataset({"name": name, "path": str(root), "format": "mds", "tokens_field": "ids", **options},
+                   sorted(files), docs_)

@@ -123,7 +123,7 @@ def test_every_runtime_implements_the_runtime_contract():
 
     contract = [n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")]
     assert {"iter_rank", "plan", "build", "release", "state_dict", "load_state_dict", "close"} <= set(contract)
-    for name in ("local", "ray"):
+    for name in ("local", "ray", "flight"):
         cls = runtime_class(name)
         for method in contract:
             assert hasattr(cls, method), f"{name} runtime lacks {method}"

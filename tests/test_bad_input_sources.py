@@ -227,7 +227,7 @@ def test_invalid_format_in_spec_lists_the_formats(tmp_path):
         plait.load_spec(make_spec([{"name": "c", "path": "x.csv", "tokens_field": "t", "format": "csv"}]))
     [(where, reason)] = info.value.problems
     assert where == "sources[0](c).format"
-    assert reason == "unknown format 'csv'; supported formats: parquet, jsonl"
+    assert reason == "unknown format 'csv'; supported formats: parquet, jsonl, megatron, arrow, mds, webdataset"
 
 
 def test_format_set_reads_any_extension(tmp_path):

@@ -74,7 +74,8 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
     (each CP rank gets its shard); a resumed client continues bit for bit."""
     spec = spec.with_overrides(topology={"dp": 2, "tp": 2, "cp": 2})
     local = {(r, c): list(plait.Loader(spec, dp_rank=r, cp_rank=c, prefetch=0)) for r in range(2) for c in range(2)}
-    loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, cp_rank=c, runtime="ray", job="test-job", loaders=2)
+    loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, cp_rank=c, runtime="ray", job="test-job", loaders=2,
+                            attach=(r, t, c) != (0, 0, 0))  # the first creates the job, the others join it
                for r in range(2) for t in range(2) for c in range(2)]
     try:
         for ld in loaders:
@@ -86,7 +87,7 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
                 assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.sample_ids, b.sample_ids)
                 assert np.array_equal(a.position_ids, b.position_ids) and np.array_equal(a.cu_seqlens, b.cu_seqlens)
         with pytest.raises(plait.PlaitError, match="DP ranks"):  # a client with another layout is refused
-            plait.Loader(spec.with_overrides(topology={"dp": 4}), runtime="ray", job="test-job")
+            plait.Loader(spec.with_overrides(topology={"dp": 4}), runtime="ray", job="test-job", attach=True)
         stats = loaders[0].runtime.stats()
         assert stats["planned"] == spec.steps  # planned once for all 8 clients
         assert len(stats["loaders"]) == 2
@@ -96,7 +97,7 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
         for _ in range(5):
             next(it)
         state = it.gi_frame.f_locals["self"].state_dict()
-        resumed = plait.Loader(spec, dp_rank=1, cp_rank=1, runtime="ray", job="test-job")
+        resumed = plait.Loader(spec, dp_rank=1, cp_rank=1, runtime="ray", job="test-job", attach=True)
         resumed.load_state_dict(state)
         rest = list(resumed)
         assert [b.sample_ids.tolist() for b in rest] == [b.sample_ids.tolist() for b in local[(1, 1)][5:]]

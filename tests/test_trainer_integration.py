@@ -113,3 +113,10 @@ def test_torch_distributed_checkpoint_round_trip(spec, tmp_path):
     rest = [(b.step, b.microbatch) for b in fresh]
     full = [(b.step, b.microbatch) for b in plait.Loader(spec, steps=6, prefetch=0)]
     assert [(b.step, b.microbatch) for b in consumed] + rest == full
+
+
+def test_a_dict_spec_with_a_relative_path_names_the_directory_it_looked_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = {"sources": [{"name": "x", "path": "data/*.parquet", "tokens_field": "ids"}]}
+    with pytest.raises(PlaitError, match=f"current directory {tmp_path}.*base_dir"):
+        plait.Loader(spec)

@@ -8,12 +8,61 @@ tensors. The padding-free layout: documents are concatenated, `cu_seqlens` marks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 
+class ImagePayload(NamedTuple):
+    """The images of fetched items: uint8 patches of all images concatenated in item order, each image's
+    grid (t, h, w in patches), the index of its item in the fetch request, the placeholder id (labels
+    predicting it are masked) and the patch side."""
+
+    pixels: np.ndarray  # uint8 [total_patches, patch*patch*3]
+    grid: np.ndarray  # int64 [images, 3]
+    item: np.ndarray  # int64 [images], increasing
+    token_id: int
+    patch: int
+
+
+class Payload(NamedTuple):
+    """What `PayloadSource.fetch(items)` returns for image sources: tokens (int32, the items' spans
+    concatenated in request order, placeholder runs included) and their images (None: none)."""
+
+    tokens: np.ndarray
+    images: ImagePayload | None
+
+
+def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePayload | None:
+    """One ImagePayload of parts fetched for the request's items `sel` (each part's items numbered in
+    its own order), ordered by item (stable: an item's images keep their order)."""
+    parts = [(sel, p) for sel, p in parts if p is not None and len(p.item)]
+    if not parts:
+        return None
+    item = np.concatenate([np.asarray(sel)[p.item] for sel, p in parts])
+    grid = np.concatenate([p.grid for _, p in parts])
+    pixels = np.concatenate([p.pixels for _, p in parts])
+    order = np.argsort(item, kind="stable")
+    sizes = grid.prod(axis=1)
+    starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+    rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in order]) if len(order) else \
+        np.zeros(0, np.int64)
+    first = parts[0][1]
+    return ImagePayload(pixels[rows], grid[order], item[order], first.token_id, first.patch)
+
+
 @dataclass
 class MicroBatch:
+    """One micro-batch of one DP rank (`plait.Batch`): packed documents, no padding.
+
+    `input_ids`, `labels` (next token; −100 at each document's last token and over image placeholders),
+    `position_ids` (restart per document) and `cu_seqlens` (FlashAttention varlen layout) describe the
+    packed sequence; `sample_ids` ([docs, 5]: source, epoch, shard, row, chunk) and `source_ids` name
+    every document. Image sources add `pixel_values`, `image_grid`, `image_cu_seqlens`, `image_document`
+    (None otherwise). `stats` holds the whole step's figures (tokens, `global_label_tokens` for loss
+    normalisation, balance certificate, fill / padding, vocab_size). `to_torch()` gives tensors.
+    """
+
     step: int
     microbatch: int
     num_microbatches: int
@@ -25,17 +74,36 @@ class MicroBatch:
     sample_ids: np.ndarray  # int64 [docs, 5]: source, epoch, shard, row, chunk
     source_ids: np.ndarray  # int32 [docs]
     stats: dict = field(default_factory=dict)
+    # Images (None in a micro-batch without images): uint8 patches of every image, concatenated in
+    # document order; per image its grid (t, h, w in patches) and its document's index in this
+    # micro-batch; image_cu_seqlens (int32) bounds the encoder's attention sequences: one per image
+    # (dynamic policy), one per tile (tiles policy: t per image).
+    pixel_values: np.ndarray | None = None  # uint8 [total_patches, patch*patch*3]
+    image_grid: np.ndarray | None = None  # int64 [images, 3]
+    image_cu_seqlens: np.ndarray | None = None  # int32 [sequences + 1]
+    image_document: np.ndarray | None = None  # int64 [images]
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.image_grid is None else int(len(self.image_grid))
+
+    @property
+    def num_patches(self) -> int:
+        return 0 if self.pixel_values is None else int(len(self.pixel_values))
 
     @property
     def num_tokens(self) -> int:
         return int(len(self.input_ids))
 
-    def to_torch(self, device=None, *, pin_memory: bool = False, non_blocking: bool = False) -> "TorchBatch":
+    def to_torch(self, device=None, *, pin_memory: bool = False, non_blocking: bool = False,
+                 normalize: tuple | None = None) -> "TorchBatch":
         """The batch as torch tensors: ids, labels and positions int64, the rest int32 (needs plait[torch]).
 
         Returns a dict of tensors only; `max_seqlen` (for varlen attention kernels) is an attribute.
         `pin_memory=True` pins the host tensors so that `non_blocking=True` copies to a CUDA `device`
-        overlap with compute.
+        overlap with compute. With images: `pixel_values` (uint8, or with `normalize=(mean, std)` (each a
+        number or 3 per-channel values, on the 0..1 scale) float32 (x/255 - mean) / std, normalised on
+        `device`), `image_grid`, `image_cu_seqlens`, `image_document`.
         """
         import torch
 
@@ -55,6 +123,11 @@ class MicroBatch:
             sample_ids=t(self.sample_ids, torch.long),
             source_ids=t(self.source_ids, torch.int32),
         )
+        if self.pixel_values is not None:
+            out["pixel_values"] = _pixels(t(self.pixel_values, torch.uint8), normalize)
+            out["image_grid"] = t(self.image_grid, torch.long)
+            out["image_cu_seqlens"] = t(self.image_cu_seqlens, torch.int32)
+            out["image_document"] = t(self.image_document, torch.long)
         out.max_seqlen = self.max_seqlen
         return out
 
@@ -74,9 +147,28 @@ class MicroBatch:
         """Unfilled seq_len capacity of this micro-batch: what a padded loader would fill with padding."""
         return 1.0 - self.fill if self.stats.get("capacity") else 0.0
 
+    def labels_mtp(self, horizon: int) -> np.ndarray:
+        """Multi-token prediction labels, int32 `[horizon, tokens]`: row j is the token j+1 ahead, -100
+        where that would cross a document or chunk boundary (row 0 equals `labels`)."""
+        from plait.packing import multi_token_labels
+
+        return multi_token_labels(self.input_ids, self.cu_seqlens, horizon)
+
     @property
     def max_seqlen(self) -> int:
         return int(np.diff(self.cu_seqlens).max()) if len(self.cu_seqlens) > 1 else 0
+
+
+def _pixels(x, normalize):
+    """uint8 patches [P, patch*patch*3] as they are, or float32 (x / 255 - mean) / std per channel
+    (channels are the last axis of each flattened (patch, patch, 3) patch)."""
+    if normalize is None:
+        return x
+    import torch
+
+    mean, std = (torch.as_tensor(v, dtype=torch.float32, device=x.device) for v in normalize)
+    y = x.to(torch.float32).view(len(x), -1, 3) / 255.0
+    return ((y - mean) / std).view(len(x), -1)
 
 
 class TorchBatch(dict):

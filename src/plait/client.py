@@ -21,6 +21,9 @@ from typing import Iterator
 
 from plait.errors import PlaitError
 from plait.roles.elastic import advance
+from plait.roles.spec_change import warn_changes
+from plait.roles.state_log import apply_state_diff, diff_state
+from plait.roles.weights import merge_pending
 from plait.roles.state_schema import CLIENT_STATE_VERSION, check_client_state
 from plait.runtime import make_runtime
 from plait.batch import MicroBatch
@@ -68,6 +71,10 @@ class Loader:
         self._step_totals: tuple[int, int, int] | None = None  # that step's tokens, samples, micro-batches
         self._loaded_seen = (0, 0)
         self._iterating = False
+        # run-time mixing calls made since the step in progress was planned: they go into state_dict()
+        self._overrides: list[dict] = []
+        self._reports: dict[int, dict[str, float]] = {}
+        self.resume_report: list[str] = []  # what a resume with allow_spec_change found changed
 
     @classmethod
     def from_torchrun(cls, spec: Spec | dict | str, *, tp: int | None = None, pp: int | None = None,
@@ -140,7 +147,7 @@ class Loader:
     # ----- iteration ---------------------------------------------------------------------------
     def _produce(self) -> Iterator[tuple[dict, MicroBatch]]:
         """(state at the start of the batch's step, batch) in order, from the resume point."""
-        return self._runtime.iter_rank(self.dp_rank, self._resume_state, self._resume_micro, self.max_steps,
+        return self._runtime.iter_rank(self.dp_rank, self._data_state(), self._resume_micro, self.max_steps,
                                        cp_rank=self.cp_rank)  # the runtime serves this CP rank its shard
 
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -189,21 +196,69 @@ class Loader:
             tokens, samples = self._loaded_seen
         return {
             "version": CLIENT_STATE_VERSION,
-            "data": self._resume_state,
+            "data": self._data_state(),
             "next_microbatch": micro,
             "layout": self._layout(self.spec),
             "at_step_boundary": boundary,
             "tokens_seen": tokens,
             "samples_seen": samples,
+            **self._next_state(boundary and micro > 0),
         }
+
+    def _data_state(self) -> dict:
+        """The data state of the step in progress, with the run-time mixing calls made since it was
+        planned (set_weights, report): a resume replays them exactly."""
+        step = int(self._resume_state["step"])
+        self._overrides = [o for o in self._overrides if o["at_step"] >= step]  # older ones are in the snapshot
+        online = self.spec.mixture.online
+        if online is not None:
+            self._reports = {s: r for s, r in self._reports.items()
+                             if (s // online.every + 1) * online.every - 1 + online.delay >= step}
+        if not self._overrides and not self._reports:
+            return self._resume_state
+        return merge_pending(self._resume_state, self._overrides, self._reports, self.spec)
+
+    def _next_state(self, done: bool) -> dict:
+        """At a step's end, the data state after that step as a diff (`next`), where the runtime knows it:
+        a resume under a changed spec starts there (the consumed step is not re-planned under the new
+        spec, whose draws would differ)."""
+        after = getattr(self._runtime, "state_after", None)
+        state = after(int(self._resume_state["step"])) if done and after is not None else None
+        if state is None:
+            return {}
+        return {"next": diff_state(self._resume_state, state)}
+
+    # ----- run-time mixing ---------------------------------------------------------------------
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """Change the token shares from global step `at_step` on: `{source: share}` for the sources to pin
+        (the others share what is left, in their current proportions). Recorded in the data state, so a
+        resume reproduces it. A step already planned is refused: the loader plans up to prefetch + 1
+        steps ahead of the trainer, so choose at_step >= the current step + prefetch + 2. Local runtime:
+        call it identically on every rank (each plans the whole step itself); ray runtime: call it on one
+        rank (the job's one Planner applies it)."""
+        self._runtime.set_weights(weights, at_step)
+        self._overrides.append({"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()},
+                                "by": "user"})
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        """Per-source training losses of global step `step` (e.g. all-reduced over ranks) for the online
+        mixing policy (`mixture.online`): its update of the window [wK, (w+1)K) takes effect at step
+        (w+1)K - 1 + delay. Local runtime: call it identically on every rank."""
+        self._runtime.report(step, losses)
+        self._reports.setdefault(int(step), {}).update({n: float(v) for n, v in losses.items()})
 
     @staticmethod
     def _layout(spec: Spec) -> dict:
         """What shapes a step (not which samples come): the step at `data` was planned on this."""
         return {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches, "seq_len": spec.packing.seq_len}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a state saved by `state_dict()` (call before iterating, not during)."""
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> None:
+        """Continue from a state saved by `state_dict()` (call before iterating, not during).
+
+        `allow_spec_change=True`: the state may come from a spec with other weights or schedule, more or
+        fewer sources; unchanged sources continue exactly, an added one starts at its beginning, a
+        removed one's cursor stays in the state. What changed is warned (SpecChangeWarning) and listed
+        in `resume_report`. A source whose files or seed changed is still refused."""
         if self._iterating:
             raise PlaitError(
                 "load_state_dict() was called while this Loader is being iterated; the running stream would "
@@ -211,12 +266,33 @@ class Loader:
             )
         parsed = check_client_state(state, self._max_microbatches())
         data, micro = self._elastic(state)
-        self._runtime.load_state_dict(data)  # validates the data state now, not at iteration
+        self.resume_report = []
+        if allow_spec_change:
+            data, micro = self._load_changed(state, data, micro)
+        else:
+            self._runtime.load_state_dict(data)  # validates the data state now, not at iteration
+        self._overrides, self._reports = [], {}
         self._resume_state = data
         self._resume_micro = micro
         saved_done = micro > 0 and bool(parsed.at_step_boundary)
         self._step_done, self._step_totals = saved_done, None
         self._loaded_seen = (parsed.tokens_seen or 0, parsed.samples_seen or 0)
+
+    def _load_changed(self, state: dict, data: dict, micro: int) -> tuple[dict, int]:
+        if micro and state.get("next") is not None and state.get("at_step_boundary"):
+            data, micro = apply_state_diff(data, state["next"]), 0  # the step after the consumed one
+        changes = self._runtime.load_state_dict(data, allow_spec_change=True) or []
+        if changes and micro:
+            raise PlaitError(
+                "this checkpoint was taken in the middle of a step (or holds no state after its step); a spec "
+                "change applies from a step's start: resume it with its own spec first, or use a checkpoint "
+                "taken at a step boundary"
+            )
+        if changes:
+            data = self._runtime.state_dict()
+            warn_changes(changes)
+        self.resume_report = changes
+        return data, micro
 
     def _max_microbatches(self) -> int:
         per_rank = self.spec.packing.num_microbatches
@@ -254,6 +330,8 @@ class Loader:
         return self._runtime.error_report()
 
     def close(self) -> None:
+        """Release what this Loader holds; safe to call twice. On the ray runtime every trainer process
+        closes (also done by `with`, and at interpreter exit): the last one of a job ends the job's actors."""
         self._runtime.close()
 
 

@@ -12,7 +12,12 @@ Coefficients come from model dimensions (FLOPs), from the spec (explicit), or fr
 Multimodal models add a vision encoder per image: e(P) = linear * P + quadratic * P^2 in the image's
 patches P (bidirectional attention inside each image). It is a separate component (`EncoderCost`)
 because the encoder runs on different shapes than the decoder; an item's total is c(L) + e(P), with
-P = 0 for text.
+P = 0 for text. An item may hold several images: its encoder cost is the sum over them (each image's
+attention is its own), `EncoderCost.per_item(patches, offsets)` from per-image patch counts in CSR form
+(item i's images are patches[offsets[i]:offsets[i+1]]); `CostModel(..., encoder=e)(lengths, patches,
+offsets)` adds it to c(L). With one image per item (or a precomputed per-item encoder cost) no offsets
+are needed. `fit` takes the encoder's columns too: sum_P and sum_P2 (patches and squared patches of the
+micro-batch's images).
 
 Context parallelism: a replica's micro-batch is split over its `cp` ranks by head-tail sharding (each
 document cut into 2*cp pieces, CP rank i taking pieces i and 2*cp-1-i). Under causal attention the
@@ -45,6 +50,17 @@ class EncoderCost:
     def __call__(self, patches: np.ndarray) -> np.ndarray:
         P = np.asarray(patches, dtype=np.float64)
         return self.linear * P + self.quadratic * P * P
+
+    def per_item(self, patches: np.ndarray, offsets: np.ndarray | None = None) -> np.ndarray:
+        """Encoder cost of each item: the sum of e(P) over its images. patches: per image; offsets (int,
+        [n + 1], CSR): item i's images are patches[offsets[i]:offsets[i + 1]] (None: one image per item,
+        0 patches for none)."""
+        e = self(patches)
+        if offsets is None:
+            return e
+        offsets = np.asarray(offsets, dtype=np.int64)
+        acc = np.concatenate([[0.0], np.cumsum(e)])
+        return acc[offsets[1:]] - acc[offsets[:-1]]
 
 
 @dataclass(frozen=True)
@@ -81,11 +97,13 @@ class CostModel:
             out = out + self.per_doc * (L > 0)
         return out
 
-    def __call__(self, lengths: np.ndarray, patches: np.ndarray | None = None) -> np.ndarray:
-        """Cost of each item: its text c(L) plus, with an encoder and patches, e(P) (0 patches: text)."""
+    def __call__(self, lengths: np.ndarray, patches: np.ndarray | None = None,
+                 offsets: np.ndarray | None = None) -> np.ndarray:
+        """Cost of each item: its text c(L) plus, with an encoder and patches, the encoder cost of its
+        images (EncoderCost.per_item: per-image patches with CSR offsets, or one image per item)."""
         out = self.text(lengths)
         if self.encoder is not None and patches is not None:
-            out = out + self.encoder(patches)
+            out = out + self.encoder.per_item(patches, offsets)
         return out
 
     def per_cp_rank(self, lengths: np.ndarray, cp: int, patches: np.ndarray | None = None) -> np.ndarray:
@@ -94,20 +112,29 @@ class CostModel:
 
     @classmethod
     def fit(
-        cls, sum_L: np.ndarray, sum_L2: np.ndarray, count: np.ndarray, time: np.ndarray, *, tile: int = 0
+        cls, sum_L: np.ndarray, sum_L2: np.ndarray, count: np.ndarray, time: np.ndarray, *, tile: int = 0,
+        sum_P: np.ndarray | None = None, sum_P2: np.ndarray | None = None,
     ) -> tuple["CostModel", dict]:
-        """Fit time ~ linear*sum_L + quadratic*sum_L2 + per_doc*count + overhead, all >= 0.
+        """Fit time ~ linear*sum_L + quadratic*sum_L2 + per_doc*count + overhead
+        (+ encoder_linear*sum_P + encoder_quadratic*sum_P2 with the encoder columns), all >= 0.
 
-        Rows are measured micro-batches (sum_L2: sum of squared, tile-rounded lengths). `overhead` is a
-        per-micro-batch constant: the same for every micro-batch, so it does not change balancing and is
-        reported, not kept. Returns the model and a report (coefficients, r2, rms and max relative error).
+        Rows are measured micro-batches (sum_L2: sum of squared, tile-rounded lengths; sum_P, sum_P2: the
+        patches and squared patches of its images). `overhead` is a per-micro-batch constant: the same
+        for every micro-batch, so it does not change balancing and is reported, not kept. Returns the model
+        (with `encoder` when the encoder columns were given) and a report (coefficients, r2, rms and max
+        relative error).
         """
-        X = np.stack([np.asarray(a, dtype=np.float64) for a in (sum_L, sum_L2, count)], axis=1)
+        enc = sum_P is not None and sum_P2 is not None
+        cols = (sum_L, sum_L2, count) + ((sum_P, sum_P2) if enc else ())
+        X = np.stack([np.asarray(a, dtype=np.float64) for a in cols], axis=1)
         X = np.concatenate([X, np.ones((len(X), 1))], axis=1)
         y = np.asarray(time, dtype=np.float64)
         if len(y) < 2:
             raise ValueError("need at least 2 measured rows to fit a cost model")
         coef = nnls(X, y)
+        if enc:  # the overhead column last, as without the encoder
+            coef = coef[[0, 1, 2, 5, 3, 4]]
+            X = X[:, [0, 1, 2, 5, 3, 4]]
         pred = X @ coef
         ss_res = float(((y - pred) ** 2).sum())
         ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -123,7 +150,11 @@ class CostModel:
             "rel_err_max": float(rel.max()),
             "crossover": float(coef[0] / coef[1]) if coef[1] > 0 else float("inf"),
         }
-        return cls(float(coef[0]), float(coef[1]), tile, float(coef[2])), report
+        encoder = None
+        if enc:
+            report["encoder_linear"], report["encoder_quadratic"] = float(coef[4]), float(coef[5])
+            encoder = EncoderCost(float(coef[4]), float(coef[5]))
+        return cls(float(coef[0]), float(coef[1]), tile, float(coef[2]), encoder), report
 
 
 def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -13,8 +13,13 @@ from plait.batch import MicroBatch
 
 
 def batch_digest_update(h: "hashlib._Hash", mb: MicroBatch) -> None:
+    """The stream digest: tokens, labels, positions, boundaries and sample ids; with images also their
+    pixel bytes, grids and documents (a text-only batch digests as it always has)."""
     for a in (mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens, mb.sample_ids):
         h.update(np.ascontiguousarray(a).tobytes())
+    if mb.pixel_values is not None and len(mb.pixel_values):
+        for a in (mb.pixel_values, mb.image_grid.astype(np.int64), mb.image_document.astype(np.int64)):
+            h.update(np.ascontiguousarray(a).tobytes())
 
 
 @dataclass
@@ -34,6 +39,10 @@ class RunStats:
     digests: dict[int, "hashlib._Hash"] = field(default_factory=dict)
     carried: int = 0
     empty_documents: int = 0  # documents of zero tokens: nothing to train on, counted and reported
+    images: int = 0  # images delivered in batches
+    patches: int = 0
+    cost: float = 0.0  # summed item cost of the steps with images, and the encoder's part of it
+    encoder_cost: float = 0.0
 
     def __post_init__(self):
         n = len(self.source_names)
@@ -50,10 +59,15 @@ class RunStats:
         self.target_tokens += weights * plan.tokens
         self.empty_documents += plan.empty_documents
         self.carried = plan.carried
+        if plan.images is not None:
+            self.cost += plan.images["cost"]
+            self.encoder_cost += plan.images["encoder_cost"]
 
     def add_batch(self, mb: MicroBatch) -> None:
         self.tokens += mb.num_tokens
         self.microbatch_padding.append(mb.padding_fraction)
+        self.images += mb.num_images
+        self.patches += mb.num_patches
         batch_digest_update(self.digests.setdefault(mb.dp_rank, hashlib.sha256()), mb)
 
     @property
@@ -83,7 +97,15 @@ class RunStats:
             "carried_at_end": self.carried,
             "empty_documents": self.empty_documents,
             "digests": {str(r): h.hexdigest() for r, h in sorted(self.digests.items())},
+            **self._image_summary(),
         }
+
+    def _image_summary(self) -> dict:
+        if not self.images and not self.encoder_cost:
+            return {}
+        return {"images": self.images, "patches": self.patches,
+                "images_per_s": self.images / max(self.elapsed, 1e-9),
+                "encoder_share": self.encoder_cost / self.cost if self.cost else 0.0}
 
 
 def combined_digest(digests: dict[str, str]) -> str:

@@ -14,6 +14,11 @@ import numpy as np
 
 # Integer columns, in the order used to serialise carried items in the data state.
 ITEM_INT_COLUMNS = ("source", "epoch", "fpos", "bpos", "position", "shard", "row", "chunk", "offset", "length", "delayed")
+# Image columns: patches of the item's images and the sum of their squares (the encoder's cost is
+# quadratic per image). A carried row holds them (13 integers) only when some carried item has images,
+# so text-only data states keep their 11-integer rows.
+ITEM_IMAGE_COLUMNS = ("patches", "patches_sq")
+ALL_COLUMNS = ITEM_INT_COLUMNS + ITEM_IMAGE_COLUMNS
 
 
 @dataclass
@@ -29,13 +34,24 @@ class Items:
     offset: np.ndarray
     length: np.ndarray
     delayed: np.ndarray  # steps this chunk has already waited (carried over)
+    patches: np.ndarray | None = None  # image patches of the item (0 for text; zeros when not given)
+    patches_sq: np.ndarray | None = None  # sum over its images of patches^2
+
+    def __post_init__(self):
+        for c in ITEM_IMAGE_COLUMNS:
+            if getattr(self, c) is None:
+                setattr(self, c, np.zeros(len(self.length), dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.length)
 
+    @property
+    def has_images(self) -> bool:
+        return bool(len(self.patches)) and bool(self.patches.any())
+
     @classmethod
     def empty(cls) -> "Items":
-        return cls(**{c: np.zeros(0, dtype=np.int64) for c in ITEM_INT_COLUMNS})
+        return cls(**{c: np.zeros(0, dtype=np.int64) for c in ALL_COLUMNS})
 
     @classmethod
     def concat(cls, parts: list["Items"]) -> "Items":
@@ -44,22 +60,26 @@ class Items:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
-        return cls(**{c: np.concatenate([getattr(p, c) for p in parts]) for c in ITEM_INT_COLUMNS})
+        return cls(**{c: np.concatenate([getattr(p, c) for p in parts]) for c in ALL_COLUMNS})
 
     def take(self, index: np.ndarray) -> "Items":
-        return Items(**{c: getattr(self, c)[index] for c in ITEM_INT_COLUMNS})
+        return Items(**{c: getattr(self, c)[index] for c in ALL_COLUMNS})
 
     def to_rows(self) -> list[list[int]]:
         if not len(self):
             return []
-        return np.stack([getattr(self, c) for c in ITEM_INT_COLUMNS], axis=1).astype(np.int64).tolist()
+        columns = ALL_COLUMNS if self.has_images else ITEM_INT_COLUMNS
+        return np.stack([getattr(self, c) for c in columns], axis=1).astype(np.int64).tolist()
 
     @classmethod
     def from_rows(cls, rows: list[list[int]]) -> "Items":
+        """Rows of 11 integers (text) or 13 (with the image columns)."""
         if not rows:
             return cls.empty()
-        a = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(ITEM_INT_COLUMNS))
-        return cls(**{c: a[:, i].copy() for i, c in enumerate(ITEM_INT_COLUMNS)})
+        width = len(rows[0])
+        columns = ALL_COLUMNS if width == len(ALL_COLUMNS) else ITEM_INT_COLUMNS
+        a = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(columns))
+        return cls(**{c: a[:, i].copy() for i, c in enumerate(columns)})
 
     def block_keys(self) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
         """Unique (source, epoch, file_pos, block_pos) keys and each item's index into them.
@@ -110,6 +130,11 @@ class StepPlan:
     # stats()["global_label_tokens"], the label tokens of the whole step over all ranks.
     rank_microbatches: np.ndarray | None = None
     vocab_size: int | None = None  # the spec's, when it states one
+    weights: np.ndarray | None = None  # the mixture weights this step was drawn with (after run-time changes)
+    drawn: np.ndarray | None = None  # tokens drawn per source this step (what the mixture's quotas took)
+    # image steps (spec `images` set): micro_patches [R, M], max_over_capacity_lb (None on steps where
+    # it was not computed), encoder_cost and cost (summed over the placed items, per CP rank)
+    images: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -177,7 +202,23 @@ class StepPlan:
             "carried": self.carried,
             "delayed_outliers": self.delayed_outliers,
             "empty_documents": self.empty_documents,
+            **self._image_stats(),
         }
+
+    def _image_stats(self) -> dict:
+        if self.images is None:
+            return {}
+        mp = self.images["micro_patches"]
+        return {"patches": int(self.items.patches.sum()), "max_microbatch_patches": int(mp.max()) if mp.size else 0,
+                "microbatch_patches": mp.tolist(), "max_over_capacity_lb": self.images["max_over_capacity_lb"],
+                "encoder_share": self.encoder_share}
+
+    @property
+    def encoder_share(self) -> float:
+        """The vision encoder's share of the step's cost (0.0 without images)."""
+        if self.images is None or not self.images["cost"]:
+            return 0.0
+        return self.images["encoder_cost"] / self.images["cost"]
 
 
 @dataclass

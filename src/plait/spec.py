@@ -28,7 +28,9 @@ from pydantic import (
 
 from plait.errors import SpecError
 
-Format = Literal["parquet", "jsonl"]
+Format = Literal["parquet", "jsonl", "megatron", "arrow", "mds", "webdataset"]
+IMAGE_FORMATS = ("parquet", "jsonl", "webdataset")  # formats that read an image_field
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")  # webdataset image members
 
 
 class _Model(BaseModel):
@@ -39,10 +41,23 @@ class SourceSpec(_Model):
     """One data source: a set of files (shards) of one format."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$", description="unique name, used in metrics and state")
-    path: str | list[str] = Field(description="a path, glob or fsspec URL, or a list of them")
-    format: Format | None = Field(None, description="parquet or jsonl; inferred from the file extension")
+    path: str | list[str] = Field(
+        description="a path, glob or fsspec URL, or a list of them. megatron: the prefix of a .bin/.idx pair "
+        "(corpus_text_document), a folder of pairs, or a list of prefixes; mds: a folder holding index.json; "
+        "arrow: .arrow files or a `save_to_disk` folder",
+    )
+    format: Format | None = Field(
+        None, description="parquet, jsonl, megatron, arrow or mds; inferred from the file names when unset",
+    )
     text_field: str | None = Field(None, description="the text column/key, tokenized on read")
-    tokens_field: str | None = Field(None, description="a pre-tokenized list<int> column/key")
+    tokens_field: str | None = Field(
+        None, description="a pre-tokenized list<int> column/key (megatron: the sequences; the name is free)",
+    )
+    length_field: str | None = Field(
+        None, description="a stored integer column/key holding each record's token count (without bos/eos): "
+        "planning then reads only it, and the tokens are read when a payload is gathered (megatron's index, "
+        "and mds's offsets where the token column is the only variable one, give lengths without it)",
+    )
     tokenizer: str | None = Field(None, description="path of a Hugging Face tokenizer.json; bytes if unset")
     bos: int | None = Field(None, ge=0, le=2**31 - 1, description="token id prepended to each document")
     eos: int | None = Field(None, ge=0, le=2**31 - 1, description="token id appended to each document")
@@ -53,6 +68,18 @@ class SourceSpec(_Model):
         0, ge=0, description="standby loaders per loader of this source: they follow their primary through "
         "differential checkpoints and take over if it dies, so training does not wait (ray runtime)",
     )
+    start_step: int | None = Field(None, ge=0, description="the source is drawn from this step on (weight 0 before)")
+    stop_step: int | None = Field(None, ge=1, description="the source is not drawn from this step on (weight 0)")
+    image_field: str | None = Field(
+        None, description="the sample's image(s): webdataset: member extensions ('jpg;png;webp'); parquet: a "
+        "column of struct<bytes, path>, binary, or a list of them; jsonl/json (LLaVA): a key holding an image "
+        "path or a list of paths (relative to image_root). Needs the top-level `images` section",
+    )
+    image_root: str | None = Field(None, description="the folder image paths are relative to (LLaVA)")
+    template: Literal["caption", "chat"] | None = Field(
+        None, description="caption: [image placeholders] + text + eos; chat: a LLaVA conversation list "
+        "[{from|role, value|content}] whose `<image>` markers become placeholder runs (default caption)",
+    )
 
     @field_validator("format", mode="before")
     @classmethod
@@ -62,13 +89,52 @@ class SourceSpec(_Model):
             raise ValueError(f"unknown format {value!r}; supported formats: {', '.join(formats)}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_tokens(cls, data: Any) -> Any:
+        # A Megatron .bin holds token ids and nothing else: the field needs no name.
+        if isinstance(data, dict) and data.get("format") == "megatron" and "tokens_field" not in data \
+                and "text_field" not in data:
+            data = {**data, "tokens_field": "tokens"}
+        return data
+
     @model_validator(mode="after")
     def _one_field(self) -> "SourceSpec":
+        if self.format == "megatron" and self.text_field is not None:
+            raise ValueError("megatron files hold token ids, not text: set tokens_field (or neither)")
+        if self.format == "megatron" and self.length_field is not None:
+            raise ValueError("megatron's index holds every sequence's length: length_field does not apply")
         if (self.text_field is None) == (self.tokens_field is None):
             raise ValueError("set exactly one of text_field (raw text) or tokens_field (token ids)")
         if self.tokens_field is not None and self.tokenizer is not None:
             raise ValueError("tokenizer only applies to text_field sources")
+        if self.start_step is not None and self.stop_step is not None and self.stop_step <= self.start_step:
+            raise ValueError("stop_step must be after start_step")
+        self._image_checks()
         return self
+
+    def _image_checks(self) -> None:
+        if self.image_field is None:
+            if self.image_root is not None or self.template is not None:
+                raise ValueError("image_root and template apply to image sources only: set image_field")
+            if self.format == "webdataset":
+                raise ValueError("a webdataset source needs image_field (its image members' extensions)")
+            return
+        if self.format is not None and self.format not in IMAGE_FORMATS:
+            raise ValueError(f"image_field: format {self.format} holds no images (image formats: {', '.join(IMAGE_FORMATS)})")
+        if self.text_field is None:
+            raise ValueError("image_field: an image source needs text_field (text is tokenized around the images)")
+        if self.length_field is not None:
+            raise ValueError("image_field: length_field does not apply (placeholder counts come from image headers)")
+        if self.format == "webdataset":
+            bad = [e for e in self.image_extensions if e not in IMAGE_EXTENSIONS]
+            if bad or not self.image_extensions:
+                raise ValueError(f"image_field: unknown image extension(s) {bad} (known: {', '.join(IMAGE_EXTENSIONS)})")
+
+    @property
+    def image_extensions(self) -> list[str]:
+        """webdataset: the image members' extensions, lower case, in the order given."""
+        return [e.strip().lower().lstrip(".") for e in (self.image_field or "").split(";") if e.strip()]
 
     @property
     def paths(self) -> list[str]:
@@ -76,7 +142,8 @@ class SourceSpec(_Model):
 
 
 class SchedulePoint(_Model):
-    step: int = Field(ge=0)
+    step: int | None = Field(None, ge=0, description="where the point is (schedule_by: step)")
+    tokens: int | None = Field(None, ge=0, description="where the point is (schedule_by: tokens): tokens delivered")
     weights: dict[str, float]
 
     @field_validator("weights")
@@ -90,24 +157,54 @@ class SchedulePoint(_Model):
         return v
 
 
+class OnlineSpec(_Model):
+    """Online mixing: the trainer reports per-source losses (`Loader.report`), a policy updates the weights.
+
+    The update for the window of steps [wK, (w+1)K) uses the reports of its steps and takes effect at
+    step (w+1)K - 1 + delay, whatever the timing: a report for step s arriving after step s + delay was
+    planned is refused. `delay` must therefore exceed how far the loader plans ahead of the trainer
+    (its prefetch depth plus one).
+    """
+
+    policy: Literal["exp_gradient"] = "exp_gradient"
+    every: int = Field(100, ge=1, description="K: steps per update window")
+    lr: float = Field(1.0, gt=0, description="eta: w_i <- w_i * exp(eta * excess_loss_i)")
+    floor: float = Field(0.05, ge=0, lt=1, description="epsilon: w <- (1 - epsilon) w + epsilon / n")
+    delay: int = Field(4, ge=1, description="steps between a window's last step and its update")
+    reference: dict[str, float] = Field(
+        default_factory=dict, description="per-source reference loss subtracted from the reported one (default 0)",
+    )
+
+
 class MixtureSpec(_Model):
     """Token-share weights over steps. Without a schedule the sources' own weights hold throughout.
 
-    With a schedule, weights are given at steps; between two points they are interpolated linearly
-    (`interpolation: linear`) or held (`step`). Sources missing from a point get weight 0 there.
+    With a schedule, weights are given at steps (`schedule_by: step`) or at numbers of tokens delivered
+    (`schedule_by: tokens`, points with `tokens:`); between two points they are interpolated linearly
+    (`interpolation: linear`), along a half cosine (`cosine`) or held (`step`). Sources missing from a
+    point get weight 0 there.
     """
 
+    schedule_by: Literal["step", "tokens"] = "step"  # before `schedule`: its validator reads it
     schedule: list[SchedulePoint] = Field(default_factory=list)
-    interpolation: Literal["linear", "step"] = "linear"
+    interpolation: Literal["linear", "step", "cosine"] = "linear"
+    online: OnlineSpec | None = None
 
     @field_validator("schedule")
     @classmethod
-    def _sorted(cls, v: list[SchedulePoint]) -> list[SchedulePoint]:
-        steps = [p.step for p in v]
-        if steps != sorted(set(steps)):
-            raise ValueError("schedule steps must be strictly increasing")
-        if v and v[0].step != 0:
-            raise ValueError("the schedule must start at step 0")
+    def _sorted(cls, v: list[SchedulePoint], info: ValidationInfo) -> list[SchedulePoint]:
+        by = info.data.get("schedule_by", "step")
+        key = "tokens" if by == "tokens" else "step"
+        other = "step" if key == "tokens" else "tokens"
+        if any(getattr(p, key) is None for p in v):
+            raise ValueError(f"schedule_by: {by}: every schedule point needs `{key}:`")
+        if any(getattr(p, other) is not None for p in v):
+            raise ValueError(f"schedule_by: {by}: schedule points give `{key}:`, not `{other}:`")
+        at = [getattr(p, key) for p in v]
+        if at != sorted(set(at)):
+            raise ValueError(f"schedule {key}s must be strictly increasing")
+        if v and at[0] != 0:
+            raise ValueError(f"the schedule must start at {key} 0")
         return v
 
 
@@ -117,6 +214,9 @@ class PackingSpec(_Model):
     tokens_per_rank: int | None = Field(None, ge=8, description="alternative: tokens per DP rank per step")
     split_long: Literal["chunk"] = Field(
         "chunk", description="documents longer than seq_len are cut into seq_len chunks"
+    )
+    max_patches: int | None = Field(
+        None, ge=1, description="image patches one micro-batch may hold (the encoder's capacity); unset: no limit",
     )
 
     @model_validator(mode="after")
@@ -160,6 +260,7 @@ class CostSpec(_Model):
     linear: float | None = Field(None, ge=0)
     quadratic: float | None = Field(None, ge=0)
     attention_tile: int = Field(0, ge=0, description="attention kernel tile: short docs cost as if padded to it")
+    encoder: EncoderSpec | None = Field(None, description="the vision encoder's per-image cost (multimodal)")
 
     @model_validator(mode="after")
     def _coeffs(self) -> "CostSpec":
@@ -167,6 +268,50 @@ class CostSpec(_Model):
             raise ValueError("give both linear and quadratic, or neither (then model dimensions are used)")
         if self.kv_heads is not None and self.heads is not None and self.heads % self.kv_heads:
             raise ValueError("heads must be a multiple of kv_heads")
+        return self
+
+
+class EncoderSpec(_Model):
+    """The vision encoder's per-image cost e(P) = linear*P + quadratic*P^2 (P: the image's patches): from
+    ViT dimensions (hidden, layers, ffn) or explicit coefficients."""
+
+    hidden: int | None = Field(None, ge=1)
+    layers: int | None = Field(None, ge=1)
+    ffn: int | None = Field(None, ge=1)
+    linear: float | None = Field(None, ge=0)
+    quadratic: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "EncoderSpec":
+        dims = [v is not None for v in (self.hidden, self.layers, self.ffn)]
+        coeffs = [v is not None for v in (self.linear, self.quadratic)]
+        if not ((all(dims) and not any(coeffs)) or (all(coeffs) and not any(dims))):
+            raise ValueError("give either hidden, layers and ffn, or linear and quadratic")
+        return self
+
+
+class ImagesSpec(_Model):
+    """How images become patches and placeholder tokens (plait.transforms.resize.ImagePolicy)."""
+
+    policy: Literal["dynamic", "tiles"] = Field("dynamic", description="dynamic (Qwen2-VL) or tiles (InternVL)")
+    patch: int = Field(14, ge=1, description="ViT patch side in pixels")
+    merge: int = Field(2, ge=1, description="merge x merge patches become one LLM token")
+    min_pixels: int = Field(56 * 56, ge=1)
+    max_pixels: int = Field(28 * 28 * 1280, ge=1)
+    tile: int = Field(448, ge=1)
+    min_tiles: int = Field(1, ge=1)
+    max_tiles: int = Field(12, ge=1)
+    thumbnail: bool = True
+    image_token_id: int = Field(ge=0, le=2**31 - 1, description="the placeholder id images occupy in input_ids")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ImagesSpec":
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels must be at most max_pixels")
+        if self.min_tiles > self.max_tiles:
+            raise ValueError("min_tiles must be at most max_tiles")
+        if self.tile % (self.patch * self.merge):
+            raise ValueError(f"tile {self.tile} must be a multiple of patch * merge = {self.patch * self.merge}")
         return self
 
 
@@ -198,6 +343,7 @@ class Spec(_Model):
     steps: int | None = Field(None, ge=1, description="stop after this many global steps (unbounded if unset)")
     vocab_size: int | None = Field(None, ge=1, description="the model's vocabulary: a token id >= it is a bad record")
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    images: ImagesSpec | None = Field(None, description="image policy and placeholder id, for image sources")
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
     @field_validator("sources")
@@ -220,6 +366,9 @@ class Spec(_Model):
             unknown = sorted(set(point.weights) - names)
             if unknown:
                 raise ValueError(f"schedule[{i}] names unknown sources {unknown} (sources: {sorted(names)})")
+        unknown = sorted(set(v.online.reference) - names) if v.online is not None else []
+        if unknown:
+            raise ValueError(f"online.reference names unknown sources {unknown} (sources: {sorted(names)})")
         return v
 
     @model_validator(mode="after")
@@ -228,20 +377,78 @@ class Spec(_Model):
             raise ValueError("at least one source needs a positive weight")
         return self
 
+    @field_validator("images")
+    @classmethod
+    def _images_used(cls, v: ImagesSpec | None, info: ValidationInfo) -> ImagesSpec | None:
+        sources = info.data.get("sources") or []
+        needing = [s.name for s in sources if s.image_field is not None]
+        if v is None and needing:
+            raise ValueError(f"sources {needing} read images: give `images: {{image_token_id: ..., policy: ...}}`")
+        vocab = info.data.get("vocab_size")
+        if v is not None and vocab is not None and v.image_token_id >= vocab:
+            raise ValueError(f"image_token_id {v.image_token_id} is outside the vocabulary (vocab_size {vocab})")
+        return v
+
+    @model_validator(mode="after")
+    def _patches_need_images(self) -> "Spec":
+        if self.packing.max_patches is not None and self.images is None:
+            raise ValueError("packing.max_patches applies to image sources: give `images:`")
+        return self
+
     @property
     def source_names(self) -> list[str]:
         return [s.name for s in self.sources]
 
     def data_fingerprint(self) -> str:
-        """Digest of everything that decides which samples come in which order (not the layout)."""
+        """Digest of what decides each source's sample order (sources' data and reading, seed), not the
+        mixture (weights may change while a job runs) nor the layout."""
+        return _digest({"sources": [self._order_fields(s) for s in self.sources], "seed": self.seed,
+                        **self._vocab(), **self._images()})
+
+    def source_fingerprint(self, name: str) -> str:
+        """Digest of what decides one source's sample order: a resume under a changed spec continues a
+        source's cursor only where this is unchanged."""
+        source = next(s for s in self.sources if s.name == name)
+        return _digest({"source": self._order_fields(source), "seed": self.seed, **self._vocab(),
+                        **(self._images() if source.image_field else {})})[:12]
+
+    def mixture_fingerprint(self) -> str:
+        """Digest of what decides the sources' shares: the mixture section and the sources' weights/windows."""
+        core = self.model_dump(mode="json", include={"mixture"}, exclude_defaults=True)
+        core["sources"] = [s.model_dump(mode="json", include=set(_MIXING_FIELDS), exclude_defaults=True)
+                           for s in self.sources]
+        return _digest(core)[:8]
+
+    def legacy_fingerprint(self) -> str:
+        """The data fingerprint of plait before run-time mixing (sources with weights, mixture, seed):
+        data states saved then still load."""
         core = self.model_dump(mode="json", include={"sources", "mixture", "seed"})
         for s in core["sources"]:
-            s.pop("on_error", None)
-            s.pop("storage_options", None)
-            s.pop("shadows", None)
-        if self.vocab_size is not None:  # it decides which records are delivered (only when set: old
-            core["vocab_size"] = self.vocab_size  # states keep their fingerprint)
-        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+            for key in ("on_error", "storage_options", "shadows", "length_field", *_NEW_SOURCE_FIELDS, *_IMAGE_FIELDS):
+                s.pop(key, None)
+        for key in ("schedule_by", "online"):
+            core["mixture"].pop(key, None)
+        for p in core["mixture"]["schedule"]:
+            p.pop("tokens", None)
+        core.update(self._vocab())
+        return _digest(core)
+
+    def _order_fields(self, source: SourceSpec) -> dict:
+        d = source.model_dump(mode="json")
+        for key in ("on_error", "storage_options", "shadows", "length_field", *_MIXING_FIELDS):
+            d.pop(key, None)  # how a source is read or weighted, not which samples in which order
+        for key in _IMAGE_FIELDS:  # only when set: text-only sources keep their fingerprint
+            if d.get(key) is None:
+                d.pop(key, None)
+        return d
+
+    def _images(self) -> dict:
+        # the image policy decides placeholder counts, hence documents' tokens (only when set)
+        return {"images": self.images.model_dump(mode="json")} if self.images is not None else {}
+
+    def _vocab(self) -> dict:
+        # vocab_size decides which records are delivered (only when set: old states keep their fingerprint)
+        return {"vocab_size": self.vocab_size} if self.vocab_size is not None else {}
 
     def with_overrides(self, **changes: Any) -> "Spec":
         """A copy with top-level sections replaced (e.g. topology={'dp': 4}), re-validated."""
@@ -254,6 +461,15 @@ class Spec(_Model):
             else:
                 data[key] = value
         return load_spec(data)
+
+
+_MIXING_FIELDS = ("weight", "start_step", "stop_step")
+_NEW_SOURCE_FIELDS = ("start_step", "stop_step")  # absent from the legacy fingerprint
+_IMAGE_FIELDS = ("image_field", "image_root", "template")  # in fingerprints only when set
+
+
+def _digest(core: dict) -> str:
+    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _format_location(loc: tuple[Any, ...], data: Any) -> str:
@@ -330,7 +546,7 @@ def _resolve_paths(data: dict, base_dir: str) -> dict:
     for src in sources:
         if isinstance(src, dict):
             src = dict(src)
-            for key in ("path", "tokenizer"):
+            for key in ("path", "tokenizer", "image_root"):
                 val = src.get(key)
                 if isinstance(val, str) and not _is_url(val) and not os.path.isabs(val):
                     src[key] = os.path.join(base_dir, val)

@@ -39,6 +39,8 @@ class Telemetry:
         self.tokens = Counter("plait_source_tokens", "Tokens delivered in batches, per source", ["source"], registry=r)
         self.samples = Counter("plait_source_samples", "Samples (document chunks) delivered, per source", ["source"],
                                registry=r)
+        self.images = Counter("plait_source_images", "Images delivered in batches, per source", ["source"],
+                              registry=r)
         self.steps = Counter("plait_steps_planned", "Global steps planned", registry=r)
         self.plan_seconds = Histogram("plait_step_plan_seconds", "Time to plan one global step (metadata, "
                                       "mixture, balance)", buckets=STEP_SECONDS_BUCKETS, registry=r)
@@ -64,10 +66,14 @@ class Telemetry:
     def observe_build(self, batches: Iterable, seconds: float) -> None:
         self.build_seconds.observe(seconds)
         n = len(self.source_names)
-        tokens, samples = np.zeros(n), np.zeros(n)
+        tokens, samples, images = np.zeros(n), np.zeros(n), np.zeros(n)
         for mb in batches:
             tokens += np.bincount(mb.source_ids, weights=np.diff(mb.cu_seqlens), minlength=n)
             samples += np.bincount(mb.source_ids, minlength=n)
+            if getattr(mb, "image_document", None) is not None and len(mb.image_document):
+                images += np.bincount(mb.source_ids[mb.image_document], minlength=n)
+        for i in np.flatnonzero(images):
+            self.images.labels(source=self.source_names[i]).inc(float(images[i]))
         for i in np.flatnonzero(samples):
             name = self.source_names[i]
             self.tokens.labels(source=name).inc(float(tokens[i]))

@@ -28,6 +28,12 @@ _jit.py; the very same Python functions run uncompiled otherwise, so results nev
 6. **Micro-batch order** (microbatches.py): the heaviest micro-batches go to the middle of each rank's
    order, so pipeline warm-up and cool-down run the light ones.
 
+Multimodal steps have two capacities: `assign(..., patches=, patch_capacity=)` lets an item into a
+micro-batch only where both its tokens and its image patches fit; every stage checks both (LPT's "least
+loaded rank that can take the item" stays exact: lpt.py), and without patches every stage runs its
+text-only path, bit for bit. `capacity_lower_bound` (certificate.py) is a provable bound that respects
+the capacities (at least LB above); `max_over_capacity_lb` the matching certificate.
+
 driver.py holds `assign()`, which runs the stages, and `Assignment`; tuning.py the tuning constants
 (set `plait.balance.tuning.X`: the stages read them there at each call); baselines.py the
 baselines the balancer is measured against; warmup.py the compile warm-up. (The driver is not called
@@ -44,10 +50,11 @@ from __future__ import annotations
 
 from . import tuning
 from .baselines import first_fit, greedy
-from .certificate import lower_bound
+from .certificate import capacity_lower_bound, lower_bound, max_over_capacity_lb
 from .driver import Assignment, assign
 from .microbatches import middle_heavy_order
 from .warmup import warmup
 
-__all__ = ["Assignment", "assign", "first_fit", "greedy", "lower_bound", "middle_heavy_order", "tuning", "warmup"]
+__all__ = ["Assignment", "assign", "capacity_lower_bound", "first_fit", "greedy", "lower_bound", "max_over_capacity_lb",
+           "middle_heavy_order", "tuning", "warmup"]
 

@@ -15,7 +15,7 @@ import numpy as np
 from . import tuning
 from .certificate import lower_bound, pass_ratio, placed_tokens
 from .exchange import rebalance
-from .lpt import Items, LptRun
+from .lpt import NO_PATCHES, Items, LptRun
 from .microbatches import middle_heavy, pack_micro
 from .ordering import scatter_back, sorted_items
 
@@ -28,6 +28,7 @@ class Assignment:
     micro_cost: np.ndarray  # float64 [R, W]
     micro_tokens: np.ndarray  # int64 [R, W]
     microbatches: np.ndarray | None = None  # int64 [R]: micro-batches of each rank (W for all in equal mode)
+    micro_patches: np.ndarray | None = None  # int64 [R, W]: image patches per micro-batch (None: no patches)
 
     def __post_init__(self):
         if self.microbatches is None:
@@ -48,17 +49,30 @@ def assign(
     priority: np.ndarray | None = None,
     mode: str = "equal",
     max_microbatches: int | None = None,
+    patches: np.ndarray | None = None,
+    patch_capacity: int | None = None,
 ) -> Assignment:
     """Place items on (rank, micro-batch) minimising the largest rank cost; see the package docstring.
 
     Items with `priority` >= 2 (the Planner gives every carried item that: steps waited + 1) are placed
     before all others and are never held back by the cost cap, so nothing is carried twice for balance.
+
+    Multimodal steps: `patches` (int [n], each item's image patches) and `patch_capacity` (patches a
+    micro-batch may hold: the vision encoder's memory) add a second capacity; an item fits a micro-batch
+    only where both its tokens and its patches do. Without both (or with patches all 0) every stage runs
+    its text-only path. With `patches` alone, micro_patches is reported but not limited.
     """
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     n = len(lengths)
     R = int(ranks)
     C = int(capacity)
+    if patches is not None:
+        patches = np.ascontiguousarray(patches, dtype=np.int64)
+        if patches.shape != lengths.shape:
+            raise ValueError(f"patches has shape {patches.shape}, lengths {lengths.shape}")
+    two = patches is not None and patch_capacity is not None and bool(patches.any())
+    Pc = int(patch_capacity) if two else -1
     if mode == "equal":
         W = int(microbatches)
     elif mode == "variable":
@@ -68,14 +82,15 @@ def assign(
     # Stage 1: work in placement order, so the passes below stream through contiguous arrays.
     order, Ls, Cs = sorted_items(costs, priority, lengths)
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
+    items = Items(Us, Ls, Cs, patches[order] if two else NO_PATCHES)
     # Stages 2 and 3: LPT passes at cost caps, the best certificate kept.
-    rank_s, micro_s, rank_cost, micro_cost, room, ratio = _lpt_passes(Us, Ls, Cs, costs, R, W, C)
+    rank_s, micro_s, rank_cost, micro_cost, room, proom, ratio = _lpt_passes(items, costs, R, W, (C, Pc))
     # Stage 4: re-pack the micro-batches inside each rank.
     counts = np.full(R, W, dtype=np.int64)
-    pack_micro(Ls, Cs, rank_s, micro_s, micro_cost, room, C, mode == "variable", counts)
+    pack_micro(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc), mode == "variable", counts)
     # Stage 5 (equal mode): rebalance between ranks when the step still certifies badly.
     if mode == "equal" and R > 1 and n and ratio > 1.0 + tuning.RECAP_ABOVE:
-        rank_cost = rebalance(Items(Us, Ls, Cs), rank_s, micro_s, micro_cost, room, C,
+        rank_cost = rebalance(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc),
                               int(tuning.REBALANCE_TOKENS * int(Ls.sum())))
     micro_tokens = C - room
     # Stage 6: the heaviest micro-batches to the middle of each rank's order; back to the caller's order.
@@ -90,13 +105,19 @@ def assign(
     if mode == "variable":
         width = max(1, int(counts.max()))
         micro_cost, micro_tokens = micro_cost[:, :width].copy(), micro_tokens[:, :width].copy()
-    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens, counts)
+    micro_patches = None
+    if patches is not None:
+        ok = rank >= 0
+        micro_patches = np.bincount(rank[ok].astype(np.int64) * micro_cost.shape[1] + micro[ok],
+                                    weights=patches[ok], minlength=micro_cost.size)
+        micro_patches = micro_patches.astype(np.int64).reshape(micro_cost.shape)
+    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens, counts, micro_patches)
 
 
-def _lpt_passes(Us, Ls, Cs, costs, R, W, capacity):
+def _lpt_passes(items, costs, R, W, caps):
     """Stages 2 and 3: the LPT pass at a cost cap just above the lower bound, and the passes at other
-    caps that may certify better. Returns rank, micro, rank_cost, micro_cost, room of the pass kept, and
-    its certificate (max/LB of the items it placed).
+    caps that may certify better. Returns rank, micro, rank_cost, micro_cost, room, proom (patch room;
+    [R, 0] without patches) of the pass kept, and its certificate (max/LB of the items it placed).
 
     Tokens may bind before cost: some ranks full of cheap short documents while others hold the
     expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto the
@@ -108,10 +129,12 @@ def _lpt_passes(Us, Ls, Cs, costs, R, W, capacity):
     tokens. All passes share their decisions up to the first item where their caps disagree: LptRun
     resumes each later pass from a snapshot of the first.
     """
+    Us, Ls, Cs, Ps = items
+    capacity, pcap = caps
     lb_all = lower_bound(Cs, R)
     total_tokens = int(Ls.sum())
     cap = lower_bound(costs, R) * (1.0 + tuning.CAP_SLACK)  # (summed in the caller's order: same float as always)
-    first = LptRun(Us, Ls, Cs, R, W, capacity, cap)
+    first = LptRun(Us, Ls, Cs, R, W, capacity, cap, Ps if pcap >= 0 else None, pcap if pcap >= 0 else None)
     best = first.result
     ratio = pass_ratio(best.rank, best.rank_cost, Cs, R)
     if best.skipped and ratio > best.first_over / lb_all:
@@ -126,4 +149,4 @@ def _lpt_passes(Us, Ls, Cs, costs, R, W, capacity):
         ratio_again = pass_ratio(again.rank, again.rank_cost, Cs, R)
         if ratio_again < ratio and lost <= tuning.RECAP_TOKENS * total_tokens:
             best, ratio = again, ratio_again
-    return best.rank, best.micro, best.rank_cost, best.micro_cost, best.room, ratio
+    return best.rank, best.micro, best.rank_cost, best.micro_cost, best.room, best.proom, ratio

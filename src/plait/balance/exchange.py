@@ -36,13 +36,19 @@ Board = namedtuple("Board", "mc owner slots rank_cost")
 # The items of each group, for the item exchange: item_g[i] the group of item i (-1: not placed);
 # head[g] / nxt[i] a linked list of g's items in placement order (decreasing cost); mtok[g] its tokens.
 # pool, side: scratch for the split of one pair of groups (the pooled items, and the side each goes to).
-Members = namedtuple("Members", "item_g head nxt mtok pool side")
+# mpat[g]: its patches (empty without patches).
+Members = namedtuple("Members", "item_g head nxt mtok pool side mpat")
 
 
-def rebalance(items, rank_s, micro_s, micro_cost, room, capacity, carry_budget):
+def rebalance(items, rank_s, micro_s, micro_cost, rooms, caps, carry_budget):
     """Stage 5 on the items (lpt.Items, in placement order) as placed by stages 2-4: swaps, item
-    exchange, carrying at most carry_budget tokens. Modifies rank_s, micro_s (-1 for carried items),
-    micro_cost and room in place (the micro-batches in their new slots); returns the rank costs."""
+    exchange, carrying at most carry_budget tokens. rooms: (token room, patch room [R, 0] without
+    patches), caps: (token, patch capacity); whole micro-batches keep both when they swap, an item moves
+    only where both fit. Modifies rank_s, micro_s (-1 for carried items), micro_cost and the rooms in
+    place (the micro-batches in their new slots); returns the rank costs."""
+    room, proom = rooms
+    capacity = caps[0]
+    two = len(items.patches) > 0
     Cs = items.costs
     R, W = micro_cost.shape
     G = R * W
@@ -53,7 +59,7 @@ def rebalance(items, rank_s, micro_s, micro_cost, room, capacity, carry_budget):
     refine_swaps(board, max_iter, swap_scan)
     total = float(Cs[rank_s >= 0].sum())
     if _ratio(board.rank_cost, total, float(Cs.max(initial=0.0)), R) > 1.0 + tuning.RECAP_ABOVE:
-        _exchange_items(items, rank_s, micro_s, room, capacity, board, max_iter, swap_scan)
+        _exchange_items(items, rank_s, micro_s, rooms, caps, board, max_iter, swap_scan)
     board, gone = _carry_long(items, rank_s, micro_s, board, capacity, carry_budget, max_iter, swap_scan)
     if len(gone):
         gone = np.array(gone, dtype=np.int64)
@@ -61,11 +67,17 @@ def rebalance(items, rank_s, micro_s, micro_cost, room, capacity, carry_budget):
         room_flat = room.ravel()
         np.add.at(room_flat, g, items.lengths[gone])
         room[:] = room_flat.reshape(R, W)
+        if two:
+            proom_flat = proom.ravel()
+            np.add.at(proom_flat, g, items.patches[gone])
+            proom[:] = proom_flat.reshape(R, W)
         rank_s[gone] = -1
         micro_s[gone] = -1
     pos = np.empty(G, dtype=np.int64)
     pos[board.slots.ravel()] = np.tile(np.arange(W, dtype=np.int64), R)
     room_new = room.ravel()[board.slots]
+    if two:
+        proom[:] = proom.ravel()[board.slots]
     # Exact costs from the items (no drift from incremental updates).
     mc_new = np.zeros(G)
     _move_groups(rank_s, micro_s, board.owner, pos, W, Cs, mc_new)
@@ -84,18 +96,23 @@ def _copy(board: Board) -> Board:
     return Board(*(x.copy() for x in board))
 
 
-def _exchange_items(items, rank_s, micro_s, room, capacity, board, max_iter, swap_scan):
+def _exchange_items(items, rank_s, micro_s, rooms, caps, board, max_iter, swap_scan):
     """Step 2: item exchanges between the costliest and the lightest ranks, then swaps again (if any
-    exchange happened). Updates rank_s, micro_s (groups), room and the board."""
+    exchange happened). Updates rank_s, micro_s (groups), the rooms and the board."""
+    room, proom = rooms
+    capacity, pcap = caps
     n = len(items.lengths)
     R, W = board.slots.shape
     item_g = _item_group(rank_s, micro_s, W)
     members = Members(item_g, np.full(R * W, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64),
-                      capacity - room.ravel().copy(), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int8))
+                      capacity - room.ravel().copy(), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int8),
+                      pcap - proom.ravel().copy())
     _item_lists(item_g, members.head, members.nxt)
-    if _exchange(items.lengths, items.costs, board, members, capacity, max_iter):
+    if _exchange(items.lengths, items.costs, items.patches, board, members, caps, max_iter):
         _from_group(item_g, W, rank_s, micro_s)
         room.ravel()[:] = capacity - members.mtok
+        if len(items.patches):
+            proom.ravel()[:] = pcap - members.mpat
         refine_swaps(board, max_iter, swap_scan)
 
 
@@ -103,7 +120,7 @@ def _carry_long(items, rank_s, micro_s, board, capacity, carry_budget, max_iter,
     """Step 3: carry the costliest long item of the costliest rank, one at a time (swaps after each),
     while the budget lasts and it helps. Returns the best board seen and the items carried to reach it
     (the board before any carry and [] if none helped); rank_s and micro_s are left as they are."""
-    urgent, Ls, Cs = items
+    urgent, Ls, Cs = items.urgent, items.lengths, items.costs
     R, W = board.slots.shape
     cmax_u, first_rest = _placed_stats(rank_s, Cs, urgent)
     total = float(Cs[rank_s >= 0].sum())
@@ -227,15 +244,17 @@ def refine_swaps(board, max_iter, swap_scan):
 
 
 @jit
-def _exchange(lengths, costs, board, members, capacity, max_iter):
+def _exchange(lengths, costs, patches, board, members, caps, max_iter):
     """Item exchanges between a micro-batch of the costliest rank and one of the lightest rank.
 
     When every micro-batch is full of tokens, cost can still move between ranks: long documents cost more
     per token than short ones, so the light rank's micro-batch takes long documents and gives back as
     many tokens of short ones. The pooled items of the two micro-batches are split again (_split_pair).
     Returns how many exchanges ran."""
+    capacity, pcap = caps
+    two = len(patches) > 0
     mc, slots, rank_cost = board.mc, board.slots, board.rank_cost
-    item_g, head, nxt, mtok, pool, side = members
+    item_g, head, nxt, mtok, pool, side, mpat = members
     R, W = slots.shape
     done = 0
     for it in range(max_iter):
@@ -257,9 +276,14 @@ def _exchange(lengths, costs, board, members, capacity, max_iter):
             for b in range(W):
                 gb = slots[q, b]
                 target = mc[gb] + (top - rank_cost[q]) * 0.5  # light side's ideal cost
-                k, ptok, btok, bc = _split_pair(members, ga, gb, lengths, costs, capacity, target)
-                if ptok - btok > capacity:
-                    continue
+                if two:
+                    k, ptok, btok, bc = _split_pair_patches(members, ga, gb, lengths, costs, patches, caps, target)
+                    if ptok - btok > capacity or not _split_fits(members, ga, gb, k, patches, pcap):
+                        continue
+                else:
+                    k, ptok, btok, bc = _split_pair(members, ga, gb, lengths, costs, capacity, target)
+                    if ptok - btok > capacity:
+                        continue
                 d = bc - mc[gb]  # cost moved to the light rank
                 if d <= 0.0:
                     continue
@@ -276,9 +300,14 @@ def _exchange(lengths, costs, board, members, capacity, max_iter):
         ga = bga
         gb = bgb
         target = mc[gb] + (top - rank_cost[q]) * 0.5
-        k, ptok, btok, bc = _split_pair(members, ga, gb, lengths, costs, capacity, target)
+        if two:
+            k, ptok, btok, bc = _split_pair_patches(members, ga, gb, lengths, costs, patches, caps, target)
+        else:
+            k, ptok, btok, bc = _split_pair(members, ga, gb, lengths, costs, capacity, target)
         ac = 0.0
         atok = 0
+        apat = 0
+        bpat = 0
         la = -1
         lb = -1
         head[ga] = -1
@@ -286,6 +315,11 @@ def _exchange(lengths, costs, board, members, capacity, max_iter):
         for j in range(k):
             i = pool[j]
             nxt[i] = -1
+            if two:
+                if side[j] == 1:
+                    bpat += patches[i]
+                else:
+                    apat += patches[i]
             if side[j] == 1:
                 item_g[i] = gb
                 if lb < 0:
@@ -309,8 +343,22 @@ def _exchange(lengths, costs, board, members, capacity, max_iter):
         mc[gb] = bc
         mtok[ga] = atok
         mtok[gb] = btok
+        if two:
+            mpat[ga] = apat
+            mpat[gb] = bpat
         done += 1
     return done
+
+
+@jit
+def _split_fits(members, ga, gb, k, patches, pcap):
+    """Whether both sides of the split in members.side (k pooled items) are within the patch capacity."""
+    ptot = members.mpat[ga] + members.mpat[gb]
+    bp = 0
+    for j in range(k):
+        if members.side[j] == 1:
+            bp += patches[members.pool[j]]
+    return bp <= pcap and ptot - bp <= pcap
 
 
 @jit
@@ -319,19 +367,8 @@ def _split_pair(members, ga, gb, lengths, costs, capacity, target):
     again (members.side): longest first onto the light side (side 1) while its cost stays within
     `target`, then the shortest onto it until the heavy side fits. Returns (pooled count, pooled tokens,
     light-side tokens, light-side cost)."""
-    head, nxt, mtok, pool, side = members.head, members.nxt, members.mtok, members.pool, members.side
-    k = 0
-    ia = head[ga]
-    ib = head[gb]
-    while ia >= 0 or ib >= 0:
-        if ib < 0 or (ia >= 0 and ia < ib):
-            pool[k] = ia
-            ia = nxt[ia]
-        else:
-            pool[k] = ib
-            ib = nxt[ib]
-        k += 1
-    ptok = mtok[ga] + mtok[gb]
+    k, ptok = _pool(members, ga, gb)
+    pool, side = members.pool, members.side
     btok = 0
     bc = 0.0
     for j in range(k):
@@ -350,6 +387,55 @@ def _split_pair(members, ga, gb, lengths, costs, capacity, target):
             bc += costs[i]
         j -= 1
     return k, ptok, btok, bc
+
+
+@jit
+def _split_pair_patches(members, ga, gb, lengths, costs, patches, caps, target):
+    """_split_pair with patches: the light side takes an item only where its patches fit too (the heavy
+    side is checked by _split_fits)."""
+    capacity, pcap = caps
+    k, ptok = _pool(members, ga, gb)
+    pool, side = members.pool, members.side
+    btok = 0
+    bp = 0
+    bc = 0.0
+    for j in range(k):
+        i = pool[j]
+        side[j] = 0
+        if btok + lengths[i] <= capacity and bc + costs[i] <= target and bp + patches[i] <= pcap:
+            side[j] = 1
+            btok += lengths[i]
+            bp += patches[i]
+            bc += costs[i]
+    j = k - 1
+    while ptok - btok > capacity and j >= 0:
+        i = pool[j]
+        if side[j] == 0 and btok + lengths[i] <= capacity and bp + patches[i] <= pcap:
+            side[j] = 1
+            btok += lengths[i]
+            bp += patches[i]
+            bc += costs[i]
+        j -= 1
+    return k, ptok, btok, bc
+
+
+@jit
+def _pool(members, ga, gb):
+    """The items of micro-batches ga and gb merged in placement order into members.pool; returns their
+    count and tokens."""
+    head, nxt, mtok, pool = members.head, members.nxt, members.mtok, members.pool
+    k = 0
+    ia = head[ga]
+    ib = head[gb]
+    while ia >= 0 or ib >= 0:
+        if ib < 0 or (ia >= 0 and ia < ib):
+            pool[k] = ia
+            ia = nxt[ia]
+        else:
+            pool[k] = ib
+            ib = nxt[ib]
+        k += 1
+    return k, mtok[ga] + mtok[gb]
 
 
 @jit

@@ -32,21 +32,31 @@ from ._jit import jit
 from .heaps import pop, push, sift_down
 from .ordering import radix_sort
 
-# The items of a step, in placement order: urgent (bool: never held back by the cap), lengths, costs.
-Items = namedtuple("Items", "urgent lengths costs")
+# The items of a step, in placement order: urgent (bool: never held back by the cap), lengths, costs,
+# patches (int64 [n], or [0]: no patch capacity - text, or patches not limited; every kernel then runs
+# its text-only path, bit for bit the one it ran before patches existed).
+Items = namedtuple("Items", "urgent lengths costs patches")
+NO_PATCHES = np.zeros(0, dtype=np.int64)
 
 # The state of an LPT pass, all arrays. rank, micro [n]: the item's place (-1: none yet). rank_cost [R],
 # micro_cost [R, W], room [R, W] (tokens left). best [R]: each rank's largest hole. heap: ranks with room
 # for the current item, by (cost, id); full: ranks too full for it, by (neg_best, id) - largest hole
 # first; the rounds reuse heap / neg_best as their order / sort keys. ints: the counters (I_*).
 # first_over [1]: the cost the first held-back item would have lifted its rank to (0.0: none yet).
-LptState = namedtuple("LptState", "rank micro rank_cost micro_cost room best neg_best heap full ints first_over")
+# With patches (two capacities, see "Two capacities" below), [R, W] / [R] arrays, else [R, 0] / [0]:
+# proom [R, W] (patches left), pbest [R] (largest patch hole), neg_pbest, pfull: ranks too full in
+# patches for the current item (largest patch hole first), fit [R]: max over the rank's micro-batches of
+# min(room * patch_capacity, proom * capacity) (an item fits *every* rank when max(L * patch_capacity,
+# P * capacity) <= min(fit): the rounds' test), stash: scratch for ranks passed over by one item.
+LptState = namedtuple("LptState", "rank micro rank_cost micro_cost room best neg_best heap full ints first_over "
+                                  "proom pbest neg_pbest pfull fit stash")
 I_HEAP_N = 0  # ranks in heap[:n]
 I_FULL_N = 1  # ranks in full[:n]
 I_SKIPPED = 2  # items held back by the cap so far
 I_PHASE = 3  # PHASE_*: where the pass is (see _lpt)
 I_ROUNDS_RAN = 4  # 1 once a round ran (its sort overwrote the heaps, which must then be rebuilt)
-N_INTS = 5
+I_PFULL_N = 5  # ranks in pfull[:n]
+N_INTS = 6
 PHASE_HEAPS = 0
 PHASE_ROUNDS = 1
 PHASE_HEAPS_AGAIN = 2
@@ -56,27 +66,37 @@ PHASE_HEAPS_AGAIN = 2
 # one per `every`-block of items; the last one is taken before the first held-back item. trig[i]: what
 # item i would lift its rank's cost to (recorded until the first held-back item), from which a pass at
 # a lower cap finds where it diverges.
-Snapshots = namedtuple("Snapshots", "at rank_cost micro_cost room best neg_best heap full ints first_over trig")
+Snapshots = namedtuple("Snapshots", "at rank_cost micro_cost room best neg_best heap full ints first_over "
+                                      "proom pbest neg_pbest pfull fit trig")
 
 # The outcome of a pass: the places, costs and room, how many items the cap held back, and first_over.
-LptResult = namedtuple("LptResult", "rank micro rank_cost micro_cost room skipped first_over")
+LptResult = namedtuple("LptResult", "rank micro rank_cost micro_cost room skipped first_over proom")
 
 
-def fresh_state(n, R, W, capacity) -> LptState:
-    """The state of an LPT pass before its first item: nothing placed, every rank in the cost heap."""
+def fresh_state(n, R, W, capacity, pcap=-1) -> LptState:
+    """The state of an LPT pass before its first item: nothing placed, every rank in the cost heap.
+    pcap: the micro-batches' patch capacity (-1: no patch state)."""
     ints = np.zeros(N_INTS, dtype=np.int64)
     ints[I_HEAP_N] = R
+    Rp, Wp = (R, W) if pcap >= 0 else (0, 0)
     return LptState(np.full(n, -1, dtype=np.int32), np.full(n, -1, dtype=np.int32), np.zeros(R), np.zeros((R, W)),
                     np.full((R, W), capacity, dtype=np.int64), np.full(R, capacity, dtype=np.int64), np.zeros(R),
-                    np.arange(R, dtype=np.int64), np.empty(R, dtype=np.int64), ints, np.zeros(1))
+                    np.arange(R, dtype=np.int64), np.empty(R, dtype=np.int64), ints, np.zeros(1),
+                    np.full((Rp, Wp), pcap, dtype=np.int64), np.full(Rp, pcap, dtype=np.int64),
+                    np.zeros(Rp, dtype=np.int64), np.empty(Rp, dtype=np.int64),
+                    np.full(Rp, capacity * max(pcap, 0), dtype=np.int64), np.empty(Rp, dtype=np.int64))
 
 
-def new_snapshots(K, n, R, W) -> Snapshots:
+def new_snapshots(K, n, R, W, patches=False) -> Snapshots:
     """Room for K snapshots of a pass over n items (K = 0: a pass that takes none)."""
+    Rp, Wp = (R, W) if patches else (0, 0)
     return Snapshots(np.full(K, -1, dtype=np.int64), np.empty((K, R)), np.empty((K, R, W)),
                      np.empty((K, R, W), dtype=np.int64), np.empty((K, R), dtype=np.int64), np.empty((K, R)),
                      np.empty((K, R), dtype=np.int64), np.empty((K, R), dtype=np.int64),
-                     np.empty((K, N_INTS), dtype=np.int64), np.empty((K, 1)), np.full(n if K else 0, -np.inf))
+                     np.empty((K, N_INTS), dtype=np.int64), np.empty((K, 1)), np.empty((K, Rp, Wp), dtype=np.int64),
+                     np.empty((K, Rp), dtype=np.int64), np.empty((K, Rp), dtype=np.int64),
+                     np.empty((K, Rp), dtype=np.int64), np.empty((K, Rp), dtype=np.int64),
+                     np.full(n if K else 0, -np.inf))
 
 
 NO_SNAPSHOTS = new_snapshots(0, 0, 0, 0)  # for a pass that takes none (every = 0: nothing is written)
@@ -84,7 +104,7 @@ NO_SNAPSHOTS = new_snapshots(0, 0, 0, 0)  # for a pass that takes none (every = 
 
 def result_of(st: LptState) -> LptResult:
     return LptResult(st.rank, st.micro, st.rank_cost, st.micro_cost, st.room, int(st.ints[I_SKIPPED]),
-                     float(st.first_over[0]))
+                     float(st.first_over[0]), st.proom)
 
 
 class LptRun:
@@ -98,10 +118,12 @@ class LptRun:
     tuning.SNAPSHOT_MIN items take no snapshots: every pass runs from the first item.
     """
 
-    def __init__(self, urgent, lengths, costs, R, W, capacity, cap):
+    def __init__(self, urgent, lengths, costs, R, W, capacity, cap, patches=None, patch_capacity=None):
         n = len(lengths)
-        self.items = Items(urgent, lengths, costs)
+        two = patches is not None and patch_capacity is not None
+        self.items = Items(urgent, lengths, costs, patches if two else NO_PATCHES)
         self.R, self.W, self.capacity = R, W, capacity
+        self.pcap = int(patch_capacity) if two else -1
         self.cap = float(cap)
         self.switch = round_start(urgent, costs, R)
         self.round_short = int(tuning.ROUND_SHORT)
@@ -111,9 +133,9 @@ class LptRun:
             return
         every = max(1024, -(-n // tuning.SNAPSHOTS))
         K = n // every + 2  # periodic snapshots, then the one at the first held-back item
-        self.snaps = new_snapshots(K, n, R, W)
-        st = fresh_state(n, R, W, capacity)
-        _lpt(self.items, st, self.snaps, capacity, self.cap, 0, self.switch, every, self.round_short)
+        self.snaps = new_snapshots(K, n, R, W, two)
+        st = fresh_state(n, R, W, capacity, self.pcap)
+        _lpt(self.items, st, self.snaps, (capacity, self.pcap), self.cap, 0, self.switch, every, self.round_short)
         self.result = result_of(st)
 
     def rerun(self, cap: float) -> LptResult:
@@ -138,20 +160,20 @@ class LptRun:
         else:
             k = int(np.flatnonzero((taken >= 0) & (taken <= diverge))[-1])
         start = int(at[k])
-        st = fresh_state(n, self.R, self.W, self.capacity)
+        st = fresh_state(n, self.R, self.W, self.capacity, self.pcap)
         st.rank[:start] = self.result.rank[:start]
         st.micro[:start] = self.result.micro[:start]
         for dst, snap in zip(st[2:], self.snaps[1:-1]):
             dst[...] = snap[k]
         none = self.snaps._replace(at=at[:0], trig=self.snaps.trig[:0])  # a resumed pass takes no snapshots
-        _lpt(self.items, st, none, self.capacity, cap, start, self.switch, 0, self.round_short)
+        _lpt(self.items, st, none, (self.capacity, self.pcap), cap, start, self.switch, 0, self.round_short)
         return result_of(st)
 
     def pass_from_scratch(self, cap: float) -> LptResult:
         """A whole pass at `cap` from the first item, without snapshots (one compiled call)."""
         n = len(self.items.lengths)
-        st = fresh_state(n, self.R, self.W, self.capacity)
-        _lpt(self.items, st, NO_SNAPSHOTS, self.capacity, float(cap), 0, self.switch, 0, self.round_short)
+        st = fresh_state(n, self.R, self.W, self.capacity, self.pcap)
+        _lpt(self.items, st, NO_SNAPSHOTS, (self.capacity, self.pcap), float(cap), 0, self.switch, 0, self.round_short)
         return result_of(st)
 
 
@@ -206,10 +228,15 @@ def _snapshot(snaps, k, i, st):
     snaps.full[k] = st.full
     snaps.ints[k] = st.ints
     snaps.first_over[k] = st.first_over
+    snaps.proom[k] = st.proom
+    snaps.pbest[k] = st.pbest
+    snaps.neg_pbest[k] = st.neg_pbest
+    snaps.pfull[k] = st.pfull
+    snaps.fit[k] = st.fit
 
 
 @jit
-def _lpt(items, st, snaps, capacity, cap, start, switch, every, round_short):
+def _lpt(items, st, snaps, caps, cap, start, switch, every, round_short):
     """LPT from item `start` on, from the state `st`, in up to three phases (st.ints[I_PHASE] says which):
 
     PHASE_HEAPS: items before `switch`: each to the least loaded rank with room (heap: ranks by cost;
@@ -221,21 +248,22 @@ def _lpt(items, st, snaps, capacity, cap, start, switch, every, round_short):
     PHASE_HEAPS_AGAIN: once some rank is too full: heaps again, rebuilt from the state (the least-loaded
        rank *with room* and the cap below need them).
 
-    An item that would lift its rank past `cap` while some rank is too full for it is carried (skipped).
-    With every > 0 the state is snapshotted at the first item of each `every`-block (at a round start in
-    the round phase) and before the first skipped item (last slot), and snaps.trig[i] is recorded (see
-    LptRun). Returns the number of skipped items.
+    caps: (token capacity, patch capacity; -1: no patches). An item that would lift its rank past `cap`
+    while some rank is too full for it is carried (skipped). With every > 0 the state is snapshotted at
+    the first item of each `every`-block (at a round start in the round phase) and before the first
+    skipped item (last slot), and snaps.trig[i] is recorded (see LptRun). Returns the number of skipped
+    items.
     """
     n = len(items.lengths)
     R = st.rank_cost.shape[0]
     ints = st.ints
     i = start
     if ints[I_PHASE] == PHASE_HEAPS:
-        i = _lpt_heap(items, st, snaps, capacity, cap, i, min(switch, n), every)
+        i = _lpt_heap(items, st, snaps, caps, cap, i, min(switch, n), every)
         if i < n:
             ints[I_PHASE] = PHASE_ROUNDS  # the heaps stay as they are until a round runs (I_ROUNDS_RAN)
     if ints[I_PHASE] == PHASE_ROUNDS and i < n:
-        i = _lpt_rounds(items, st, snaps, capacity, i, every, round_short)
+        i = _lpt_rounds(items, st, snaps, caps, i, every, round_short)
         if i < n:
             if ints[I_ROUNDS_RAN] == 1:
                 # Rounds ran (their order overwrote the heaps). Every rank had room for every item they
@@ -246,20 +274,34 @@ def _lpt(items, st, snaps, capacity, cap, start, switch, every, round_short):
                     hn = push(st.heap, hn, st.rank_cost, r)
                 ints[I_HEAP_N] = hn
                 ints[I_FULL_N] = 0
+                ints[I_PFULL_N] = 0
             ints[I_PHASE] = PHASE_HEAPS_AGAIN
     if ints[I_PHASE] == PHASE_HEAPS_AGAIN and i < n:
-        _lpt_heap(items, st, snaps, capacity, cap, i, n, every)
+        _lpt_heap(items, st, snaps, caps, cap, i, n, every)
     return ints[I_SKIPPED]
 
 
 @jit
-def _lpt_heap(items, st, snaps, capacity, cap, start, stop, every):
-    """The heap phases of _lpt over items [start, stop); returns stop."""
-    urgent, lengths, costs = items
+def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
+    """The heap phases of _lpt over items [start, stop); returns stop.
+
+    Two capacities (items.patches given): a rank can take an item when one of its micro-batches has
+    room for both its tokens and its patches. Ranks with too few tokens left anywhere wait in `full`
+    (largest token hole first), ranks with too few patches left anywhere in `pfull` (largest patch hole
+    first); both come back as soon as an item small enough arrives. A rank in the cost heap may still
+    have its token room and its patch room in different micro-batches: the top of the heap is then set
+    aside (stash) until one that can take the item comes up, and the set-aside ranks go back afterwards.
+    So the item goes to exactly the least-loaded rank that can take it, as with one capacity.
+    """
+    urgent, lengths, costs, patches = items
+    capacity, pcap = caps
+    two = len(patches) > 0
     W = st.micro_cost.shape[1]
     heap, full, rank_cost, best, neg_best, ints = st.heap, st.full, st.rank_cost, st.best, st.neg_best, st.ints
+    pfull, pbest, neg_pbest, stash = st.pfull, st.pbest, st.neg_pbest, st.stash
     hn = ints[I_HEAP_N]
     fn = ints[I_FULL_N]
+    pfn = ints[I_PFULL_N]
     skipped = ints[I_SKIPPED]
     first_over = st.first_over[0]
     last = len(snaps.at) - 1
@@ -270,44 +312,90 @@ def _lpt_heap(items, st, snaps, capacity, cap, start, stop, every):
             if snaps.at[k] < 0:
                 ints[I_HEAP_N] = hn
                 ints[I_FULL_N] = fn
+                ints[I_PFULL_N] = pfn
                 ints[I_SKIPPED] = skipped
                 st.first_over[0] = first_over
                 _snapshot(snaps, k, i, st)
             due = (k + 1) * every
         L = lengths[i]
+        P = 0
         while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
             r, fn = pop(full, fn, neg_best)
             hn = push(heap, hn, rank_cost, r)
-        while hn > 0 and best[heap[0]] < L:
-            r, hn = pop(heap, hn, rank_cost)
-            neg_best[r] = -best[r]
-            fn = push(full, fn, neg_best, r)
+        sn = 0
+        m = -1
+        if two:
+            P = patches[i]
+            while pfn > 0 and pbest[pfull[0]] >= P:
+                r, pfn = pop(pfull, pfn, neg_pbest)
+                hn = push(heap, hn, rank_cost, r)
+            while hn > 0:
+                r = heap[0]
+                if best[r] < L:
+                    r, hn = pop(heap, hn, rank_cost)
+                    neg_best[r] = -best[r]
+                    fn = push(full, fn, neg_best, r)
+                elif pbest[r] < P:
+                    r, hn = pop(heap, hn, rank_cost)
+                    neg_pbest[r] = -pbest[r]
+                    pfn = push(pfull, pfn, neg_pbest, r)
+                else:
+                    m = _best_fit2(st.room, st.proom, r, L, P, capacity, pcap)
+                    if m >= 0:
+                        break
+                    r, hn = pop(heap, hn, rank_cost)  # room for both, but not in one micro-batch
+                    stash[sn] = r
+                    sn += 1
+        else:
+            while hn > 0 and best[heap[0]] < L:
+                r, hn = pop(heap, hn, rank_cost)
+                neg_best[r] = -best[r]
+                fn = push(full, fn, neg_best, r)
         if hn == 0:
+            if sn > 0:
+                hn = _unstash(heap, hn, rank_cost, stash, sn)
             continue
         r = heap[0]
-        if fn > 0 and not urgent[i]:
+        if (fn > 0 or pfn > 0 or sn > 0) and not urgent[i]:
             v = rank_cost[r] + costs[i]
             if every > 0 and skipped == 0:
                 snaps.trig[i] = v
             if v > cap:
+                if sn > 0:
+                    hn = _unstash(heap, hn, rank_cost, stash, sn)
                 if skipped == 0:
                     first_over = v  # the plain pass's maximum reaches at least this
                     if every > 0:
                         ints[I_HEAP_N] = hn
                         ints[I_FULL_N] = fn
+                        ints[I_PFULL_N] = pfn
                         ints[I_SKIPPED] = 0
                         st.first_over[0] = 0.0  # a pass resumed here has not held anything back yet
                         _snapshot(snaps, last, i, st)
                 skipped += 1
                 continue  # the ranks with room would exceed the cap, others are full of tokens: carry it
-        m = _best_fit(st.room, r, W, L, capacity)
-        _put(st, i, r, m, L, costs[i])
+        if two:
+            _put(st, i, r, m, L, costs[i])
+            _put_patches(st, r, m, P, caps)
+        else:
+            _put(st, i, r, _best_fit(st.room, r, W, L, capacity), L, costs[i])
         sift_down(heap, hn, rank_cost, 0)
+        if sn > 0:
+            hn = _unstash(heap, hn, rank_cost, stash, sn)
     ints[I_HEAP_N] = hn
     ints[I_FULL_N] = fn
+    ints[I_PFULL_N] = pfn
     ints[I_SKIPPED] = skipped
     st.first_over[0] = first_over
     return stop
+
+
+@jit
+def _unstash(heap, hn, rank_cost, stash, sn):
+    """The ranks set aside for one item back into the cost heap; returns its size."""
+    for t in range(sn):
+        hn = push(heap, hn, rank_cost, stash[t])
+    return hn
 
 
 @jit
@@ -323,9 +411,24 @@ def _best_fit(room, r, W, L, capacity):
 
 
 @jit
+def _best_fit2(room, proom, r, L, P, capacity, pcap):
+    """Rank r's fullest micro-batch with room for L tokens and P patches (-1: none): the least room left
+    after it, tokens and patches each as a fraction of its capacity (ties: the first)."""
+    m = -1
+    mr = 0
+    for j in range(room.shape[1]):
+        if room[r, j] >= L and proom[r, j] >= P:
+            left = (room[r, j] - L) * pcap + (proom[r, j] - P) * capacity
+            if m < 0 or left < mr:
+                mr = left
+                m = j
+    return m
+
+
+@jit
 def _put(st, i, r, m, L, c):
     """Item i (L tokens, cost c) into micro-batch m of rank r; keeps best[r] (its largest hole) current;
-    returns it."""
+    returns it. (With patches, _put_patches follows.)"""
     room, best = st.room, st.best
     was = room[r, m]
     st.rank[i] = r
@@ -343,7 +446,27 @@ def _put(st, i, r, m, L, c):
 
 
 @jit
-def _lpt_rounds(items, st, snaps, capacity, start, every, round_short):
+def _put_patches(st, r, m, P, caps):
+    """P patches into micro-batch m of rank r (after _put): keeps pbest[r] and fit[r] current."""
+    room = st.room
+    capacity, pcap = caps
+    proom = st.proom
+    pwas = proom[r, m]
+    proom[r, m] -= P
+    if pwas == st.pbest[r]:
+        b = 0
+        for j in range(proom.shape[1]):
+            if proom[r, j] > b:
+                b = proom[r, j]
+        st.pbest[r] = b
+    f = 0
+    for j in range(proom.shape[1]):
+        f = max(f, min(room[r, j] * pcap, proom[r, j] * capacity))
+    st.fit[r] = f
+
+
+@jit
+def _lpt_rounds(items, st, snaps, caps, start, every, round_short):
     """The round phase of _lpt, from item `start` until an item some rank has no room for, or until
     rounds get shorter than `round_short` ranks (returned; n if neither).
 
@@ -353,9 +476,13 @@ def _lpt_rounds(items, st, snaps, capacity, start, every, round_short):
     one. ints[I_ROUNDS_RAN] says whether a round ever ran (the sort overwrites the heaps, which _lpt then
     rebuilds; until then the heap sizes and the heaps are the first heap phase's). Every rank has room
     for the item here, so the cap never carries anything in this phase, and the result is the heap
-    phase's, only faster.
+    phase's, only faster. With patches, "every rank has room" is tested on st.fit (a micro-batch with
+    both room * patch_capacity and patch room * capacity at least max(L * patch_capacity, P * capacity)
+    has room for both), which may hand over to the heaps early, never late.
     """
-    lengths, costs = items.lengths, items.costs
+    lengths, costs, patches = items.lengths, items.costs, items.patches
+    capacity, pcap = caps
+    two = len(patches) > 0
     R, W = st.micro_cost.shape
     rank_cost, best = st.rank_cost, st.best
     order, keys = st.heap, st.neg_best  # the round's order and its sort keys
@@ -366,10 +493,18 @@ def _lpt_rounds(items, st, snaps, capacity, start, every, round_short):
     for r in range(R):
         if best[r] < min_best:
             min_best = best[r]
+    min_fit = 0
+    if two:
+        min_fit = st.fit.min()
     for i in range(start, n):
         L = lengths[i]
+        P = 0
         if min_best < L:
             return i
+        if two:
+            P = patches[i]
+            if min_fit < max(L * pcap, P * capacity):
+                return i
         if ptr >= k:
             # A new round, least loaded first.
             if every > 0 and snaps.at[i // every] < 0:
@@ -393,7 +528,14 @@ def _lpt_rounds(items, st, snaps, capacity, start, every, round_short):
                 # would sort all ranks for a few items: the heaps take over, with the same choices.
                 return i
         r = order[ptr]
-        b = _put(st, i, r, _best_fit(st.room, r, W, L, capacity), L, costs[i])
+        if two:
+            m = _best_fit2(st.room, st.proom, r, L, P, capacity, pcap)
+            b = _put(st, i, r, m, L, costs[i])
+            _put_patches(st, r, m, P, caps)
+            if st.fit[r] < min_fit:
+                min_fit = st.fit[r]
+        else:
+            b = _put(st, i, r, _best_fit(st.room, r, W, L, capacity), L, costs[i])
         if b < min_best:
             min_best = b
         ptr += 1

@@ -46,7 +46,7 @@ def middle_heavy(micro_cost, counts, new_pos):
 
 
 @jit
-def pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact, counts):
+def pack_micro(items, rank, micro, micro_cost, rooms, caps, compact, counts):
     """Re-pack each rank's items cost-first onto its least costly micro-batch with room.
 
     Items come in placement order (decreasing cost). With `compact` (variable mode) a rank keeps only
@@ -56,42 +56,55 @@ def pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact,
     tokens are tight the first may not fit everything). The most even one that fits wins, if it lowers
     the rank's heaviest micro-batch; otherwise the best-fit packing stays. All ranks are re-packed in
     one pass over the items in placement order (each rank sees its own items in that order), so no
-    per-rank item lists are built. Modifies micro, micro_cost, room and counts.
+    per-rank item lists are built. rooms: (token room, patch room) [R, W] ([R, 0]: no patches), caps:
+    (token, patch capacity): with patches an item needs room for both, and is small only if both are.
+    Modifies micro, micro_cost, the rooms and counts.
     """
+    lengths, costs, patches = items.lengths, items.costs, items.patches
+    room, proom = rooms
+    capacity, pcap = caps
+    two = len(patches) > 0
     R, W = room.shape
     n = len(lengths)
     use = np.full(R, W, dtype=np.int64)
     if compact:
-        _compact(rank, micro, micro_cost, room, capacity, use)
+        _compact(rank, micro, micro_cost, rooms, caps, use)
         for r in range(R):
             counts[r] = use[r]
     c2 = np.zeros((2, R, W))
     room2 = np.full((2, R, W), capacity, dtype=np.int64)
+    proom2 = np.full((2, R, W) if two else (2, 0, 0), pcap, dtype=np.int64)
     ok = np.ones((2, R), dtype=np.bool_)
     out = np.empty((2, n), dtype=np.int16)  # micro-batch slots (< 32768): half the fresh pages of int32
     small = (0, capacity // 8)
+    psmall = (-1, pcap // 8)
     for i in range(n):
         r = rank[i]
         if r < 0:
             continue
         L = lengths[i]
+        P = patches[i] if two else 0
         for at in range(2):
             if not ok[at, r]:
                 continue
             m = -1
-            if L > small[at]:
+            if L > small[at] or (two and P > psmall[at]):
                 for j in range(use[r]):
                     if room2[at, r, j] >= L and (m < 0 or c2[at, r, j] < c2[at, r, m]):
-                        m = j
+                        if not two or proom2[at, r, j] >= P:
+                            m = j
             else:
                 for j in range(use[r]):
                     if room2[at, r, j] >= L and (m < 0 or room2[at, r, j] < room2[at, r, m]):
-                        m = j
+                        if not two or proom2[at, r, j] >= P:
+                            m = j
             if m < 0:
                 ok[at, r] = False
                 continue
             c2[at, r, m] += costs[i]
             room2[at, r, m] -= L
+            if two:
+                proom2[at, r, m] -= P
             out[at, i] = m
     best_at = np.full(R, -1, dtype=np.int64)
     for r in range(R):
@@ -113,6 +126,8 @@ def pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact,
             for j in range(use[r]):
                 micro_cost[r, j] = c2[best_at[r], r, j]
                 room[r, j] = room2[best_at[r], r, j]
+                if two:
+                    proom[r, j] = proom2[best_at[r], r, j]
     for i in range(n):
         r = rank[i]
         if r >= 0 and best_at[r] >= 0:
@@ -120,17 +135,21 @@ def pack_micro(lengths, costs, rank, micro, micro_cost, room, capacity, compact,
 
 
 @jit
-def _compact(rank, micro, micro_cost, room, capacity, use):
+def _compact(rank, micro, micro_cost, rooms, caps, use):
     """Variable mode: move each rank's used micro-batches to the front (in order); use[r] = how many
     (at least 1)."""
+    room, proom = rooms
+    capacity, pcap = caps
+    two = proom.shape[0] > 0
     R, W = room.shape
     slot = np.empty((R, W), dtype=np.int64)
     c_tmp = np.empty(W)
     r_tmp = np.empty(W, dtype=np.int64)
+    p_tmp = np.empty(W, dtype=np.int64)
     for r in range(R):
         k = 0
         for j in range(W):
-            if room[r, j] < capacity:
+            if room[r, j] < capacity or (two and proom[r, j] < pcap):
                 slot[r, j] = k
                 k += 1
             else:
@@ -143,9 +162,13 @@ def _compact(rank, micro, micro_cost, room, capacity, use):
         for j in range(W):
             c_tmp[slot[r, j]] = micro_cost[r, j]
             r_tmp[slot[r, j]] = room[r, j]
+            if two:
+                p_tmp[slot[r, j]] = proom[r, j]
         for j in range(W):
             micro_cost[r, j] = c_tmp[j]
             room[r, j] = r_tmp[j]
+            if two:
+                proom[r, j] = p_tmp[j]
         use[r] = max(used, 1)
     for i in range(len(rank)):
         if rank[i] >= 0:

@@ -24,6 +24,7 @@ COMMAND_MODULES = {
     "fit-cost": "plait.cli.fit_cost",
     "jobs": "plait.cli.jobs",
     "top": "plait.cli.top",
+    "serve": "plait.cli.serve",
 }
 BENCH_MODULES = {
     "throughput": "plait.cli.bench.throughput",
@@ -31,8 +32,11 @@ BENCH_MODULES = {
     "balance": "plait.cli.bench.balance",
     "memory": "plait.cli.bench.memory",
     "startup": "plait.cli.bench.startup",
+    "planning-reads": "plait.cli.bench.planning_reads",
     "recovery": "plait.cli.bench.recovery",
     "scale": "plait.cli.bench.scale",
+    "mixing": "plait.cli.bench.mixing",
+    "multimodal": "plait.cli.bench.multimodal",
 }
 
 

@@ -40,6 +40,11 @@ def add_arguments(p) -> None:
                    "(default 1)")
     p.add_argument("--resume", metavar="STATE", help="start from a data state saved with --save-state")
     p.add_argument("--save-state", metavar="PATH", help="write the data state after the last step (JSON)")
+    p.add_argument("--allow-spec-change", action="store_true",
+                   help="with --resume: continue under a changed mixture or set of sources (unchanged sources "
+                   "continue exactly, added ones start at their beginning; changed files or seed are refused)")
+    p.add_argument("--report", metavar="PATH", help="write the achieved share per source over 100-step windows "
+                   "against its schedule, and the weight changes: PATH (.json) and a PNG beside it")
     p.add_argument("--quiet", action="store_true", help="no progress bar or tables")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="serve Prometheus metrics on 127.0.0.1:P/metrics while running (watch with `plait top`)")
@@ -66,6 +71,7 @@ def run(args) -> int:
     summary = stream(
         spec, steps=args.steps or spec.steps or 100, runtime=args.runtime, progress=not args.quiet,
         resume=resume, save_state=args.save_state, runtime_options=options,
+        allow_spec_change=args.allow_spec_change, report=args.report,
     )
     if not args.quiet:
         print_summary(spec, summary, console=Console())

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from plait.errors import PlaitError
 from plait.metrics import RunStats
-from plait.mixture import MixtureSchedule
+from plait.mixture import MixtureSchedule, share_windows
+from plait.roles.state_log import apply_state_diff
 from plait.roles.state_schema import check_client_state
 from plait.runtime import make_runtime
 from plait.spec import Spec
@@ -29,17 +30,19 @@ def stream(
     save_state: str | None = None,
     runtime_options: dict | None = None,
     plot: str | None = None,
+    allow_spec_change: bool = False,
+    report: str | None = None,
 ) -> dict:
     from plait.kernels import warm_up
 
     warm_up()
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
     try:
-        if resume is not None:
-            _resume(rt, resume)
+        changes = _resume(rt, resume, allow_spec_change) if resume is not None else []
         mixture = MixtureSchedule(spec)
         stats = RunStats(spec.source_names, spec.topology.dp)
         per_step_shares = []  # tokens per source per step
+        drawn, weights = [], []  # per step: tokens drawn per source, the weights they were drawn with
         with Progress(
             TextColumn("[bold]streaming[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not progress, console=Console(stderr=True),
@@ -47,7 +50,10 @@ def stream(
             task = bar.add_task("steps", total=steps, rate="")
             for _ in range(steps):
                 plan = rt.plan()
-                stats.add_plan(plan, mixture.weights(plan.step))
+                w = plan.weights if plan.weights is not None else mixture.weights(plan.step)
+                stats.add_plan(plan, w)
+                weights.append(w)
+                drawn.append(plan.drawn if plan.drawn is not None else np.zeros(len(w)))
                 for rank in range(plan.ranks):
                     for mb in rt.build(plan, rank):
                         stats.add_batch(mb)
@@ -56,22 +62,28 @@ def stream(
                 per_step_shares.append(tok)
                 bar.update(task, advance=1, rate=f"{stats.tokens / max(stats.elapsed, 1e-9) / 1e6:.2f} M tok/s")
         summary = stats.summary()
-        report = rt.error_report()
-        summary["errors"] = {k: v["skipped"] for k, v in report.items()}
-        summary["error_messages"] = {k: v["messages"][:20] for k, v in report.items() if v["messages"]}
+        errors = rt.error_report()
+        summary["errors"] = {k: v["skipped"] for k, v in errors.items()}
+        summary["error_messages"] = {k: v["messages"][:20] for k, v in errors.items() if v["messages"]}
         summary["runtime"] = runtime
         summary["dp"] = spec.topology.dp
+        if changes:
+            summary["spec_changes"] = changes
         if save_state:
             Path(save_state).write_text(json.dumps({"data": rt.state_dict()}))
         if plot:
             _plot(spec, stats, np.array(per_step_shares), mixture, plot)
             summary["plot"] = plot
+        if report:
+            summary["mixing_report"] = write_mixing_report(
+                spec, np.array(drawn), np.array(weights), rt.state_dict(), changes, report,
+                first_step=int(plan.step) - len(drawn) + 1 if drawn else 0)
         return summary
     finally:
         rt.close()
 
 
-def _resume(rt, resume: dict) -> None:
+def _resume(rt, resume: dict, allow_spec_change: bool = False) -> list[str]:
     """Start from a saved state: a data state (--save-state) or a trainer's Loader.state_dict().
 
     A Loader state names the step in progress and how many of its micro-batches were consumed. This
@@ -80,8 +92,22 @@ def _resume(rt, resume: dict) -> None:
     """
     if "next_microbatch" in resume:  # a Loader state: check its shape before reading it
         check_client_state(resume, max_microbatches=2 * rt.spec.packing.num_microbatches)
-    rt.load_state_dict(resume.get("data", resume))
+    data = resume.get("data", resume)
     consumed = int(resume.get("next_microbatch", 0))
+    if allow_spec_change:
+        if consumed and resume.get("next") is not None and resume.get("at_step_boundary"):
+            data, consumed = apply_state_diff(data, resume["next"]), 0  # the state after the consumed step
+        changes = rt.load_state_dict(data, allow_spec_change=True) or []
+        if changes and consumed:
+            raise PlaitError("a spec change applies from a step's start: this state names a step in progress "
+                             "and not the state after it")
+        for c in changes:
+            print(f"spec change: {c}")
+        if not consumed:
+            return changes
+    else:
+        rt.load_state_dict(data)
+        changes = []
     if consumed:
         plan = rt.plan()  # metadata only: moves the data state past the consumed step
         if consumed < plan.microbatches:
@@ -90,6 +116,7 @@ def _resume(rt, resume: dict) -> None:
                 f"{plan.microbatches}); `plait run` resumes from step boundaries"
             )
         rt.release()
+    return changes
 
 
 def print_summary(spec: Spec, s: dict, console: Console) -> None:
@@ -106,6 +133,10 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     head.add_row("fill (tokens / seq_len slots of the micro-batches run)", f"{s['fill']:.4f}")
     head.add_row("padding (unfilled seq_len slots = 1 - fill)", f"{s['padding_fraction']:.4f}")
     head.add_row("padding, worst micro-batch", f"{s['padding_fraction_worst_microbatch']:.4f}")
+    if "images" in s:
+        head.add_row("images delivered", f"{s['images']:,}")
+        head.add_row("images/s", f"{s['images_per_s']:,.1f}")
+        head.add_row("encoder share of the cost", f"{s['encoder_share']:.4f}")
     skipped = sum(s.get("errors", {}).values())
     head.add_row("bad records skipped", str(skipped))
     head.add_row("empty documents (0 tokens) drawn", str(s.get("empty_documents", 0)))
@@ -144,4 +175,49 @@ def _plot(spec: Spec, stats: RunStats, shares: np.ndarray, mixture: MixtureSched
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_mixing_report(spec: Spec, drawn: np.ndarray, weights: np.ndarray, state: dict, changes: list[str],
+                        path: str, *, first_step: int = 0, window: int = 100) -> dict:
+    """Achieved share per source over windows of `window` steps against its target, and the weight
+    changes in force (run-time overrides, spec changes): JSON at `path` (.json) and a PNG beside it."""
+    names = spec.source_names
+    windows = share_windows(drawn, weights, window) if len(drawn) else []
+    for w in windows:
+        w["start"] += first_step
+        w["end"] += first_step
+    report = {
+        "sources": names, "window": window, "first_step": first_step, "windows": windows,
+        "worst_error": max((w["worst_error"] for w in windows), default=0.0),
+        "weight_changes": state.get("overrides") or [], "spec_changes": changes,
+    }
+    base = Path(path)
+    json_path = base if base.suffix == ".json" else base.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2))
+    report["json"], report["png"] = str(json_path), str(json_path.with_suffix(".png"))
+    _plot_shares(names, drawn, weights, first_step, window, report)
+    return report
+
+
+def _plot_shares(names, drawn, weights, first_step, window, report) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    steps = first_step + np.arange(len(drawn))
+    k = max(1, min(window, len(drawn)) // 4)  # a moving window for the per-step share
+    kernel = np.ones(k)
+    for i, name in enumerate(names):
+        got = np.convolve(drawn[:, i], kernel, "same") / np.maximum(1, np.convolve(drawn.sum(axis=1), kernel, "same"))
+        line = ax.plot(steps, got, label=f"{name} (achieved, {k}-step mean)")
+        ax.plot(steps, weights[:, i], "--", color=line[0].get_color(), alpha=0.7)
+    for o in report["weight_changes"]:
+        ax.axvline(o["at_step"], color="grey", lw=0.6, ls=":")
+    ax.set(title="token share per source (dashed: target; dotted: weight changes)", xlabel="step", ylabel="share")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(report["png"], dpi=100)
     plt.close(fig)

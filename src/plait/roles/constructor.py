@@ -2,6 +2,12 @@
 
 It pulls each micro-batch's payload from the SourceLoaders in one gather per block, then computes the
 padding-free fields (packing.py). TP/PP ranks of a replica share the result; CP ranks take a shard.
+
+The payload contract (`PayloadSource.fetch(items)`): the items' tokens concatenated in request order,
+as an int32 array (text), or a `Payload(tokens, images)` where `images` (an ImagePayload or None) holds
+the uint8 patches of the items' images concatenated in item order, each image's grid and the index of
+its item. The Constructor then adds `pixel_values`, `image_grid`, `image_cu_seqlens` and
+`image_document` to each micro-batch and sets the labels that would predict a placeholder to -100.
 """
 
 from __future__ import annotations
@@ -10,15 +16,16 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from plait.batch import MicroBatch
-from plait.packing import pack_fields, ragged_arange
+from plait.batch import ImagePayload, MicroBatch, Payload, merge_images
+from plait.packing import IGNORE_INDEX, pack_fields, ragged_arange
 from plait.plan import Items, RankPlan
 
 
 class PayloadSource(Protocol):
-    """Where a Constructor gets token payloads: `fetch(items)` returns their tokens, concatenated."""
+    """Where a Constructor gets payloads: `fetch(items)` returns their tokens, concatenated, or a
+    Payload (tokens and images; see the module docstring)."""
 
-    def fetch(self, items: Items) -> np.ndarray: ...
+    def fetch(self, items: Items) -> np.ndarray | Payload: ...
 
 
 class LoaderPayloads:
@@ -27,7 +34,8 @@ class LoaderPayloads:
     def __init__(self, loader_for: Callable[[int], object]):
         self._loader_for = loader_for
 
-    def fetch(self, items: Items) -> np.ndarray:
+    def fetch(self, items: Items) -> np.ndarray | Payload:
+        """Tokens (text), or a Payload with the images when an item holds images."""
         if not len(items):
             return np.zeros(0, dtype=np.int32)
         keys, block_index = items.block_keys()
@@ -35,17 +43,24 @@ class LoaderPayloads:
         by_loader: dict[int, list[int]] = {}
         for b, key in enumerate(keys):
             by_loader.setdefault(id(self._loader_for(key[0])), []).append(b)
+        images = items.has_images
         if len(by_loader) == 1:
             loader = self._loader_for(keys[0][0])
-            return loader.gather(items.source, keys, block_index, items.position, items.offset, items.length)
+            call = loader.gather_payload if images else loader.gather
+            return call(items.source, keys, block_index, items.position, items.offset, items.length)
         out = np.empty(int(items.length.sum()), dtype=np.int32)
         starts = np.cumsum(items.length) - items.length
+        parts = []
         for blocks in by_loader.values():
             sel = np.flatnonzero(np.isin(block_index, blocks))
             loader = self._loader_for(keys[blocks[0]][0])
-            part = loader.gather(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
+            call = loader.gather_payload if images else loader.gather
+            part = call(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
+            if isinstance(part, Payload):
+                parts.append((sel, part.images))
+                part = part.tokens
             out[ragged_arange(starts[sel], items.length[sel])] = part
-        return out
+        return Payload(out, merge_images(parts)) if images else out
 
 
 class Constructor:
@@ -61,10 +76,15 @@ class Constructor:
         sel = sel[np.argsort(plan.micro[sel], kind="stable")]
         items = plan.items.take(sel)
         tokens = self.payloads.fetch(items)
+        images = None
+        if isinstance(tokens, Payload):
+            tokens, images = tokens
         # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
         cu_all, positions, labels = fields["cu_seqlens"], fields["position_ids"], fields["labels"]
+        if images is not None:  # a label predicting a placeholder is not trained on
+            labels[labels == images.token_id] = IGNORE_INDEX
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
@@ -79,7 +99,23 @@ class Constructor:
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
-                    stats=stats,
+                    stats=stats, **image_fields(images, a, b),
                 )
             )
         return out
+
+
+def image_fields(images: ImagePayload | None, a: int, b: int) -> dict:
+    """The image fields of the micro-batch holding items a..b-1 (of the rank's fetch): none when the
+    rank fetched no image; empty arrays when this micro-batch holds none of them."""
+    if images is None:
+        return {}
+    lo, hi = np.searchsorted(images.item, [a, b])
+    per_image = images.grid.prod(axis=1)
+    row = np.concatenate([[0], np.cumsum(per_image)])
+    grid = images.grid[lo:hi]
+    frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])  # encoder sequences: one per image or tile
+    cu = np.zeros(len(frames) + 1, dtype=np.int32)
+    np.cumsum(frames, out=cu[1:])
+    return {"pixel_values": images.pixels[row[lo]:row[hi]], "image_grid": grid, "image_cu_seqlens": cu,
+            "image_document": images.item[lo:hi] - a}

@@ -21,12 +21,28 @@ from typing import Protocol
 import numpy as np
 
 from plait import balance
-from plait.cost import CostModel
+from plait.cost import CostModel, EncoderCost
 from plait.errors import PlaitError, SourceError
-from plait.mixture import MixtureSchedule, take_count
+from plait.mixture import take_count
 from plait.plan import Items, StepPlan
-from plait.roles.state_schema import STATE_VERSION, check_data_state
+from plait.roles.spec_change import carry_over, split_fingerprint
+from plait.roles.state_schema import STATE_VERSION, check_data_state, parse_data_state
+from plait.roles.weights import RunWeights
 from plait.spec import Spec
+
+
+CAPACITY_LB_ITEMS = 20_000  # max_over_capacity_lb on every step of at most this many items ...
+CAPACITY_LB_EVERY = 10  # ... else on every 10th step
+
+
+def encoder_cost(spec: Spec) -> EncoderCost | None:
+    """The vision encoder's per-image cost from `cost.encoder` (None: images cost nothing to encode)."""
+    e = spec.cost.encoder
+    if e is None:
+        return None
+    if e.linear is not None:
+        return EncoderCost(float(e.linear), float(e.quadratic))
+    return EncoderCost.from_dims(e.hidden, e.layers, e.ffn)
 
 
 class MetadataProvider(Protocol):
@@ -47,7 +63,11 @@ class Planner:
         self.capacity = self.seq_len
         self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
-        self.mixture = MixtureSchedule(spec)
+        self.encoder = encoder_cost(spec)
+        self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
+        self.max_patches = spec.packing.max_patches
+        self.weights = RunWeights(spec)  # the spec's schedule, run-time overrides, online policy
+        self.mixture = self.weights.schedule
         n = len(spec.sources)
         self.step = 0
         # epoch, file_pos, block_pos, position, offset (tokens of the document at `position` already drawn)
@@ -59,18 +79,26 @@ class Planner:
         self.carry = Items.empty()
         self._meta: dict[int, object] = {}
         self.empty_docs = 0  # zero-token documents skipped in the step being planned
-        self.fingerprint = spec.data_fingerprint()
+        # what decides the sources' order : what decides their shares (a resume checks both)
+        self.fingerprint = f"{spec.data_fingerprint()}:{spec.mixture_fingerprint()}"
+        self.source_fingerprints = [spec.source_fingerprint(n) for n in spec.source_names]
+        self.parked: dict = {}  # sources a spec change removed: cursor, deficit, carried chunks
+        self.resume_changes: list[str] = []  # what the last allow_spec_change resume found changed
         for i in range(n):
             self.cursor[i, :3] = provider.first_key(i)
 
     # ----- the algorithm -----------------------------------------------------------------------
     def plan_step(self) -> StepPlan:
         state_before = self.state_dict()
+        drawn_before = self.drawn.copy()
         self.empty_docs = 0
         step_capacity = self.ranks * self.microbatches * self.capacity
         carry_tokens = int(self.carry.length.sum())
         budget = max(0, step_capacity - carry_tokens)
-        weights = self.mixture.weights(self.step)
+        weights = self.weights.at(self.step, self.delivered_tokens)
+        if self.mixture.windowed:  # a source outside its window draws nothing: drop its leftover quota
+            off = ~self.mixture.active(self.step)
+            self.deficit[off] = np.minimum(self.deficit[off], 0.0)
         self.deficit += weights * budget
         new = Items.concat([self.draw(i) for i in range(len(self.spec.sources))])
         items = Items.concat([self.carry, new])
@@ -87,10 +115,11 @@ class Planner:
         else:
             outliers = Items.empty()
         # Per-GPU cost: with context parallelism each CP rank of a replica carries cost / cp.
-        costs = self.cost_model.per_cp_rank(items.length, self.cp)
+        costs, encoder = self._costs(items)
         result = balance.assign(
             items.length, costs, ranks=self.ranks, microbatches=self.microbatches, capacity=self.capacity,
             priority=priority, mode=self.spec.balance.mode,
+            patches=items.patches if self.images else None, patch_capacity=self.max_patches if self.images else None,
         )
         placed = np.flatnonzero(result.placed)
         left = np.flatnonzero(~result.placed)
@@ -115,11 +144,37 @@ class Planner:
             state_before=state_before,
             rank_microbatches=result.microbatches,
             vocab_size=self.spec.vocab_size,
+            weights=weights,
+            drawn=self.drawn - drawn_before,
         )
+        if self.images:
+            plan.images = self._image_stats(result, items, costs, encoder, placed)
         self.delivered_tokens += plan.tokens
         self.delivered_samples += len(placed)
         self.step += 1
         return plan
+
+    def _costs(self, items: Items) -> tuple[np.ndarray, np.ndarray]:
+        """Each item's cost per CP rank (LLM over its tokens + encoder over its images, both split over
+        the cp ranks), and the encoder's part of it."""
+        costs = self.cost_model.per_cp_rank(items.length, self.cp)
+        if self.encoder is None or not items.has_images:
+            return costs, np.zeros(len(items))
+        encoder = (self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq) / max(1, self.cp)
+        return costs + encoder, encoder
+
+    def _image_stats(self, result, items: Items, costs: np.ndarray, encoder: np.ndarray, placed: np.ndarray) -> dict:
+        """Patches per micro-batch, the encoder's share of the cost, and the certificate against the
+        capacity-aware bound (balance.max_over_capacity_lb: only on steps of at most CAPACITY_LB_ITEMS
+        items, or every CAPACITY_LB_EVERY steps: it is slow on huge steps; None when skipped)."""
+        micro_patches = result.micro_patches if result.micro_patches is not None else np.zeros_like(result.micro_tokens)
+        ratio = None
+        if len(items) <= CAPACITY_LB_ITEMS or self.step % CAPACITY_LB_EVERY == 0:
+            ratio = balance.max_over_capacity_lb(result, items.length, costs, items.patches,
+                                                 microbatches=int(result.micro_cost.shape[1]), capacity=self.capacity,
+                                                 patch_capacity=self.max_patches)
+        return {"micro_patches": micro_patches, "max_over_capacity_lb": ratio,
+                "encoder_cost": float(encoder[placed].sum()), "cost": float(costs[placed].sum())}
 
     def _hold_outliers(self, items: Items) -> np.ndarray:
         """Which items to delay: outliers (cost > outlier_factor x mean rank load), held until enough
@@ -132,7 +187,7 @@ class Planner:
         max_delay = self.spec.balance.max_delay
         if max_delay <= 0 or not len(items):
             return held
-        costs = self.cost_model(items.length)
+        costs = self._costs(items)[0]
         outlier = costs > self.spec.balance.outlier_factor * float(costs.sum()) / self.ranks
         if not outlier.any():
             return held
@@ -227,11 +282,14 @@ class Planner:
             return np.full(m, v, dtype=np.int64)
 
         epoch, fpos, bpos = meta.key
+        patches = getattr(meta, "patches", None)  # a document with images is never cut: one chunk
+        image_columns = {} if patches is None else {
+            "patches": patches[sel][doc].astype(np.int64), "patches_sq": meta.patches_sq[sel][doc].astype(np.int64)}
         return Items(
             source=full(meta.source), epoch=full(epoch), fpos=full(fpos), bpos=full(bpos),
             position=meta.positions[sel][doc].astype(np.int64), shard=full(meta.shard),
             row=meta.rows[sel][doc].astype(np.int64), chunk=chunk.astype(np.int64), offset=offsets.astype(np.int64),
-            length=length.astype(np.int64), delayed=full(0),
+            length=length.astype(np.int64), delayed=full(0), **image_columns,
         )
 
     # ----- data state --------------------------------------------------------------------------
@@ -242,17 +300,32 @@ class Planner:
         return live
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
             "step": self.step,
             "sources": {
-                s.name: {"cursor": self.cursor[i].tolist(), "deficit": float(self.deficit[i]), "drawn": int(self.drawn[i])}
+                s.name: {"cursor": self.cursor[i].tolist(), "deficit": float(self.deficit[i]), "drawn": int(self.drawn[i]),
+                         "fingerprint": self.source_fingerprints[i]}
                 for i, s in enumerate(self.spec.sources)
             },
             "carry": self.carry.to_rows(),
             "delivered": {"tokens": self.delivered_tokens, "samples": self.delivered_samples},
+            **self.weights.state_items(),
         }
+        if self.parked:
+            state["parked"] = copy.deepcopy(self.parked)
+        return state
+
+    # ----- run-time mixing ---------------------------------------------------------------------
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """Pin the named sources' token shares from step `at_step` on (recorded in the data state); a
+        step already planned is refused."""
+        self.weights.set(weights, int(at_step), planned=self.step)
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        """Per-source training losses of `step`, for the online mixing policy (mixture.online)."""
+        self.weights.report(int(step), losses, planned=self.step)
 
     def _check_cursors(self) -> None:
         """Every cursor must name a block of its source and a document in it (a tampered or foreign
@@ -273,8 +346,21 @@ class Planner:
                     "which its block does not hold; the state was edited or belongs to other data"
                 )
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a data state: validated (schema, then ranges against the spec and the data)."""
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
+        """Continue from a data state: validated (schema, then ranges against the spec and the data).
+
+        With `allow_spec_change`, a state saved under another mixture or set of sources continues under
+        this spec (roles/spec_change.py says what may change); returns the changes found (also kept in
+        `resume_changes`)."""
+        changes: list[str] = []
+        saved = state.get("fingerprint") if isinstance(state, dict) else None
+        if isinstance(saved, str) and saved != self.fingerprint:
+            data_fp, mix_fp = split_fingerprint(saved)
+            if mix_fp is None and data_fp == self.spec.legacy_fingerprint():
+                state = {**state, "fingerprint": self.fingerprint}  # a state written before run-time mixing
+            elif allow_spec_change:
+                parse_data_state(state)  # its shape, before reading it
+                state, changes = carry_over(self.spec, state, self.provider.first_key)
         check_data_state(state, self.spec, self.fingerprint)
         state = copy.deepcopy(state)
         self.step = int(state["step"])
@@ -285,6 +371,8 @@ class Planner:
             self.deficit[i] = src["deficit"]
             self.drawn[i] = src["drawn"]
         self.carry = Items.from_rows(state["carry"])
+        self.weights.load(state)
+        self.parked = copy.deepcopy(state.get("parked") or {})
         delivered = state.get("delivered") or {"tokens": 0, "samples": 0}
         self.delivered_tokens, self.delivered_samples = int(delivered["tokens"]), int(delivered["samples"])
         self._meta.clear()
@@ -296,3 +384,5 @@ class Planner:
                 f"the data state carries chunks of up to {int(self.carry.length.max())} tokens, more than this "
                 f"layout's micro-batch capacity ({self.capacity}); resume with seq_len >= that"
             )
+        self.resume_changes = changes
+        return changes

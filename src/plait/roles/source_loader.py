@@ -2,7 +2,8 @@
 
 It holds a bounded cache of decoded blocks keyed by (source, block key). The Planner asks for a block's
 metadata (`block_meta`): the loader decodes the block once and keeps it until the blocks' documents have
-been delivered (`retain` tells it which blocks are still live). Constructors ask for payloads by
+been delivered (`retain` tells it which blocks are still live); a source that can give lengths without
+tokens (`length_field`, Megatron's index) answers from them and is decoded only when a payload is gathered. Constructors ask for payloads by
 (source, block key, position, offset, length) (`gather`); a block that was evicted (or never read by
 this process, e.g. after a restart) is simply decoded again: reading is deterministic.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.batch import ImagePayload, Payload
 from plait.roles.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
@@ -41,6 +43,10 @@ class BlockMeta:
     rows: np.ndarray
     lengths: np.ndarray
     num_positions: int
+    # image sources: per document its images' patches and squared patches summed (the Planner's second
+    # capacity and the encoder's cost, quadratic per image); None for text
+    patches: np.ndarray | None = None
+    patches_sq: np.ndarray | None = None
 
 
 class SourceLoader:
@@ -59,7 +65,9 @@ class SourceLoader:
         if partitions is not None:
             idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
         self.partitions = {int(s): (int(n), frozenset(owned)) for s, (n, owned) in (partitions or {}).items()}
-        self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed, vocab_size=spec.vocab_size) for i in idx}
+        self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed, vocab_size=spec.vocab_size, job=spec)
+                                           for i in idx}
+        self.images_decoded = 0  # images decoded for payloads (each delivered image exactly once)
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
         self.blocks_read = 0
@@ -71,10 +79,20 @@ class SourceLoader:
         return self.sources[source].first_key()
 
     def block_meta(self, source: int, key: BlockKey) -> BlockMeta:
-        block = self.block(source, key)
+        """A block's sizes and ids. From the decoded block when it is buffered; else, when the source
+        can give lengths without tokens (a `length_field`, or a format whose index holds them), from
+        those alone: the tokens are decoded later, by the `gather` that needs them."""
         src = self.sources[source]
+        if (source, *key) not in self._blocks and src.reads_lengths(tuple(key)):
+            if self.partitions and not self.owns(source, tuple(key)):
+                raise ValueError(f"block {(source, *key)} belongs to a partition this loader does not own")
+            block = src.read_lengths(tuple(key))
+        else:
+            block = self.block(source, key)
+        table = getattr(block, "images", None)
         return BlockMeta(
-            source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions
+            source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions,
+            None if table is None else table.doc_sums(1), None if table is None else table.doc_sums(2),
         )
 
     # ----- payloads (to Constructors) ------------------------------------------------------------
@@ -101,6 +119,45 @@ class SourceLoader:
             copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
         self.busy_seconds += time.perf_counter() - t0
         return out
+
+    @property
+    def has_images(self) -> bool:
+        return any(s.images is not None for s in self.sources.values())
+
+    def gather_payload(
+        self, source: np.ndarray, keys: list[FullKey], block_index: np.ndarray, position: np.ndarray,
+        offset: np.ndarray, length: np.ndarray,
+    ) -> Payload:
+        """`gather`'s tokens, and the images of the requested documents, each decoded here exactly once
+        (only documents holding images are looked at; a document with images is never cut, so it is
+        one span from offset 0)."""
+        tokens = self.gather(source, keys, block_index, position, offset, length)
+        t0 = time.perf_counter()
+        pixels, grids, owner = [], [], []
+        token_id = patch = 0
+        for b in np.unique(block_index):
+            full = keys[int(b)]
+            src = self.sources[full[0]]
+            if src.images is None:
+                continue
+            token_id, patch = src.images.token_id, src.images.policy.patch
+            block = self.block(full[0], full[1:])
+            sel = np.flatnonzero(block_index == b)
+            doc = np.searchsorted(block.positions, position[sel])
+            for i, d in zip(sel, doc):
+                first, count = int(block.images.start[d]), int(block.images.count[d])
+                for j in range(first, first + count):
+                    pixels.append(src.image_pixels(block, j))
+                    grids.append(block.images.grid[j])
+                    owner.append(int(i))
+        self.images_decoded += len(pixels)
+        self.busy_seconds += time.perf_counter() - t0
+        if not pixels:
+            return Payload(tokens, None)
+        order = np.argsort(np.asarray(owner), kind="stable")  # blocks were visited in key order: back to item order
+        images = ImagePayload(np.concatenate([pixels[k] for k in order]), np.asarray(grids, np.int64)[order],
+                              np.asarray(owner, np.int64)[order], int(token_id), int(patch))
+        return Payload(tokens, images)
 
     def retain(self, live: set[FullKey]) -> None:
         """Drop cached blocks that no pending or future step needs."""

@@ -9,12 +9,12 @@ checks the rest (a cursor beyond a source's files or blocks) when it loads the s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from plait.errors import PlaitError
-from plait.plan import ITEM_INT_COLUMNS
+from plait.plan import ALL_COLUMNS, ITEM_INT_COLUMNS
 from plait.spec import Spec
 
 STATE_VERSION = 1
@@ -29,6 +29,7 @@ class SourceState(_Strict):
     cursor: list[int] = Field(min_length=4, max_length=5)  # epoch, file, block, document, offset in it
     deficit: float
     drawn: int = Field(ge=0)
+    fingerprint: str | None = None  # Spec.source_fingerprint (absent in states written before it)
 
     @field_validator("cursor")
     @classmethod
@@ -50,6 +51,27 @@ class Delivered(_Strict):
     samples: int = Field(ge=0)
 
 
+class ParkedSource(SourceState):
+    carry: list[list[int]] = Field(default_factory=list)
+
+
+class Override(_Strict):
+    at_step: int = Field(ge=0)
+    weights: dict[str, float]
+    by: Literal["user", "online"] = "user"
+
+    @field_validator("weights")
+    @classmethod
+    def _valid(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(not math.isfinite(x) or x < 0 for x in v.values()):
+            raise ValueError("override weights must be finite and >= 0")
+        return v
+
+
+class OnlineState(_Strict):
+    reports: dict[str, dict[str, float]] = Field(default_factory=dict)  # step -> {source: loss}
+
+
 class DataState(_Strict):
     version: int
     fingerprint: str
@@ -57,6 +79,9 @@ class DataState(_Strict):
     sources: dict[str, SourceState]
     carry: list[list[int]]
     delivered: Delivered | None = None  # absent in states written before it existed
+    overrides: list[Override] | None = None  # run-time weight changes (set_weights, online policy)
+    online: OnlineState | None = None
+    parked: dict[str, ParkedSource] | None = None  # sources removed by a spec change, kept to come back
 
 
 class Layout(_Strict):
@@ -73,6 +98,7 @@ class ClientState(_Strict):
     at_step_boundary: bool | None = None  # informative: recomputed from next_microbatch
     tokens_seen: int | None = None
     samples_seen: int | None = None
+    next: dict[str, Any] | None = None  # at a step's end: the data state after it, as a diff (state_log)
 
 
 def _first_problem(e: ValidationError) -> str:
@@ -91,20 +117,31 @@ def _parse(model: type[BaseModel], state: Any, what: str) -> BaseModel:
         raise PlaitError(f"this is not a valid {what} ({_first_problem(e)})") from None
 
 
-def check_data_state(state: Any, spec: Spec, fingerprint: str) -> DataState:
-    """The data state, validated against the spec; a PlaitError saying what is wrong otherwise."""
+def parse_data_state(state: Any) -> DataState:
+    """The data state's shape and version (not yet checked against a spec)."""
     parsed = _parse(DataState, state, "plait data state")
     if parsed.version != STATE_VERSION:
         raise PlaitError(f"data state version {parsed.version!r} is not supported (expected {STATE_VERSION})")
+    return parsed
+
+
+def check_data_state(state: Any, spec: Spec, fingerprint: str) -> DataState:
+    """The data state, validated against the spec; a PlaitError saying what is wrong otherwise."""
+    parsed = parse_data_state(state)
     if parsed.fingerprint != fingerprint:
         raise PlaitError(
             "the data state was saved with a different spec (sources, mixture or seed changed); "
-            "resuming would not continue the same data stream"
+            "resuming would not continue the same data stream. To continue anyway (changed weights or "
+            "schedule, added or removed sources), pass allow_spec_change=True (plait run --allow-spec-change)"
         )
+    for i, o in enumerate(parsed.overrides or []):
+        if o.weights and sum(o.weights.values()) <= 0 and set(o.weights) >= set(spec.source_names):
+            raise PlaitError(f"weight override {i} of the data state leaves no source a positive weight")
     missing = [n for n in spec.source_names if n not in parsed.sources]
     if missing:
         raise PlaitError(f"the data state has no cursor for source(s) {', '.join(missing)}")
-    width = len(ITEM_INT_COLUMNS)
+    # 11 integers per row, or 13 with the image columns (plan.ALL_COLUMNS), the same for every row
+    width = len(parsed.carry[0]) if parsed.carry and len(parsed.carry[0]) == len(ALL_COLUMNS) else len(ITEM_INT_COLUMNS)
     for i, row in enumerate(parsed.carry):
         if len(row) != width or min(row, default=0) < 0:
             raise PlaitError(f"carried chunk {i} of the data state is malformed ({width} non-negative integers expected)")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # types only: importing them at run time would load every rol
     from plait.plan import StepPlan
     from plait.spec import Spec
 
-RUNTIMES = ("local", "ray")
+RUNTIMES = ("local", "ray", "flight")
 
 
 @runtime_checkable
@@ -45,7 +45,19 @@ class Runtime(Protocol):
 
     def state_dict(self) -> dict: ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str] | None:
+        """Continue from a data state. With `allow_spec_change`, a state of another mixture or set of
+        sources continues under this spec (roles/spec_change.py); returns the changes found."""
+        ...
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """Pin sources' token shares from global step `at_step` on (the Planner's `set_weights`): recorded
+        in the data state; a step already planned is refused."""
+        ...
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        """Per-source losses of a trained step for the online mixing policy (the Planner's `report`)."""
+        ...
 
     def error_report(self) -> dict:
         """{source: {"skipped": n, "messages": [...]}} for records skipped under `on_error: skip`."""
@@ -67,6 +79,12 @@ def runtime_class(name: str) -> type:
         except ImportError as e:  # ray is an extra
             raise PlaitError(f"the ray runtime needs `pip install plait[ray]` ({e})") from None
         return RayRuntime
+    if name == "flight":  # the thin trainer client: batches over Arrow Flight, no Ray in this process
+        try:
+            from plait.runtime.flight import FlightRuntime
+        except ImportError as e:  # pyarrow's Flight is part of the ray extra
+            raise PlaitError(f"the flight runtime needs pyarrow with Flight (`pip install pyarrow`; {e})") from None
+        return FlightRuntime
     raise PlaitError(f"unknown runtime {name!r} (choose one of: {', '.join(RUNTIMES)})")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 from plait.plan import StepPlan
@@ -27,9 +28,12 @@ class LocalRuntime:
         self.telemetry.watch_loader(self.loader.telemetry)
         port = metrics_port if metrics_port is not None else spec.metrics.port
         self.metrics_port = None if port is None else self.telemetry.serve(port, spec.metrics.address)
+        # set_weights / report come from the trainer's thread while prefetch plans in another
+        self._lock = threading.Lock()
+        self._after: dict[int, dict] = {}  # step -> data state after it (the last few iterated)
 
     def plan(self) -> StepPlan:
-        with Stopwatch() as t:
+        with Stopwatch() as t, self._lock:
             plan = self.planner.plan_step()
         self.telemetry.observe_plan(plan, t.seconds)
         return plan
@@ -61,6 +65,8 @@ class LocalRuntime:
         skip = start_micro
         while max_steps is None or self.planner.step < max_steps:
             plan = self.plan()
+            self._after[plan.step] = self.planner.state_dict()
+            self._after.pop(plan.step - 8, None)
             wanted = None if skip == 0 else set(range(skip, plan.microbatches))
             skip = 0
             for mb in shard_for_rank(self.build(plan, dp_rank, only=wanted), cp, cp_rank):
@@ -70,8 +76,23 @@ class LocalRuntime:
     def state_dict(self) -> dict:
         return self.planner.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.planner.load_state_dict(state)
+    def state_after(self, step: int) -> dict | None:
+        """The data state after a recently iterated step (None when no longer known)."""
+        return self._after.get(step)
+
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
+        with self._lock:
+            return self.planner.load_state_dict(state, allow_spec_change=allow_spec_change)
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """Local: this process's Planner. With DP > 1 every rank plans the whole step itself, so call it
+        identically (same weights, same at_step) on every rank, as for `report`."""
+        with self._lock:
+            self.planner.set_weights(weights, at_step)
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        with self._lock:
+            self.planner.report(step, losses)
 
     def error_report(self) -> dict:
         return self.loader.error_report()

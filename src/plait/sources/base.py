@@ -19,6 +19,7 @@ every file is bad it stops with an error naming them.
 
 from __future__ import annotations
 
+import os
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -28,14 +29,20 @@ import pyarrow as pa
 
 from plait.errors import SourceError
 from plait.ragged import ragged_arange
-from plait.sources.formats import FORMATS, infer_format, reader_for, supported
-from plait.sources.reader import FormatReader, RawBlock, describe
-from plait.spec import SourceSpec
+from plait.sources.formats import EXTENSIONS, FORMATS, infer_format, reader_for, supported
+from plait.sources.mds import shard_files
+from plait.sources.multimodal import ImageDocs, ImageTable
+from plait.sources.reader import FormatReader, RawBlock, RawLengths, describe
+from plait.sources.webdataset import expand_braces
+from plait.spec import SourceSpec, Spec
 from plait.transforms.tokenize import TextEncoder, add_special_tokens
 
-__all__ = ["BlockKey", "DocBlock", "FormatReader", "RawBlock", "Source", "file_order"]
+__all__ = ["BlockKey", "BlockLengths", "DocBlock", "FormatReader", "RawBlock", "RawLengths", "Source", "file_order"]
 
 BlockKey = tuple[int, int, int]  # (epoch, file_pos, block_pos)
+# Blocks whose lengths are kept after planning read them, for the check when their tokens are decoded
+# (a step's plan runs ahead of its gathers by up to a step's worth of blocks; lengths are small).
+LENGTHS_KEPT = 256
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -69,16 +76,42 @@ class DocBlock:
     starts: np.ndarray  # int64 [n]
     lengths: np.ndarray  # int64 [n]
     num_positions: int  # shuffled positions in the block, bad records included (what a cursor counts)
+    images: ImageTable | None = None  # image sources: each document's images (sources/multimodal.py)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
+        extra = self.images.nbytes if self.images is not None else 0
+        return extra + sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
+
+
+@dataclass
+class BlockLengths:
+    """A block's documents' sizes and ids in shuffled order (DocBlock without the tokens), read from a
+    length column or the format's index: what planning needs. Lengths include bos/eos."""
+
+    source: int
+    key: BlockKey
+    shard: int
+    positions: np.ndarray
+    rows: np.ndarray
+    lengths: np.ndarray
+    num_positions: int
 
 
 class Source:
-    """One source's files, order, and block decoding. Cheap to create: lists files, reads nothing."""
+    """One source's files, order, and block decoding. Cheap to create: lists files, reads nothing.
 
-    def __init__(self, spec: SourceSpec, index: int, seed: int, *, vocab_size: int | None = None):
+    Lengths without tokens. When the reader can give a block's lengths alone (`reads_lengths`: a
+    `length_field`, or a format whose index holds them), `read_lengths` serves planning and the tokens
+    are decoded only by `read_block`, which then checks them against those lengths: a record whose
+    tokens disagree (or that turns out unreadable) is a bad record. The plan already holds it at the
+    planned length, so under `skip` it is counted, named and delivered cut or padded (eos, else 0) to
+    that length; under `raise` it stops the run.
+    """
+
+    def __init__(self, spec: SourceSpec, index: int, seed: int, *, vocab_size: int | None = None,
+                 job: Spec | None = None):
+        """`job`: the whole spec, needed by image sources (image policy, seq_len, max_patches)."""
         self.spec = spec
         self.vocab_size = vocab_size  # ids at or above it are bad records (the model has no row for them)
         self.index = index
@@ -93,6 +126,12 @@ class Source:
         self.error_log: list[str] = []
         self._seen_bad: set[tuple[str, str | None]] = set()
         self._bad_files: set[str] = set()  # files found unreadable as a whole (skip policy)
+        self._lengths: OrderedDict[BlockKey, BlockLengths] = OrderedDict()
+        self.images: ImageDocs | None = None
+        if spec.image_field is not None:
+            if job is None or job.images is None:
+                raise SourceError(self.name, None, None, "an image source needs the spec's `images` section")
+            self.images = ImageDocs(job, spec, self.encoder, self.reader, self._bad)
 
     # ----- order -------------------------------------------------------------------------------
     def file_order(self, epoch: int) -> np.ndarray:
@@ -151,24 +190,101 @@ class Source:
                     raise SourceError(self.name, None, None, "no readable blocks in any file" + self._skipped_hint())
             fpos, bpos = fpos + 1, 0
 
+    # ----- lengths (planning) ------------------------------------------------------------------
+    def reads_lengths(self, key: BlockKey) -> bool:
+        """Whether the block's lengths can be read without its tokens (see the class docstring)."""
+        return self.reader.reads_lengths(self.files[int(self.file_order(key[0])[key[1]])])
+
+    def read_lengths(self, key: BlockKey) -> BlockLengths:
+        key = tuple(int(k) for k in key)
+        cached = self._lengths.get(key)
+        if cached is not None:
+            return cached
+        epoch, file_idx, block_idx, path = self._locate(key)
+        try:
+            raw = self.reader.read_lengths(path, block_idx)
+        except Exception as e:
+            self._read_failed(e, path, file_idx, block_idx)
+            raw = RawLengths(0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        for record, reason in raw.bad:
+            self._bad(path, str(record), reason)
+        lengths = np.asarray(raw.lengths, np.int64) + (self.spec.bos is not None) + (self.spec.eos is not None)
+        kept_pos, order = self._shuffle(epoch, file_idx, block_idx, raw.num_records, raw.ok_index)
+        out = BlockLengths(self.index, key, file_idx, kept_pos[order], raw.first_row + raw.ok_index[order],
+                           lengths[order], raw.num_records)
+        self._lengths[key] = out
+        while len(self._lengths) > LENGTHS_KEPT:
+            self._lengths.popitem(last=False)
+        return out
+
+    def _reconcile(self, block: DocBlock, meta: BlockLengths) -> DocBlock:
+        """The decoded block made to hold exactly the planned documents at their planned lengths."""
+        if np.array_equal(block.positions, meta.positions) and np.array_equal(block.lengths, meta.lengths):
+            return block
+        path = self.files[block.shard]
+        what = f"length_field {self.spec.length_field!r}" if self.spec.length_field else "the format's index"
+        pad = self.spec.eos if self.spec.eos is not None else 0
+        at = np.minimum(np.searchsorted(block.positions, meta.positions), max(len(block.positions) - 1, 0))
+        found = (at < len(block.positions)) & (block.positions[at] == meta.positions) if len(block.positions) \
+            else np.zeros(len(meta.positions), bool)
+        pieces = []
+        for j in range(len(meta.positions)):
+            want = int(meta.lengths[j])
+            doc = block.tokens[block.starts[at[j]] : block.starts[at[j]] + block.lengths[at[j]]] if found[j] else None
+            if doc is None or len(doc) != want:
+                held = "cannot be read" if doc is None else f"holds {len(doc)}"
+                self._bad(path, str(int(meta.rows[j])), f"{what} says {want} tokens (bos/eos included) but the "
+                          f"record {held}; planned at {want}, it is delivered cut or padded with id {pad}")
+                doc = np.full(want, pad, np.int32) if doc is None else \
+                    np.concatenate([doc[:want], np.full(max(want - len(doc), 0), pad, np.int32)])
+            pieces.append(doc)
+        tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        lengths = meta.lengths.astype(np.int64)
+        return DocBlock(self.index, block.key, meta.shard, meta.positions, meta.rows, tokens,
+                        np.cumsum(lengths) - lengths, lengths, meta.num_positions)
+
     # ----- decoding ----------------------------------------------------------------------------
     def read_block(self, key: BlockKey) -> DocBlock:
+        block = self._decode(key)
+        return self._reconcile(block, self.read_lengths(key)) if self.reads_lengths(key) else block
+
+    def _locate(self, key: BlockKey) -> tuple[int, int, int, str]:
         epoch, fpos, bpos = key
         file_idx = int(self.file_order(epoch)[fpos])
         block_idx = int(self.block_order(epoch, file_idx)[bpos])
-        path = self.files[file_idx]
-        try:
-            raw = self.reader.read_block(path, block_idx)
-        except SourceError as e:  # the reader named the problem (a corrupt or empty file, ...)
+        return epoch, file_idx, block_idx, self.files[file_idx]
+
+    def _read_failed(self, e: Exception, path: str, file_idx: int, block_idx: int) -> None:
+        """A reader raised on a block: the policy decides (a whole file when the reader says so)."""
+        if isinstance(e, SourceError):  # the reader named the problem (a corrupt or empty file, ...)
             whole_file = e.record is None or self.num_blocks(file_idx) == 1
             (self._bad_file if whole_file else self._bad)(path, e.record, e.reason)
-            raw = self._empty_raw()
-        except Exception as e:
+        else:
             whole_file = self.num_blocks(file_idx) == 1
             (self._bad_file if whole_file else self._bad)(path, f"block {block_idx}", f"cannot read: {describe(e)}")
+
+    def _shuffle(self, epoch: int, file_idx: int, block_idx: int, num_records: int, ok_index: np.ndarray):
+        """Shuffled positions of the kept records, and the order that sorts them.
+
+        The shuffle is over every record position of the block, bad ones included, so that a record's
+        position never depends on which other records were readable."""
+        perm = _rng(self.seed, self.index, epoch, file_idx, block_idx + 1).permutation(num_records)
+        position_of_record = np.empty(num_records, dtype=np.int64)
+        position_of_record[perm] = np.arange(num_records, dtype=np.int64)
+        kept_pos = position_of_record[ok_index]
+        return kept_pos, np.argsort(kept_pos, kind="stable")
+
+    def _decode(self, key: BlockKey) -> DocBlock:
+        epoch, file_idx, block_idx, path = self._locate(key)
+        try:
+            raw = self.reader.read_block(path, block_idx)
+        except Exception as e:
+            self._read_failed(e, path, file_idx, block_idx)
             raw = self._empty_raw()
         for record, reason in raw.bad:
             self._bad(path, str(record), reason)
+        if self.images is not None:
+            return self._decode_images(key, raw, path, (epoch, file_idx, block_idx))
         values = raw.values
         if isinstance(values, pa.ChunkedArray):
             values = values.combine_chunks()
@@ -187,13 +303,7 @@ class Source:
             tokens, offsets = self._tokens(raw.values, path, 0)
         if self.vocab_size is not None:
             tokens, offsets, ok_index = self._drop_out_of_vocab(tokens, offsets, ok_index, path, raw.first_row)
-        # Shuffle over every record position of the block, bad ones included, so that a record's
-        # position never depends on which other records were readable.
-        perm = _rng(self.seed, self.index, epoch, file_idx, block_idx + 1).permutation(raw.num_records)
-        position_of_record = np.empty(raw.num_records, dtype=np.int64)
-        position_of_record[perm] = np.arange(raw.num_records, dtype=np.int64)
-        kept_pos = position_of_record[ok_index]
-        order = np.argsort(kept_pos, kind="stable")
+        kept_pos, order = self._shuffle(epoch, file_idx, block_idx, raw.num_records, ok_index)
         return DocBlock(
             source=self.index,
             key=key,
@@ -205,6 +315,25 @@ class Source:
             lengths=np.diff(offsets)[order],
             num_positions=raw.num_records,
         )
+
+    def _decode_images(self, key: BlockKey, raw: RawBlock, path: str, where: tuple[int, int, int]) -> DocBlock:
+        """An image source's block: documents with placeholder runs, and their image table (headers only)."""
+        epoch, file_idx, block_idx = where
+        records = raw.records or []
+        tokens, offsets, kept, table = self.images.build(path, records)
+        ok_index = raw.ok_index[kept] if len(kept) else np.zeros(0, np.int64)
+        kept_pos, order = self._shuffle(epoch, file_idx, block_idx, raw.num_records, ok_index)
+        return DocBlock(self.index, key, file_idx, kept_pos[order], raw.first_row + ok_index[order].astype(np.int64),
+                        tokens, offsets[:-1][order], np.diff(offsets)[order], raw.num_records, table.take_docs(order))
+
+    def image_pixels(self, block: DocBlock, image: int) -> np.ndarray:
+        """Image `image` (an index into block.images) decoded to uint8 patches, once per delivery. A body
+        that does not decode: an error under `raise`; under `skip` zero pixels, counted and named."""
+        path = self.files[block.shard]
+        pixels, why = self.images.decode_pixels(path, block.images, image)
+        if why is not None:
+            self._bad(path, str(block.images.records[image]), why)
+        return pixels
 
     def _drop(self, values: pa.Array, ok_index: np.ndarray, bad: np.ndarray, path: str, first_row: int, reason: str):
         """Report the records flagged in `bad` (policy: raise, or skip and count) and leave them out."""
@@ -340,7 +469,7 @@ def _make_encoder(spec: SourceSpec) -> TextEncoder | None:
 def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]:
     files: list[str] = []
     fs = None
-    for pattern in spec.paths:
+    for pattern in [p for given in spec.paths for p in (expand_braces(given) if "{" in given else [given])]:
         try:
             fs_i, _ = fsspec.core.url_to_fs(pattern, **spec.storage_options)
         except Exception as e:  # unknown protocol, its package missing, bad storage_options
@@ -349,10 +478,15 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
         try:
             if any(ch in pattern for ch in "*?["):
                 matches = fs_i.glob(pattern)
+                if spec.format == "megatron" and not matches:  # a glob of prefixes
+                    matches = fs_i.glob(pattern + ".idx")
+                matches = _data_files(matches, spec, fs_i) if spec.format in ("megatron", "mds") else matches
             elif fs_i.isdir(pattern):
-                matches = _data_files(fs_i.find(pattern), spec)
+                matches = _data_files(fs_i.find(pattern), spec, fs_i)
             elif fs_i.exists(pattern):
-                matches = [pattern]
+                matches = _data_files([pattern], spec, fs_i) if infer_format(pattern) in ("megatron", "mds") else [pattern]
+            elif spec.format in ("megatron", None) and fs_i.exists(pattern + ".idx"):
+                matches = [pattern]  # a Megatron prefix: the pair's common name
             else:
                 raise SourceError(spec.name, pattern, None, "no such file or folder")
         except SourceError:
@@ -364,13 +498,18 @@ def _list_files(spec: SourceSpec) -> tuple[list[str], fsspec.AbstractFileSystem]
             files.append(m if protocol in ("file", "local") or "://" in m else f"{protocol}://{m}")
     files = sorted(set(files))
     if not files:
-        raise SourceError(spec.name, ", ".join(spec.paths), None, "matches no files (empty source)")
+        relative = [p for p in spec.paths if "://" not in p and not os.path.isabs(p)]
+        hint = (f"; relative paths were looked up from the current directory {os.getcwd()} (a spec given as a "
+                "dict has no folder of its own: pass load_spec(d, base_dir=...) or absolute paths)") if relative else ""
+        raise SourceError(spec.name, ", ".join(spec.paths), None, f"matches no files (empty source){hint}")
     return files, fs
 
 
-def _data_files(paths: list[str], spec: SourceSpec) -> list[str]:
+def _data_files(paths: list[str], spec: SourceSpec, fs: fsspec.AbstractFileSystem) -> list[str]:
     """The files of a folder that hold this source's data: those of its format (by extension)."""
     kinds = {p: infer_format(p) for p in paths}
+    if spec.format == "jsonl":  # a JSON file is data here, whatever its name
+        kinds = {p: "jsonl" if p.lower().endswith(EXTENSIONS["jsonl"]) else k for p, k in kinds.items()}
     formats = {k for k in kinds.values() if k is not None}
     if spec.format is None and len(formats) > 1:
         raise SourceError(spec.name, None, None, f"the folder holds several formats {sorted(formats)}; set `format`")
@@ -378,7 +517,13 @@ def _data_files(paths: list[str], spec: SourceSpec) -> list[str]:
         raise SourceError(spec.name, None, None, f"the folder holds no file of a supported format "
                           f"({', '.join(FORMATS)}); supported: {supported()}")
     wanted = spec.format or (formats.pop() if formats else None)
-    return [p for p, k in kinds.items() if k is not None and k == wanted]
+    files = [p for p, k in kinds.items() if k is not None and k == wanted]
+    if wanted == "megatron":  # a pair's two files name one dataset: its prefix
+        return sorted({p.rsplit(".", 1)[0] for p in files})
+    if wanted == "mds":  # the shards the folders' index.json files list (shards of no index are not read)
+        indexes = [p for p in files if p.rsplit("/", 1)[-1] == "index.json"]
+        return [shard for index in indexes for shard in shard_files(fs, index)] if indexes else files
+    return files
 
 
 def _null_mask(values: pa.Array) -> np.ndarray:

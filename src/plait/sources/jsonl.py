@@ -23,7 +23,8 @@ import pyarrow.json as pajson
 import zstandard
 
 from plait.errors import SourceError
-from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock, describe
+from plait.sources.multimodal import records_from_values
+from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock, RawLengths, describe, int_lengths
 
 
 def _compression(path: str) -> str | None:
@@ -68,6 +69,8 @@ class JsonlReader(FormatReader):
         data = self._read_bytes(path)
         if not data.strip():
             raise SourceError(self.spec.name, path, None, EMPTY_FILE)
+        if self.spec.image_field is not None:
+            return self._read_records(path, data)
         try:
             table = pajson.read_json(
                 io.BytesIO(data), read_options=pajson.ReadOptions(block_size=1 << 24), parse_options=self._parse_options
@@ -105,6 +108,39 @@ class JsonlReader(FormatReader):
         arr_type = pa.string() if self.spec.text_field else pa.list_(pa.int64())
         return RawBlock(0, len(lines), np.asarray(good_index, dtype=np.int64), pa.array(good, type=arr_type), bad)
 
+    def _read_records(self, path: str, data: bytes) -> RawBlock:
+        """Image-text records (LLaVA): a JSON array of records (LLaVA's .json) or JSON Lines."""
+        bad: list[tuple[int, str]] = []
+        if data.lstrip()[:1] == b"[":
+            try:
+                recs = json.loads(data)
+            except ValueError as e:
+                raise SourceError(self.spec.name, path, None, f"malformed JSON array: {e}") from None
+        else:
+            recs = []
+            for i, line in enumerate(ln for ln in data.split(b"\n") if ln.strip()):
+                try:
+                    recs.append(json.loads(line))
+                except ValueError as e:
+                    bad.append((i, f"malformed JSON: {e}"))
+                    recs.append(None)
+        if not recs:
+            raise SourceError(self.spec.name, path, None, EMPTY_FILE)
+        texts, images, index = [], [], []
+        for i, rec in enumerate(recs):
+            if rec is None:
+                continue
+            if not isinstance(rec, dict):
+                bad.append((i, "record is not a JSON object"))
+                continue
+            texts.append(rec.get(self.field))
+            images.append(rec.get(self.spec.image_field))
+            index.append(i)
+        records, kept, more = records_from_values(texts, images, self.spec, [str(i) for i in index])
+        bad += [(int(name), why) for name, why in more]
+        ok_index = np.asarray(index, dtype=np.int64)[kept] if len(kept) else np.zeros(0, np.int64)
+        return RawBlock(0, len(recs), ok_index, pa.array([""] * len(records), pa.string()), sorted(bad), records)
+
     @property
     def _parse_options(self) -> pajson.ParseOptions:
         # Only the needed field is converted; other keys are skipped however messy their types are.
@@ -117,3 +153,33 @@ class JsonlReader(FormatReader):
         if self.spec.text_field:
             return pa.types.is_string(t) or pa.types.is_large_string(t)
         return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+    def read_lengths(self, path: str, block: int) -> RawLengths:
+        """Only the length key is converted (the text is neither decoded into Arrow nor tokenized)."""
+        data = self._read_bytes(path)
+        if not data.strip():
+            raise SourceError(self.spec.name, path, None, EMPTY_FILE)
+        name = self.spec.length_field
+        try:
+            table = pajson.read_json(io.BytesIO(data), read_options=pajson.ReadOptions(block_size=1 << 24),
+                                     parse_options=pajson.ParseOptions(
+                                         explicit_schema=pa.schema([(name, pa.int64())]),
+                                         unexpected_field_behavior="ignore"))
+            return int_lengths(table.column(name).combine_chunks(), 0, name)
+        except (pa.ArrowInvalid, KeyError, pa.ArrowNotImplementedError):
+            pass
+        lines = [ln for ln in data.split(b"\n") if ln.strip()]  # slow path: name the bad records
+        values, bad = [], []
+        for i, line in enumerate(lines):
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                bad.append((i, f"malformed JSON: {e}"))
+                values.append(None)
+                continue
+            v = rec.get(name) if isinstance(rec, dict) else None
+            values.append(v if isinstance(v, int) and not isinstance(v, bool) else None)
+        raw = int_lengths(pa.array(values, pa.int64()), 0, name)
+        bad_rows = {i for i, _ in bad}
+        raw.bad = sorted(bad + [(i, why) for i, why in raw.bad if i not in bad_rows])
+        return raw

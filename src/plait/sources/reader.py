@@ -30,10 +30,25 @@ class RawBlock:
     ok_index: np.ndarray  # int64, increasing
     values: pa.Array  # string or list<int> array aligned with ok_index
     bad: list[tuple[int, str]] = field(default_factory=list)  # (record index in file, reason)
+    records: list | None = None  # image sources: MMRecords aligned with ok_index (sources/multimodal.py)
+
+
+@dataclass
+class RawLengths:
+    """What a format reader returns for one block when planning asks only for sizes: each readable
+    record's token count (bos/eos not included), read from a stored length column or the format's own
+    index, never from the token or text column. Same records and `bad` convention as RawBlock."""
+
+    first_row: int
+    num_records: int
+    ok_index: np.ndarray  # int64, increasing
+    lengths: np.ndarray  # int64, aligned with ok_index
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (record index in file, reason)
 
 
 class FormatReader:
-    """Reads blocks of one file format. Subclasses: ParquetReader, JsonlReader.
+    """Reads blocks of one file format. Subclasses: ParquetReader, JsonlReader, MegatronReader,
+    ArrowReader, MdsReader.
 
     A file that cannot be read as a whole (corrupt, truncated, not of the format, empty, missing the
     field) makes `num_blocks` or `read_block` raise: a SourceError naming the file (and the record
@@ -52,8 +67,47 @@ class FormatReader:
     def read_block(self, path: str, block: int) -> RawBlock:
         raise NotImplementedError
 
+    def reads_lengths(self, path: str) -> bool:
+        """Whether `read_lengths` gives the record lengths of a block of `path` without reading its
+        tokens (a `length_field` is set, or the format's index holds them)."""
+        return self.spec.length_field is not None
+
+    def read_lengths(self, path: str, block: int) -> RawLengths:
+        raise NotImplementedError(f"{type(self).__name__} reads no length column")
+
+    def image_head(self, path: str, ref, n: int) -> tuple[bytes, bool]:
+        """The first `n` bytes of an image (inline bytes, or a file path) and whether that is all of it.
+        WebDataset overrides it (a reference there is a member of the shard)."""
+        if isinstance(ref, bytes):
+            return ref, True
+        with fsspec.open(ref, "rb", **self.spec.storage_options) as f:
+            head = f.read(n)
+        return head, len(head) < n
+
+    def image_bytes(self, path: str, ref) -> bytes:
+        """All of an image's bytes (to decode at gather time)."""
+        if isinstance(ref, bytes):
+            return ref
+        with fsspec.open(ref, "rb", **self.spec.storage_options) as f:
+            return f.read()
+
     def close(self) -> None:
         pass
+
+
+def int_lengths(values: pa.Array, first_row: int, name: str) -> RawLengths:
+    """A stored length column as RawLengths: nulls, negatives and non-integers are bad records."""
+    if not pa.types.is_integer(values.type):
+        raise TypeError(f"length_field {name!r} is {values.type}, not an integer")
+    n = len(values)
+    valid = np.ones(n, dtype=bool) if values.null_count == 0 else ~np.asarray(values.is_null().to_numpy(zero_copy_only=False))
+    lengths = np.asarray(values.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    bad = [(first_row + int(i), f"length_field {name!r} is null") for i in np.flatnonzero(~valid)]
+    neg = valid & (lengths < 0)
+    bad += [(first_row + int(i), f"length_field {name!r} is negative ({int(lengths[i])})") for i in np.flatnonzero(neg)]
+    ok = np.flatnonzero(valid & ~neg).astype(np.int64)
+    bad.sort()
+    return RawLengths(first_row, n, ok, lengths[ok], bad)
 
 
 def describe(e: BaseException) -> str:

@@ -132,7 +132,8 @@ def _trainer() -> None:
                         break
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-        loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="ray", job=cfg["job"], address=cfg["address"],
+        loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="ray", job=cfg["job"], attach=cfg["rank"] > 0,
+                              address=cfg["address"],
                               steps=cfg["steps"], max_cached_blocks=CACHED_BLOCKS,
                               **({"loaders": cfg["loaders"]} if cfg.get("loaders") else {}))
         n = sum(1 for _ in loader)

@@ -1,7 +1,8 @@
 """Ray runtime: the Planner, the SourceLoaders and the Constructors are Ray actors.
 
 Wiring (one job; actor names are `<job>/planner`, `<job>/loader-<i>`, `<job>/constructor-<node|rank>` in
-the `plait` namespace, so trainer processes started by torchrun attach by job name). One module each:
+the `plait` namespace, so trainer processes started by torchrun join a job by its name, `attach=True`).
+One module each:
 
   runtime            RayRuntime, the driver side a trainer process or `plait run` holds (options: RayOptions)
   planner_actor      the job's one Planner: decides the layout, plans every step once, keeps a window
@@ -10,6 +11,7 @@ the `plait` namespace, so trainer processes started by torchrun attach by job na
   constructor_actor  builds (step, dp_rank) once for every TP/PP/CP rank of a replica, from payloads
                      pulled straight from the loaders (RayPayloads); serves each CP rank its shard
   recovery           what happens when a loader, a shadow, a Constructor or the Planner dies
+  jobs               a job's lifecycle: attach=True, heartbeats, close at exit, `plait jobs` list/stop
   common             namespace, names, `get`, dead-actor errors, actor options
 
 The stream is the local runtime's, bit for bit. Ray is imported lazily (plait[ray] is optional); the

@@ -47,6 +47,19 @@ def constructor_name(job: str, key: str) -> str:
     return f"{job}/constructor-{key}"
 
 
+def job_of(actor_name: str) -> str | None:
+    """The job an actor name of NAMESPACE belongs to (`<job>/planner` -> `<job>`), None for other names."""
+    job, sep, role = actor_name.rpartition("/")
+    return job if sep and job and role else None
+
+
+def process_rss() -> int:
+    """This process's resident memory in bytes (what each actor reports in its `stats()`)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
 def actor_options(name: str | None = None, lifetime: str | None = None, **resources: Any) -> dict:
     """Options for `ray.remote(cls).options(...)`: a named actor is found again by its name (in
     NAMESPACE) rather than started twice; `lifetime="detached"` outlives its creator (shared jobs)."""

@@ -28,6 +28,7 @@ from plait.runtime.ray.common import (
     dead_errors,
     get,
     planner_name,
+    process_rss,
     ray_module,
     use_numpy_kernels,
 )
@@ -42,7 +43,10 @@ class RayPayloads:
         self.pmap = pmap
         self.planner = planner  # asked to replace a loader found dead (None: errors propagate)
 
-    def fetch(self, items) -> np.ndarray:
+    def fetch(self, items):
+        """Tokens (text), or a Payload (tokens and images) when an item holds images: the images are
+        decoded in the owning loader actors' gather (roles/constructor.py has the contract)."""
+        from plait.batch import Payload, merge_images
         from plait.packing import ragged_arange
 
         if not len(items):
@@ -50,27 +54,31 @@ class RayPayloads:
         keys, block_index = items.block_keys()
         owner_of_block = np.array([self.pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
         owner = owner_of_block[block_index]
+        images = items.has_images
         refs, sels, owners = [], [], []
         for k in np.unique(owner):
             sel = np.flatnonzero(owner == k)
             sels.append(sel)
             owners.append((int(k), self.loaders[int(k)]))
-            refs.append(self._gather(self.loaders[int(k)], items, keys, block_index, sel))
-        parts = self._collect(refs, sels, owners, (items, keys, block_index))
+            refs.append(self._gather(self.loaders[int(k)], items, keys, block_index, sel, images))
+        parts = self._collect(refs, sels, owners, (items, keys, block_index), images)
         if len(parts) == 1:
             return parts[0]
         out = np.empty(int(items.length.sum()), dtype=np.int32)
         starts = np.cumsum(items.length) - items.length
         for sel, part in zip(sels, parts):
-            out[ragged_arange(starts[sel], items.length[sel])] = part
-        return out
+            out[ragged_arange(starts[sel], items.length[sel])] = part.tokens if images else part
+        if not images:
+            return out
+        return Payload(out, merge_images([(sel, part.images) for sel, part in zip(sels, parts)]))
 
     @staticmethod
-    def _gather(handle, items, keys, block_index, sel):
-        return handle.gather.remote(items.source[sel], keys, block_index[sel], items.position[sel],
-                                    items.offset[sel], items.length[sel])
+    def _gather(handle, items, keys, block_index, sel, images: bool = False):
+        call = handle.gather_payload if images else handle.gather
+        return call.remote(items.source[sel], keys, block_index[sel], items.position[sel],
+                           items.offset[sel], items.length[sel])
 
-    def _collect(self, refs, sels, owners, request) -> list:
+    def _collect(self, refs, sels, owners, request, images: bool = False) -> list:
         """Each loader's part; a part whose loader died is asked again of the loader's replacement."""
         try:
             return get(refs)
@@ -86,7 +94,7 @@ class RayPayloads:
                 except dead_errors():
                     self.loaders[:] = get(self.planner.replace_loader.remote(k, handle))
                     handle = self.loaders[k]
-                    ref = self._gather(handle, *request, sel)
+                    ref = self._gather(handle, *request, sel, images)
         return parts
 
 
@@ -147,7 +155,19 @@ class ConstructorActor:
         return state, shard_for_rank(batches, *cp)
 
     def stats(self) -> dict:
-        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds)}
+        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds),
+                "rss": process_rss()}
+
+    def serve_flight(self, host: str, token: str) -> str:
+        """Serve this Constructor's builds to thin trainer clients over Arrow Flight (a server in this
+        process, bound to `host` on a free port, refusing calls without the job's `token`; started once):
+        its location. See plait.runtime.ray.flight_server."""
+        from plait.runtime.ray.flight_server import ConstructorFlight
+
+        server = getattr(self, "flight_server", None)
+        if server is None:
+            server = self.flight_server = ConstructorFlight(self.get, host, token)
+        return server.location
 
 
 class ConstructorPool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.runtime.placement import Layout, loader_name
-from plait.runtime.ray.common import actor_options, ray_module, use_numpy_kernels
+from plait.runtime.ray.common import actor_options, process_rss, ray_module, use_numpy_kernels
 from plait.spec import load_spec
 
 
@@ -51,6 +51,11 @@ class LoaderActor:
         with self.lock:
             return self.loader.gather(source, keys, block_index, position, offset, length)
 
+    def gather_payload(self, source, keys, block_index, position, offset, length):
+        """Tokens and the requested documents' images, decoded here, once (plait.batch.Payload)."""
+        with self.lock:
+            return self.loader.gather_payload(source, keys, block_index, position, offset, length)
+
     def retain(self, live) -> None:
         with self.lock:
             mine = {k for k in live if k[0] in self.loader.sources}
@@ -59,7 +64,8 @@ class LoaderActor:
     def stats(self) -> dict:
         with self.lock:
             return {"blocks_read": self.loader.blocks_read, "cached_bytes": self.loader.cached_bytes,
-                    "sources": sorted(self.loader.sources), "pid": os.getpid()}
+                    "images_decoded": self.loader.images_decoded,
+                    "sources": sorted(self.loader.sources), "pid": os.getpid(), "rss": process_rss()}
 
     def error_report(self) -> dict:
         with self.lock:

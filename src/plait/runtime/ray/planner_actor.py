@@ -6,12 +6,15 @@ also replaces them when they die) and keeps a window of planned steps: Construct
 step t of generation g, nobody "advances" it. Metadata (block ids, lengths) comes to it from the loaders
 by `block_meta`; it never sees a token. A client that resumes from another data state `seek`s, which starts
 a new generation of the stream. `PlannerRecipe` is the one way a Planner actor is started (by the first
-client of a job, and again after the Planner died).
+client of a job, and again after the Planner died). It counts the attached trainers and, with
+`job_idle_timeout`, ends the whole job when no trainer was seen for that long (`IdleWatch`;
+plait.runtime.ray.jobs).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from plait.runtime.ray.common import (
     dead_errors,
     get,
     planner_name,
+    process_rss,
     ray_module,
 )
 from plait.runtime.ray.loader_actor import LoaderConfig
@@ -33,6 +37,7 @@ from plait.runtime.scaling import format_layout, probe_costs
 from plait.spec import Spec, load_spec
 
 scale_log = logging.getLogger("plait.scaling")
+job_log = logging.getLogger("plait.jobs")
 PLAN_WINDOW = 64  # planned steps the Planner keeps (ranks of one job are at most `prefetch` apart)
 PROBE_TIMEOUT_S = 600.0
 
@@ -93,17 +98,28 @@ class PlannerActor:
         self.planned = 0  # steps planned in total (each exactly once per generation)
         self.clients = 0
         self.constructors: set[str] = set()
+        self.started = time.time()
+        self.creator = options.get("creator")  # the client whose start made this actor (attach=False)
+        self.last_seen = time.monotonic()  # the last call of a trainer (or its heartbeat)
+        self.idle_timeout = options.get("job_idle_timeout")
+        if self.idle_timeout:
+            IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
+
+    def _seen(self) -> None:
+        self.last_seen = time.monotonic()
 
     # ----- shared plan stream --------------------------------------------------------------------
     def info(self) -> dict:
         return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
-                "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict()}
+                "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict(),
+                "idle_timeout": self.idle_timeout}
 
     def get_loaders(self) -> list:
         return self.loaders.handles
 
     def seek(self, state: dict) -> int:
         """Make step state['step'] start from `state`; a no-op when the stream already does."""
+        self._seen()
         step = int(state["step"])
         plan = self.window.get(step)
         if plan is not None and plan.state_before == state:
@@ -116,6 +132,26 @@ class PlannerActor:
         self.base_state = self.planner.state_dict()
         self.gen += 1
         return self.gen
+
+    def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
+        """`seek` to a state saved under another spec (weights, schedule, sources added or removed);
+        returns (generation, the changes found). Always a new generation: the stream changes."""
+        self._seen()
+        changes = self.planner.load_state_dict(state, allow_spec_change=True) or []
+        self.window.clear()
+        self.built.clear()
+        self.base_state = self.planner.state_dict()
+        self.gen += 1
+        return self.gen, list(changes)
+
+    def set_weights(self, weights: dict, at_step: int) -> None:
+        """Run-time reweighting, applied once for the whole job (the Planner refuses a planned step)."""
+        self._seen()
+        self.planner.set_weights(weights, at_step)
+
+    def report(self, step: int, losses: dict) -> None:
+        self._seen()
+        self.planner.report(step, losses)
 
     def _plan(self, gen: int, step: int) -> StepPlan:
         if gen != self.gen:
@@ -136,12 +172,14 @@ class PlannerActor:
         return self.window[step]
 
     def step_plan(self, gen: int, step: int) -> StepPlan:
+        self._seen()
         return self._plan(gen, step)
 
     def rank_plan(self, gen: int, step: int, dp_rank: int) -> RankPlan:
         return self._plan(gen, step).for_rank(dp_rank)
 
     def state_at(self, gen: int, step: int) -> dict:
+        self._seen()  # also asked by Constructors, for each build a trainer requested
         if gen == self.gen and step == self.base_state["step"]:
             return self.base_state
         if gen == self.gen and step == self.planner.step:
@@ -170,24 +208,44 @@ class PlannerActor:
                 "constructors": sorted(self.constructors)}
 
     # ----- lifetime -----------------------------------------------------------------------------
-    def attach(self, fingerprint: str) -> int:
+    def attach(self, fingerprint: str, ranks: int | None = None, creator: str | None = None,
+               joining: bool = True) -> int:
+        """A trainer process joins the job. `joining=False` (a client that means to create the job, token
+        `creator`) is refused unless this very actor was started by it: a live job's name is not reused
+        silently."""
+        if not joining and creator != self.creator:
+            n = self.clients
+            raise PlaitError(f"a job named {self.job!r} is running ({n} trainer{'' if n == 1 else 's'} attached, "
+                             f"started {format_age(time.time() - self.started)} ago); pass attach=True to join "
+                             f"it, or `plait jobs stop {self.job}`")
         if fingerprint != self.spec.data_fingerprint():
             raise PlaitError(f"job {self.job!r} runs a different spec (data fingerprint differs)")
+        if ranks is not None and ranks != self.planner.ranks:
+            raise PlaitError(f"job {self.job!r} plans for {self.planner.ranks} DP ranks, this client's topology has "
+                             f"{ranks}: every trainer process of a job must use the same spec and layout")
+        self._seen()
         self.clients += 1
         return self.clients
+
+    def touch(self) -> None:
+        """A trainer's heartbeat: the job is in use (see `job_idle_timeout`)."""
+        self._seen()
 
     def register_constructor(self, name: str) -> None:
         self.constructors.add(name)
 
     def base(self) -> tuple[int, dict]:
         """The current generation and the data state it started from."""
+        self._seen()
         return self.gen, self.base_state
 
     def detach(self) -> int:
+        self._seen()
         self.clients -= 1
         return self.clients
 
     def shutdown(self) -> None:
+        """End the job's Constructors, loaders and shadows (the caller then ends this actor)."""
         ray = ray_module()
         for name in self.constructors:
             try:
@@ -195,6 +253,42 @@ class PlannerActor:
             except Exception:  # noqa: BLE001
                 pass
         self.loaders.close()
+
+    def _end_idle_job(self) -> None:
+        """No trainer was seen for `job_idle_timeout` seconds: end the job, this actor last."""
+        job_log.warning("job %r: no trainer seen for %.0f s (job_idle_timeout): ending it", self.job,
+                        time.monotonic() - self.last_seen)
+        try:
+            self.shutdown()
+        finally:
+            ray = ray_module()
+            ray.kill(ray.get_runtime_context().current_actor)
+
+    def job_info(self) -> dict:
+        """What `plait jobs` shows (not a trainer's call: it does not keep the job alive)."""
+        return {"job": self.job, "started": self.started, "clients": self.clients,
+                "idle_s": time.monotonic() - self.last_seen, "idle_timeout": self.idle_timeout,
+                "step": self.planner.step, **self.memory()}
+
+    def memory(self) -> dict:
+        """Resident memory of the job's actors (each measures itself), in bytes, and how many answered."""
+        ray = ray_module()
+        handles = list(self.loaders.handles) + [sh for group in self.loaders.shadows for sh in group]
+        for name in self.constructors:
+            try:
+                handles.append(ray.get_actor(name, namespace=NAMESPACE))
+            except ValueError:
+                pass
+        total, actors = process_rss(), 1
+        refs = [h.stats.remote() for h in handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+        for ref in ready:
+            try:
+                total += int(ray.get(ref).get("rss", 0))
+                actors += 1
+            except Exception:  # noqa: BLE001 - a dead actor adds nothing
+                pass
+        return {"rss": total, "actors": actors, "actors_asked": len(handles) + 1}
 
     # ----- reports, and what the loaders' recovery needs from the outside -------------------------
     def error_report(self) -> dict:
@@ -223,6 +317,36 @@ class PlannerActor:
 
     def shadow_stats(self) -> list[list[dict]]:
         return self.loaders.shadow_stats()
+
+
+def format_age(seconds: float) -> str:
+    """`42 s`, `7 min`, `3.5 h`, `2.1 d`."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+class IdleWatch(threading.Thread):
+    """A daemon thread of the Planner actor: calls `on_idle()` once, when `last_seen()` (a monotonic time)
+    is more than `timeout` seconds ago."""
+
+    def __init__(self, timeout: float, last_seen, on_idle):
+        super().__init__(name="plait-idle-watch", daemon=True)
+        self.timeout = float(timeout)
+        self.last_seen = last_seen
+        self.on_idle = on_idle
+
+    def run(self) -> None:
+        period = min(max(self.timeout / 8, 0.1), 10.0)
+        while True:
+            time.sleep(period)
+            if time.monotonic() - self.last_seen() > self.timeout:
+                self.on_idle()
+                return
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from plait.errors import PlaitError
 from plait.plan import StepPlan
 from plait.roles.state_log import PlannerLog
 from plait.runtime.placement import Layout
-from plait.runtime.ray import recovery
+from plait.runtime.ray import jobs, recovery
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.planner_actor import PlannerRecipe
@@ -51,7 +51,16 @@ def loaders_option(loaders) -> int | str:
 class RayOptions:
     """RayRuntime's options, checked before anything starts.
 
-      job           name shared by all trainer processes of one job (they attach); default: private
+      job           name shared by all trainer processes of one job; default: a private job of this process
+      attach        False (default): create job `job`; a live job of that name is an error (names are not
+                    reused silently: `plait jobs stop NAME` ends the old one). True: join job `job`, which
+                    another trainer process creates; waits up to 30 s for it to appear (ranks start
+                    unevenly), then fails. Under torchrun rank 0 creates, the other ranks pass attach=True.
+      job_idle_timeout  seconds without any trainer of the job seen (each attached process sends a
+                    heartbeat while open) after which the job's Planner ends the job and every actor of it:
+                    a trainer killed without `close()` does not leave its actors behind (default 600; None:
+                    never). The job's creator decides it. A job otherwise ends when every trainer that
+                    attached has closed (`Loader.close()`, the `with` block, or interpreter exit).
       address       Ray address (`auto`, `ray://host:10001`); default: the running one, else a local one
       loaders       "auto" (default) or a number of SourceLoader actors. auto: each source's cost per token
                     is measured (plait.runtime.scaling.probe_costs); loaders follow the total demand (cost x
@@ -76,6 +85,8 @@ class RayOptions:
     """
 
     job: str | None = None
+    attach: bool = False
+    job_idle_timeout: float | None = 600.0
     address: str | None = None
     loaders: int | str | None = "auto"
     partitions: int | dict[str, int] | None = None
@@ -97,13 +108,18 @@ class RayOptions:
             raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
         if self.constructors not in ("node", "replica"):
             raise PlaitError(f"constructors must be 'node' or 'replica', not {self.constructors!r}")
+        if self.attach and not self.job:
+            raise PlaitError("attach=True joins a job by name: pass job=NAME too")
+        idle = self.job_idle_timeout
+        if idle is not None and not (isinstance(idle, (int, float)) and idle > 0 and math.isfinite(idle)):
+            raise PlaitError(f"job_idle_timeout must be a positive number of seconds or None, not {idle!r}")
 
     def planner_options(self, dp: int, cpus: int) -> dict:
         """What the Planner actor is told (JSON-able: it is also how a dead Planner is made again)."""
         return {"loaders": self.loaders, "partitions": self.partitions, "dp": dp, "loader_cpus": self.loader_cpus,
                 "max_cached_blocks": self.max_cached_blocks, "lifetime": "detached" if self.job else None,
                 "checkpoint_interval": self.checkpoint_interval, "respawn_delay": self.respawn_delay,
-                "cpus": cpus, "step_time": self.step_time}
+                "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout}
 
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
@@ -201,6 +217,9 @@ def start_ray(options: RayOptions) -> bool:
             error = e
         else:
             error = None
+    if error is not None and options.address is None:
+        raise PlaitError(f"cannot start a local Ray instance: {' '.join(str(error).split())[:400]} (is another "
+                         "Ray instance using its ports? `ray stop` ends local ones)") from None
     if error is not None:
         raise PlaitError(explain_join_failure(options.address, error, said.text)) from None
     serialization_without_arrow()
@@ -254,13 +273,18 @@ class RayRuntime:
         self.dp = opts.dp or self.spec.topology.dp
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         planner_options = opts.planner_options(self.dp, cpus)
+        planner_options["creator"] = uuid.uuid4().hex  # tells this client's start from another's
         recipe = PlannerRecipe(self.spec.model_dump(mode="json"), self.job, planner_options,
                                self.spec.data_fingerprint())
-        self.planner = recipe.start()
+        self.planner = jobs.find_planner(self.job) if opts.attach else recipe.start()
+        # Refused (nothing attached) for another spec or layout, or for a live job's name without attach.
+        get(self.planner.attach.remote(recipe.fingerprint, self.dp, planner_options["creator"], opts.attach))
+        self._closed = False
         self.info = get(self.planner.info.remote())
-        if self.info["ranks"] != self.dp:
-            raise PlaitError(f"job {self.job!r} plans for {self.info['ranks']} DP ranks, this client's topology has "
-                             f"{self.dp}: every trainer process of a job must use the same spec and layout")
+        period = jobs.heartbeat_period(self.info.get("idle_timeout"))
+        self.heartbeat = jobs.Heartbeat(self, period or 0)
+        if period:
+            self.heartbeat.start()
         # A recreated Planner keeps this layout (no second probe, same loaders).
         planner_options["layout"] = self.info["layout"]
         self._recipe = recipe  # how to make the Planner again, should it die
@@ -269,8 +293,6 @@ class RayRuntime:
             opts.on_layout(describe(self.layout, self.spec.source_names))
         self._constructors = ConstructorPool(self.job, opts.constructors, self.prefetch, self.dp,
                                              planner_options["lifetime"])
-        self._closed = False
-        get(self.planner.attach.remote(recipe.fingerprint))
         self._gen, base = get(self.planner.base.remote())
         self._next_step = int(base["step"])
         self._plan_refs: dict[int, Any] = {}
@@ -279,6 +301,7 @@ class RayRuntime:
         self.recovery_log: list[dict] = []  # this process's recoveries (Constructors); loaders: the Planner's
         # To rebuild a dead Planner: the data state of the steps this process is at.
         self._planner_log = PlannerLog(base)
+        jobs.close_at_exit(self)  # a trainer that exits without close() still detaches
 
     def _constructor_for(self, dp_rank: int):
         return self._constructors.for_rank(dp_rank, self.planner)
@@ -379,8 +402,22 @@ class RayRuntime:
     def state_dict(self) -> dict:
         return get(self.planner.state_at.remote(self._gen, self._next_step))
 
-    def load_state_dict(self, state: dict) -> None:
-        self._seek(state)
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
+        if not allow_spec_change:
+            self._seek(state)
+            return []
+        gen, changes = get(self.planner.seek_with_changes.remote(state))
+        self._plan_refs.clear()
+        self._gen = gen
+        self._next_step = int(state["step"])
+        return changes
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """Ray: the job's one Planner applies it, so call it from one rank (any); a planned step is refused."""
+        get(self.planner.set_weights.remote(weights, at_step))
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        get(self.planner.report.remote(step, losses))
 
     def error_report(self) -> dict:
         return get(self.planner.error_report.remote())
@@ -406,6 +443,8 @@ class RayRuntime:
         if self._closed:
             return
         self._closed = True
+        self.heartbeat.stop()
+        jobs.closed(self)
         ray = ray_module()
         if not ray.is_initialized():  # Ray is gone already: a call now would start a new instance
             if self._uses_local_instance:

@@ -1,0 +1,242 @@
+"""`plait bench multimodal`: step-time balance of image + text steps, with two capacities.
+
+A multimodal sample costs the vision encoder over its images' patches plus the language model over its
+tokens (image placeholders included: patches / 4 tokens per image), and a micro-batch holds at most
+`seq_len` tokens and `max_patches` patches (the encoder's memory). For each workload and DP size it draws
+one global step (samples filling dp x microbatches x seq_len tokens) and places it three ways:
+
+  naive     each DP rank packs its contiguous share of the stream, in order, first-fit into its
+            micro-batches (both capacities): what per-rank loaders do
+  llm-only  balance.assign with both capacities but costs of the language model alone (a text
+            balancer that ignores the encoder), measured under the true total cost
+  plait     balance.assign with the total cost (encoder + language model) and both capacities
+
+Per strategy: max/LB of the per-rank total cost (LB: balance.capacity_lower_bound of the placed items,
+the capacity-aware bound), max/mean, token fill, and plait's planning time (CPU ms of the planning
+thread, kernels compiled beforehand).
+
+Workloads: `caption` (one image of 256-16k patches, dynamic resolution, and a short caption), `interleaved`
+(documents of 2-8 images and long text), `hires` (captions with high-resolution images, 30% text-only).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+HELP = "balance of image + text steps (encoder + LLM cost, token and patch capacities): naive, llm-only, plait"
+DESCRIPTION = (
+    "Draw one global step of multimodal samples per (workload, DP size) and place it three ways: naive "
+    "(per-rank first-fit in stream order), llm-only (plait's balancer with costs of the language model "
+    "only) and plait (encoder + LLM cost, token and patch capacities). Reports max/LB against the "
+    "capacity-aware lower bound of the total cost, max/mean, token fill and planning time."
+)
+
+WORKLOADS = ("caption", "interleaved", "hires")
+DPS = (8, 64, 512)
+STRATEGIES = ("naive", "llm-only", "plait")
+PATCHES_PER_TOKEN = 4  # an image of P patches takes P / 4 placeholder tokens (2x2 merge)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"default {','.join(WORKLOADS)}")
+    p.add_argument("--dp", default=",".join(map(str, DPS)), help=f"DP sizes (default {','.join(map(str, DPS))})")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
+    p.add_argument("--max-patches", type=int, default=32768, help="image patches per micro-batch (encoder memory)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank per step")
+    p.add_argument("--encoder", default="6b", choices=("6b", "300m"),
+                   help="vision tower: 6b (InternViT-6B-like: the encoder dominates) or 300m (ViT-L-like)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="plan_ms is the best of this many plannings")
+    p.add_argument("--json", metavar="PATH", help="write one row per (workload, dp, strategy)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+
+
+def cost_models(encoder: str):
+    """The language model (7B Llama-like) and the vision tower."""
+    from plait.cost import CostModel, EncoderCost
+
+    vit = EncoderCost.from_dims(3200, 45, 12800) if encoder == "6b" else EncoderCost.from_dims(1024, 24, 4096)
+    return CostModel.from_dims(4096, 32, 11008, 32), vit
+
+
+# ----- samples ---------------------------------------------------------------------------------
+def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng: np.random.Generator):
+    """Samples of one step in stream order, until `budget` tokens: (tokens, patches per image, CSR
+    offsets of each sample's images). A sample's tokens include its images' placeholders."""
+    toks, pats, counts, total = [], [], [], 0
+    while total < budget:
+        n = 4096
+        if workload == "caption":
+            k = np.ones(n, dtype=np.int64)
+            text = np.clip(rng.lognormal(np.log(60), 0.7, n), 8, 1000).astype(np.int64)
+        elif workload == "interleaved":
+            k = rng.integers(2, 9, n)
+            text = np.clip(rng.lognormal(np.log(2500), 0.8, n), 64, seq_len).astype(np.int64)
+        elif workload == "hires":
+            k = (rng.random(n) < 0.7).astype(np.int64)
+            text = np.where(k > 0, np.clip(rng.lognormal(np.log(120), 0.8, n), 8, 2000),
+                            np.clip(rng.lognormal(np.log(1500), 1.2, n), 16, seq_len)).astype(np.int64)
+        else:
+            raise ValueError(f"unknown workload {workload!r}")
+        m = int(k.sum())
+        if workload == "hires":
+            p = rng.lognormal(np.log(6000), 0.7, m)
+        elif workload == "interleaved":
+            p = rng.lognormal(np.log(700), 0.6, m)
+        else:
+            p = rng.lognormal(np.log(1200), 1.0, m)
+        p = (np.clip(p, 256, min(16384, max_patches)) // 4 * 4).astype(np.int64)
+        off = np.concatenate([[0], np.cumsum(k)])
+        sum_p = per_sample(p, off)
+        L = text + sum_p // PATCHES_PER_TOKEN
+        keep = (L <= seq_len) & (sum_p <= max_patches)  # a sample fits one micro-batch
+        for i in np.flatnonzero(keep):
+            toks.append(int(L[i]))
+            pats.append(p[off[i]:off[i + 1]])
+            counts.append(int(k[i]))
+            total += int(L[i])
+            if total >= budget:
+                break
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    per_image = np.concatenate(pats).astype(np.int64) if pats else np.zeros(0, dtype=np.int64)
+    return np.asarray(toks, dtype=np.int64), per_image, offsets
+
+
+def per_sample(per_image, offsets):
+    """Patches of each sample: the sum over its images (CSR offsets)."""
+    acc = np.concatenate([[0], np.cumsum(per_image)]).astype(np.int64)
+    return acc[offsets[1:]] - acc[offsets[:-1]]
+
+
+# ----- strategies ------------------------------------------------------------------------------
+def place_naive(lengths, patches, R, M, C, Pc):
+    """Each rank's contiguous share of the stream (M x C tokens), first-fit with both capacities."""
+    starts = np.cumsum(lengths) - lengths
+    rank = np.minimum(starts // (M * C), R - 1)
+    micro = np.full(len(lengths), -1, dtype=np.int64)
+    tok = np.zeros((R, M), dtype=np.int64)
+    pat = np.zeros((R, M), dtype=np.int64)
+    for i in range(len(lengths)):
+        r = rank[i]
+        fit = np.flatnonzero((tok[r] + lengths[i] <= C) & (pat[r] + patches[i] <= Pc))
+        if len(fit):
+            m = fit[0]
+            micro[i] = m
+            tok[r, m] += lengths[i]
+            pat[r, m] += patches[i]
+    return np.where(micro >= 0, rank, -1), 0.0
+
+
+def place_plait(lengths, costs, patches, R, M, C, Pc, repeats):
+    """balance.assign with both capacities; plan_ms: CPU time of this thread, best of `repeats`."""
+    from plait import balance
+
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.thread_time()
+        a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, patches=patches, patch_capacity=Pc)
+        best = min(best, (time.thread_time() - t) * 1e3)
+    return a.rank.astype(np.int64), best
+
+
+def measure(rank, lengths, costs, patches, R, M, C, Pc) -> dict:
+    from plait.balance import capacity_lower_bound
+
+    ok = rank >= 0
+    rank_cost = np.bincount(rank[ok], weights=costs[ok], minlength=R)
+    lb = capacity_lower_bound(lengths[ok], costs[ok], patches[ok], ranks=R, microbatches=M, capacity=C,
+                              patch_capacity=Pc)
+    mean = float(rank_cost.sum()) / R
+    return {
+        "max_over_lb": float(rank_cost.max() / lb) if lb > 0 else 1.0,
+        "max_over_mean": float(rank_cost.max() / mean) if mean > 0 else 1.0,
+        "fill": float(lengths[ok].sum() / (R * M * C)),
+        "placed": float(ok.mean()) if len(ok) else 1.0,
+    }
+
+
+def sweep(workloads, dps, args, progress=None) -> list[dict]:
+    llm, vit = cost_models(args.encoder)
+    C, Pc, M = args.seq_len, args.max_patches, args.microbatches
+    rows = []
+    for w_i, workload in enumerate(workloads):
+        for dp in dps:
+            rng = np.random.default_rng([args.seed, w_i, dp])
+            lengths, per_image, offsets = sample_step(workload, dp * M * C, C, Pc, rng)
+            patches = per_sample(per_image, offsets)
+            text_cost = llm(lengths)
+            total = text_cost + vit.per_item(per_image, offsets)
+            enc_share = float(1.0 - text_cost.sum() / total.sum())
+            placed = {
+                "naive": place_naive(lengths, patches, dp, M, C, Pc),
+                "llm-only": place_plait(lengths, text_cost, patches, dp, M, C, Pc, args.repeats),
+                "plait": place_plait(lengths, total, patches, dp, M, C, Pc, args.repeats),
+            }
+            for name in STRATEGIES:
+                rank, plan_ms = placed[name]
+                row = {"workload": workload, "dp": dp, "strategy": name, "samples": len(lengths),
+                       "samples_per_rank": len(lengths) / dp, "encoder_share": enc_share}
+                row.update(measure(rank, lengths, total, patches, dp, M, C, Pc))
+                row["plan_ms"] = plan_ms
+                rows.append(row)
+            if progress:
+                progress()
+    return rows
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.table import Table
+
+    from plait import balance
+    from plait.errors import PlaitError
+
+    err = Console(stderr=True)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise PlaitError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    try:
+        dps = [int(x) for x in args.dp.split(",") if x.strip()]
+    except ValueError:
+        raise PlaitError(f"expected comma-separated integers, got {args.dp!r}") from None
+    if min(dps + [args.seq_len, args.max_patches, args.microbatches]) < 1:
+        raise PlaitError("dp, seq_len, max_patches and microbatches must be >= 1")
+    if args.max_patches < 256:
+        raise PlaitError("max_patches must hold one image of the smallest size (256 patches)")
+    balance.warmup()
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[bold]multimodal[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                  TimeElapsedColumn(), console=err, disable=args.quiet) as bar:
+        task = bar.add_task("sweep", total=len(workloads) * len(dps))
+        rows = sweep(workloads, dps, args, progress=lambda: bar.advance(task))
+    if not args.quiet:
+        out = Console()
+        t = Table(title=f"multimodal balance: seq_len {args.seq_len}, max_patches {args.max_patches}, "
+                        f"{args.microbatches} micro-batches, {args.encoder} encoder ({time.perf_counter() - t0:.0f} s)")
+        for col, just in (("workload", "left"), ("dp", "right"), ("samples/rank", "right"), ("encoder", "right"),
+                          ("strategy", "left"), ("max/LB", "right"), ("max/mean", "right"), ("fill", "right"),
+                          ("plan ms", "right")):
+            t.add_column(col, justify=just)
+        for r in rows:
+            t.add_row(r["workload"], str(r["dp"]), f"{r['samples_per_rank']:.0f}", f"{r['encoder_share']:.0%}",
+                      r["strategy"], f"{r['max_over_lb']:.4f}", f"{r['max_over_mean']:.4f}", f"{r['fill']:.3f}",
+                      f"{r['plan_ms']:.1f}" if r["strategy"] != "naive" else "-")
+        out.print(t)
+        out.print("max/LB: slowest rank's total (encoder + LLM) cost over the capacity-aware lower bound of the "
+                  "placed samples; llm-only balances LLM cost alone, measured under the total.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+        err.print(f"rows written to {args.json}")
+    return 0

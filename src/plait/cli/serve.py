@@ -1,0 +1,70 @@
+"""`plait serve SPEC --job NAME`: run a job on Ray for thin trainer clients (no Ray in the trainers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from plait.cli.common import console, loaders_arg, positive_int
+from plait.spec import load_spec
+
+HELP = "run a job on Ray and serve its batches to thin trainer clients over Arrow Flight"
+DESCRIPTION = (
+    "Create job NAME of SPEC on Ray (a local instance unless --ray-address) and serve its micro-batches over "
+    "Arrow Flight: each Constructor serves its ranks' builds, and one rendezvous address (--address, loopback "
+    "by default) tells each trainer where. Prints PLAIT_ADDRESS and PLAIT_TOKEN (a fresh per-job token, or "
+    "PLAIT_TOKEN from the environment) for the trainer processes, which use "
+    "plait.Loader(spec, dp_rank, runtime=\"flight\"). Runs until stopped (Ctrl-C or SIGTERM), then ends the job."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("spec", help="the spec (YAML)")
+    p.add_argument("--job", required=True, help="the job's name")
+    p.add_argument("--address", default="127.0.0.1:0",
+                   help="where the rendezvous listens, host:port (default 127.0.0.1 on a free port)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (auto, host:port); default: start a local one")
+    p.add_argument("--dp", type=positive_int, default=None, help="override topology.dp")
+    p.add_argument("--loaders", type=loaders_arg, default="auto", help="SourceLoader actors: auto or a number")
+    p.add_argument("--prefetch", type=int, default=2, help="steps each Constructor builds ahead (default 2)")
+    p.add_argument("--constructors", choices=["node", "replica"], default="node",
+                   help="one Constructor per node (default) or per DP replica")
+    p.add_argument("--token-file", metavar="PATH", help="also write the token to PATH (mode 0600) for PLAIT_TOKEN_FILE")
+
+
+def run(args) -> int:
+    from plait.runtime.ray.serving import JobServer
+
+    spec = load_spec(args.spec)
+    if args.dp:
+        spec = spec.with_overrides(topology={"dp": args.dp})
+    options = {"loaders": args.loaders, "prefetch": args.prefetch, "constructors": args.constructors}
+    if args.ray_address:
+        options["address"] = args.ray_address
+    server = JobServer(spec, args.job, args.address, token=os.environ.get("PLAIT_TOKEN") or None, **options)
+    try:
+        # After Ray started (it installs its own handlers): SIGTERM and SIGINT, even where the launcher
+        # left SIGINT ignored (a background job of a script), end the job cleanly.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _interrupt)
+        if args.token_file:
+            path = Path(args.token_file)
+            path.touch(mode=0o600)
+            path.chmod(0o600)
+            path.write_text(server.token + "\n")
+        print(f"PLAIT_ADDRESS={server.address}", flush=True)
+        print(f"PLAIT_TOKEN={server.token}", flush=True)
+        console.print(f"serving job {args.job!r} ({server.runtime.dp} DP ranks) at {server.address}; "
+                      "trainers: plait.Loader(spec, dp_rank, runtime=\"flight\") with PLAIT_ADDRESS and "
+                      "PLAIT_TOKEN set; Ctrl-C ends the job", highlight=False)
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,352 @@
+"""The thin trainer client: micro-batches over Arrow Flight from the node's Constructor; no Ray here.
+
+    loader = plait.Loader(spec, dp_rank, runtime="flight", address="127.0.0.1:8815", token="...")
+
+A job served by `plait serve SPEC --job NAME` (plait.runtime.ray.flight_server) has one front door, the
+*rendezvous* Flight server of the serving process, at `address` (or `PLAIT_ADDRESS`), and one Flight
+server per Constructor actor. Every call carries the job's token (`authorization: Bearer <token>`; from
+`token=`, `PLAIT_TOKEN` or the file named by `PLAIT_TOKEN_FILE`); a wrong one is refused.
+
+Protocol (version `PROTOCOL`; requests and replies of actions are JSON):
+  rendezvous  action `hello`    -> {protocol, job, fingerprint, ranks, cp, endpoints: {dp_rank: location}}
+              actions `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`,
+              `error_report`: the job's Planner's methods of the same name
+  constructor do_get(ticket)    ticket = JSON {gen, step, dp_rank, limit, cp: [size, rank]}: one step's
+              micro-batches of that rank, one record batch (one row) per micro-batch. Columns: each
+              array field of `plait.Batch` as list<T> (1-D) or list<fixed_size_list<T, k>> (2-D:
+              sample_ids [docs, 5]); null where the field is None. Schema metadata `plait.state`: the
+              data state at the step's start (for checkpoints). Each record batch's app_metadata:
+              JSON {step, microbatch, num_microbatches, dp_rank, stats, shapes, dtypes}.
+
+The client hands numpy views of the received Arrow buffers (`to_numpy(zero_copy_only=True)`): no copy
+after the wire; they are read-only (`Batch.to_torch()` copies them, as it does Ray's object-store views).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from plait.batch import MicroBatch
+from plait.errors import PlaitError
+from plait.spec import Spec, load_spec
+
+PROTOCOL = 1
+STATE_KEY = b"plait.state"
+ERROR_MARK = "PlaitError: "  # a server-side PlaitError travels as a FlightServerError with this prefix
+SCALARS = ("step", "microbatch", "num_microbatches", "dp_rank")
+
+
+# ----- JSON that keeps numpy arrays (stats["cp"]["cu_seqlens"]) and numpy scalars --------------------------
+def _to_json(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return {"__ndarray__": x.tolist(), "dtype": x.dtype.str, "shape": list(x.shape)}
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+
+
+def _from_json(d: dict) -> Any:
+    if "__ndarray__" in d:
+        return np.asarray(d["__ndarray__"], dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+    return d
+
+
+def dumps(x: Any) -> bytes:
+    return json.dumps(x, default=_to_json, separators=(",", ":")).encode()
+
+
+def loads(b: bytes | memoryview) -> Any:
+    return json.loads(bytes(b) or b"null", object_hook=_from_json)
+
+
+# ----- the wire format of one step ---------------------------------------------------------------------
+def array_fields() -> list[str]:
+    """The fields of `plait.Batch` that may hold arrays (all but the scalars and stats)."""
+    return [f.name for f in dataclasses.fields(MicroBatch) if f.name not in SCALARS and f.name != "stats"]
+
+
+def _wire_array(a: np.ndarray) -> np.ndarray:
+    """A contiguous array Arrow takes without copying (bool travels as uint8, restored by its dtype)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8) if a.dtype == np.bool_ else a
+
+
+def _column_type(a: np.ndarray) -> pa.DataType:
+    t = pa.from_numpy_dtype(_wire_array(a).dtype)
+    if a.ndim == 2:
+        return pa.list_(pa.list_(t, int(a.shape[1])))
+    return pa.list_(t)
+
+
+def step_schema(state: dict, batches: list[MicroBatch]) -> pa.Schema:
+    """One list column per array field present in the step (the first batch with it gives its type)."""
+    cols = {}
+    for name in array_fields():
+        for mb in batches:
+            a = getattr(mb, name, None)
+            if isinstance(a, np.ndarray):
+                cols[name] = _column_type(a)
+                break
+    return pa.schema([pa.field(n, t) for n, t in cols.items()], metadata={STATE_KEY: dumps(state)})
+
+
+def encode_batch(schema: pa.Schema, mb: MicroBatch) -> tuple[pa.RecordBatch, pa.Buffer]:
+    """A micro-batch as a one-row record batch (zero-copy over its numpy arrays) and its app_metadata."""
+    arrays, shapes, dtypes = [], {}, {}
+    for field in schema:
+        a = getattr(mb, field.name, None)
+        if a is None:
+            arrays.append(pa.nulls(1, field.type))
+            continue
+        a = np.asarray(a)
+        shapes[field.name], dtypes[field.name] = list(a.shape), a.dtype.str
+        values = pa.array(_wire_array(a).reshape(-1))
+        if a.ndim == 2:
+            if a.shape[1] != field.type.value_type.list_size:
+                raise PlaitError(f"field {field.name}: rows of {a.shape[1]} in one micro-batch of a step and of "
+                                 f"{field.type.value_type.list_size} in another")
+            values = pa.FixedSizeListArray.from_arrays(values, int(a.shape[1]))
+        arrays.append(pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values))
+    meta = {k: int(getattr(mb, k)) for k in SCALARS}
+    meta.update(stats=mb.stats, shapes=shapes, dtypes=dtypes)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema), pa.py_buffer(dumps(meta))
+
+
+def decode_batch(rb: pa.RecordBatch, app_metadata) -> MicroBatch:
+    """A received record batch as a `plait.Batch` whose arrays are views of the Arrow buffers."""
+    meta = loads(memoryview(app_metadata))
+    kwargs: dict[str, Any] = {k: int(meta[k]) for k in SCALARS}
+    known = set(array_fields())
+    for name in rb.schema.names:
+        if name not in known:
+            continue
+        col = rb.column(name)
+        if col.null_count:
+            kwargs[name] = None
+            continue
+        flat = col.flatten()
+        if pa.types.is_fixed_size_list(flat.type):
+            flat = flat.flatten()
+        a = flat.to_numpy(zero_copy_only=True)
+        dtype = np.dtype(meta["dtypes"][name])
+        if a.dtype != dtype:
+            a = a.view(dtype)
+        kwargs[name] = a.reshape(meta["shapes"][name])
+    kwargs["stats"] = meta.get("stats") or {}
+    return MicroBatch(**kwargs)
+
+
+# ----- errors, addresses, tokens -------------------------------------------------------------------------
+def location_of(address: str) -> str:
+    """`host:port` (or a grpc:// location) as a Flight location."""
+    if "://" in address:
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise PlaitError(f"address {address!r} is not host:port (e.g. 127.0.0.1:8815, as `plait serve` printed)")
+    return f"grpc+tcp://{address}"
+
+
+def read_token(token: str | None) -> str:
+    """The job token: the argument, else PLAIT_TOKEN, else the file named by PLAIT_TOKEN_FILE."""
+    token = token or os.environ.get("PLAIT_TOKEN")
+    path = os.environ.get("PLAIT_TOKEN_FILE")
+    if not token and path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as e:
+            raise PlaitError(f"cannot read the job token from PLAIT_TOKEN_FILE={path!r}: {e.strerror or e}") from None
+    if not token:
+        raise PlaitError("the flight runtime needs the job's token: pass token=..., or set PLAIT_TOKEN (or "
+                         "PLAIT_TOKEN_FILE) to what `plait serve` printed")
+    return token
+
+
+def plait_error(e: Exception, where: str) -> PlaitError:
+    """A Flight failure as one sentence."""
+    text = str(e)
+    if isinstance(e, flight.FlightUnauthenticatedError):
+        return PlaitError(f"the plait job at {where} refused this client's token (PLAIT_TOKEN must be the token "
+                          "`plait serve` printed for this job)")
+    if isinstance(e, flight.FlightUnavailableError):
+        return PlaitError(f"no plait job answers at {where} (is `plait serve` running there, and is the port "
+                          f"right?): {text.splitlines()[0][:200]}")
+    if isinstance(e, flight.FlightTimedOutError):
+        return PlaitError(f"the plait job at {where} did not answer in time: {text.splitlines()[0][:200]}")
+    if ERROR_MARK in text:
+        msg = text.split(ERROR_MARK, 1)[1]
+        for end in (". Detail:", "\nDetail:", ". gRPC client debug context", "\n"):
+            msg = msg.split(end, 1)[0]
+        return PlaitError(msg)
+    return PlaitError(f"the plait job at {where} failed: {text.splitlines()[0][:300] if text else type(e).__name__}")
+
+
+class Channel:
+    """One authenticated Flight connection: JSON actions and step streams."""
+
+    def __init__(self, location: str, token: str, timeout: float | None):
+        self.location = location
+        self.client = flight.FlightClient(location)
+        headers = [(b"authorization", b"Bearer " + token.encode())]
+        self.options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self.stream_options = flight.FlightCallOptions(headers=headers)  # a build may take long: no deadline
+
+    def action(self, name: str, body: Any = None) -> Any:
+        try:
+            results = list(self.client.do_action(flight.Action(name, dumps(body)), options=self.options))
+        except (flight.FlightError, pa.ArrowException) as e:
+            raise plait_error(e, self.location) from None
+        return loads(memoryview(results[0].body)) if results else None
+
+    def step(self, ticket: dict) -> tuple[dict, list[MicroBatch]]:
+        """(state at the step's start, the step's micro-batches) for a do_get ticket."""
+        try:
+            reader = self.client.do_get(flight.Ticket(dumps(ticket)), options=self.stream_options)
+            state = loads(reader.schema.metadata[STATE_KEY])
+            batches = []
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                batches.append(decode_batch(chunk.data, chunk.app_metadata))
+        except (flight.FlightError, pa.ArrowException) as e:
+            raise plait_error(e, self.location) from None
+        return state, batches
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class FlightRuntime:
+    """The runtime interface (see plait.runtime) as a thin client of a job served over Arrow Flight.
+
+    Options: `address` (the job's rendezvous `host:port`; default PLAIT_ADDRESS), `token` (default
+    PLAIT_TOKEN or PLAIT_TOKEN_FILE), `job` (checked against the served job's name), `timeout` (seconds
+    for control calls, default 60). Checks that the served job runs this spec (data fingerprint) on the
+    same number of DP ranks. Ray is never imported.
+    """
+
+    @staticmethod
+    def option_names() -> list[str]:
+        return ["address", "token", "job", "timeout"]
+
+    def __init__(self, spec: Spec, *, address: str | None = None, token: str | None = None,
+                 job: str | None = None, timeout: float | None = 60.0):
+        self.spec = load_spec(spec)
+        address = address or os.environ.get("PLAIT_ADDRESS")
+        if not address:
+            raise PlaitError("the flight runtime needs the job's address: pass address='host:port' or set "
+                             "PLAIT_ADDRESS (`plait serve SPEC --job NAME` prints it)")
+        self.address = address
+        self._token = read_token(token)
+        self._timeout = timeout
+        self._closed = False
+        self._data: dict[str, Channel] = {}
+        self.control = Channel(location_of(address), self._token, timeout)
+        try:
+            self.info = self.control.action("hello", {"protocol": PROTOCOL})
+            self._check(job)
+            self._gen, base = self.control.action("base")
+        except BaseException:
+            self.close()
+            raise
+        self.job = self.info["job"]
+        self._next_step = int(base["step"])
+
+    def _check(self, job: str | None) -> None:
+        info = self.info
+        if info.get("protocol") != PROTOCOL:
+            raise PlaitError(f"the job at {self.address} speaks plait Flight protocol {info.get('protocol')}, this "
+                             f"client {PROTOCOL}: use the same plait version on both sides")
+        if job is not None and job != info["job"]:
+            raise PlaitError(f"the job at {self.address} is {info['job']!r}, not {job!r}")
+        if info["fingerprint"] != self.spec.data_fingerprint():
+            raise PlaitError(f"job {info['job']!r} at {self.address} runs a different spec (data fingerprint differs)")
+        if int(info["ranks"]) != self.spec.topology.dp:
+            raise PlaitError(f"job {info['job']!r} plans for {info['ranks']} DP ranks, this client's topology has "
+                             f"{self.spec.topology.dp}: every trainer process of a job must use the same spec and layout")
+
+    def _channel(self, dp_rank: int) -> Channel:
+        location = self.info["endpoints"].get(str(dp_rank))
+        if location is None:
+            raise PlaitError(f"job {self.job!r} serves no Constructor for DP rank {dp_rank}")
+        if location not in self._data:
+            self._data[location] = Channel(location, self._token, self._timeout)
+        return self._data[location]
+
+    # ----- what a trainer rank uses --------------------------------------------------------------------
+    def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
+                  cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
+        """One rank's micro-batches from a data state on, each CP rank's shard cut by the Constructor; the
+        Constructor builds `prefetch` steps ahead of the requests."""
+        self._seek(start_state)
+        step, skip = int(start_state["step"]), start_micro
+        channel = self._channel(dp_rank)
+        while max_steps is None or step < max_steps:
+            ticket = {"gen": self._gen, "step": step, "dp_rank": dp_rank, "limit": max_steps,
+                      "cp": [self.spec.topology.cp, cp_rank]}
+            state, batches = channel.step(ticket)
+            self._next_step = step + 1
+            for mb in batches:
+                if mb.microbatch >= skip:
+                    yield state, mb
+            skip = 0
+            step += 1
+
+    def _seek(self, state: dict) -> None:
+        self._gen = self.control.action("seek", {"state": state})
+        self._next_step = int(state["step"])
+
+    def state_dict(self) -> dict:
+        return self.control.action("state_at", {"gen": self._gen, "step": self._next_step})
+
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
+        if not allow_spec_change:
+            self._seek(state)
+            return []
+        self._gen, changes = self.control.action("seek_with_changes", {"state": state})
+        self._next_step = int(state["step"])
+        return list(changes)
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """The job's one Planner applies it (call it from one rank); a planned step is refused."""
+        self.control.action("set_weights", {"weights": dict(weights), "at_step": int(at_step)})
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        self.control.action("report", {"step": int(step), "losses": dict(losses)})
+
+    def error_report(self) -> dict:
+        return self.control.action("error_report")
+
+    # ----- whole-job driving: not a thin client's job ----------------------------------------------------
+    def plan(self):
+        raise PlaitError("plan() is not available on the thin client: the job's Planner plans; drive a whole job "
+                         "with runtime='ray' (or `plait run`)")
+
+    def build(self, plan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        raise PlaitError("build() is not available on the thin client: iterate a Loader (iter_rank) instead, or "
+                         "drive a whole job with runtime='ray'")
+
+    def release(self, *in_flight) -> None:
+        """Nothing to release: the job's Planner tells its loaders what is live."""
+
+    def close(self) -> None:
+        """Close the connections (the served job goes on: `plait serve` owns it)."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in [self.control, *self._data.values()]:
+            try:
+                channel.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+        self._data.clear()

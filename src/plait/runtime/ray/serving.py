@@ -1,0 +1,94 @@
+"""Serving a job to thin trainer clients (`plait serve`): trainer processes that import no Ray.
+
+`JobServer` creates the job on Ray (this process is its creator and keeps it alive with its heartbeat),
+starts a Flight server in each Constructor actor that serves the job's DP ranks, and a rendezvous Flight
+server here, at the one address the trainers are given (`PLAIT_ADDRESS`), with a per-job token
+(`PLAIT_TOKEN`). Trainers then use `plait.Loader(spec, dp_rank, runtime="flight")` (plait.runtime.flight).
+Everything binds to loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+from plait.errors import PlaitError
+from plait.runtime.flight import location_of
+from plait.runtime.ray.common import get
+from plait.runtime.ray.constructor_actor import ConstructorPool
+from plait.runtime.ray.flight_server import RendezvousFlight, grpc_location
+from plait.runtime.ray.runtime import RayRuntime
+from plait.spec import Spec, load_spec
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise PlaitError(f"--address {address!r} is not host:port (e.g. 127.0.0.1:8815; port 0: a free one)")
+    return host, int(port)
+
+
+class JobServer:
+    """Job `job` of `spec` on Ray, served over Arrow Flight at `listen` (`host:port`, port 0 = a free one;
+    `self.address` is where it listens).
+
+    `token`: the job's token (default: a fresh random one, `self.token`). `constructor_host`: where the
+    Constructors' Flight servers bind (default: the rendezvous host; they run on this node with
+    `constructors="node"`). Other keyword options are RayRuntime's (loaders,
+    prefetch, constructors, ...; `address` is the Ray cluster's). `close()` ends the job.
+    """
+
+    def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *,
+                 token: str | None = None, constructor_host: str | None = None, **ray_options):
+        self.spec = load_spec(spec)
+        host, port = split_address(listen)
+        self.token = token or secrets.token_urlsafe(32)
+        self.stopped = threading.Event()
+        self.runtime = RayRuntime(self.spec, job=job, **ray_options)
+        self.rendezvous = None
+        try:
+            self.endpoints = self._serve_constructors(constructor_host or host, ray_options.get("constructors", "node"))
+            info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
+                    "cp": self.spec.topology.cp, "endpoints": {str(r): loc for r, loc in self.endpoints.items()}}
+            self.rendezvous = RendezvousFlight(lambda: self.runtime.planner, info, grpc_location(host, port),
+                                               self.token)
+        except BaseException:
+            self.close()
+            raise
+        self.job = job
+        self.address = f"[{host}]:{self.rendezvous.port}" if ":" in host else f"{host}:{self.rendezvous.port}"
+
+    def _serve_constructors(self, host: str, mode: str) -> dict[int, str]:
+        """Each DP rank's Constructor, its Flight server started (once per actor): {dp_rank: location}."""
+        rt = self.runtime
+        pool = ConstructorPool(rt.job, mode, rt.prefetch, rt.dp, "detached")
+        locations: dict[str, object] = {}
+        for r in range(rt.dp):
+            key = pool.key(r)
+            if key not in locations:
+                locations[key] = pool.for_rank(r, rt.planner).serve_flight.remote(host, self.token)
+        found = dict(zip(locations, get(list(locations.values()))))
+        return {r: found[pool.key(r)] for r in range(rt.dp)}
+
+    @property
+    def location(self) -> str:
+        return location_of(self.address)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until `close()` (or `timeout` seconds); True when closed."""
+        return self.stopped.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the rendezvous and end the job (its Constructors' Flight servers go with them)."""
+        if self.rendezvous is not None:
+            self.rendezvous.shutdown()
+            self.rendezvous = None
+        self.runtime.close()
+        self.stopped.set()
+
+    def __enter__(self) -> "JobServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

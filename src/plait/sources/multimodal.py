@@ -1,0 +1,284 @@
+"""Image-text records: templates, the image table of a DocBlock, header-only planning, decode at gather.
+
+A format reader that reads an `image_field` returns its records as `MMRecord`s: the text cut into
+segments around the images (text = seg_0 img_0 seg_1 img_1 ... seg_k) and, per image, a reference to
+re-read its bytes (`ImageRef`: the bytes themselves for a Parquet image column, a member name for a
+WebDataset shard, a path for LLaVA JSON). `ImageDocs.build` then, for a whole block:
+
+  1. reads each image's *header* only (`image_size`, no pixel is decoded) and plans it with the spec's
+     `ImagePolicy` (patches, placeholder tokens, grid);
+  2. tokenizes every text segment of the block in one call and assembles each document as
+     [bos] seg_0 run_0 seg_1 run_1 ... seg_k [eos], where run_j = `placeholder_run(image_token_id,
+     tokens_j)`;
+  3. applies the capacities: a document holding images is never cut (an image's placeholder run must
+     reach the model whole, with its pixels), so one longer than `seq_len` tokens, or holding more than
+     `max_patches` patches, is a bad record (named; on_error applies) -- as is an unreadable header, a
+     missing file, a conversation whose `<image>` markers disagree with its images, an id outside the
+     vocabulary.
+
+Templates (`template:`):
+  caption  the images first, then the text: [bos] run_0 ... run_k text [eos].
+  chat     a LLaVA conversation, a list of turns {from|role: ..., value|content: "..."}, rendered as
+           "user: <value>\\n" / "assistant: <value>\\n" / "system: <value>\\n" (from `human`/`user`,
+           `gpt`/`assistant`, `system`), turns concatenated; every `<image>` in the values is where the
+           next image's placeholder run goes (their count must equal the images'). Every text token is a
+           label (no per-role loss mask yet); only placeholder predictions are masked.
+
+At gather time `decode_pixels` decodes an image exactly once for the batch that delivers it. A body that
+fails to decode after its header planned it (truncated data, a file changed since): under
+`on_error: raise` the run stops naming source, shard, record and image; under `skip` the document is
+still delivered (the plan holds it) with its placeholders and zero pixels, counted and named.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from plait.spec import SourceSpec, Spec
+from plait.transforms.images import BadImage, ImagePolicy, decode, image_size
+
+ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
+IMAGE_MARKER = "<image>"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+HEAD_BYTES = 1 << 16  # header prefix read at planning time (the whole image if its header needs more)
+
+
+class BadRecord(ValueError):
+    """A record that cannot become a document (one line, named by the caller)."""
+
+
+@dataclass
+class MMRecord:
+    """One image-text record: len(segments) == len(images) + 1; `name` names it in errors."""
+
+    segments: list[str]
+    images: list[ImageRef]
+    name: str
+
+
+def policy_of(spec: Spec) -> ImagePolicy | None:
+    im = spec.images
+    if im is None:
+        return None
+    return ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
+                       max_pixels=im.max_pixels, tile=im.tile, min_tiles=im.min_tiles, max_tiles=im.max_tiles,
+                       thumbnail=im.thumbnail)
+
+
+# ----- templates ---------------------------------------------------------------------------------
+def render_chat(turns) -> str:
+    """A LLaVA conversation as text (see the module docstring); BadRecord when it is not one."""
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except ValueError:
+            raise BadRecord("conversation is not JSON") from None
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord("conversation is not a non-empty list of {from, value} turns")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict):
+            raise BadRecord("a conversation turn is not a mapping")
+        role = ROLES.get(str(t.get("from", t.get("role"))).lower())
+        value = t.get("value", t.get("content"))
+        if role is None or not isinstance(value, str):
+            raise BadRecord(f"a turn needs from/role in {sorted(ROLES)} and a string value/content")
+        out.append(f"{role}: {value}\n")
+    return "".join(out)
+
+
+def make_record(text, images: list[ImageRef], template: str | None, name: str) -> MMRecord:
+    """Segments and images of a record under the source's template; BadRecord when they disagree."""
+    if template == "chat":
+        segments = render_chat(text).split(IMAGE_MARKER)
+        if len(segments) - 1 != len(images):
+            raise BadRecord(f"conversation has {len(segments) - 1} {IMAGE_MARKER} marker(s) for {len(images)} image(s)")
+        return MMRecord(segments, images, name)
+    if not isinstance(text, str):
+        raise BadRecord(f"text is {type(text).__name__}, not a string")
+    return MMRecord([""] * len(images) + [text], images, name)
+
+
+def image_list(value, root: str | None) -> list[ImageRef]:
+    """A record's image field as references: None -> none; a path, bytes, a {bytes, path} struct, or a
+    list of them. Relative paths are joined to `root`."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    out: list[ImageRef] = []
+    for v in items:
+        if isinstance(v, dict):
+            v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
+        if isinstance(v, (bytes, bytearray)):
+            out.append(bytes(v))
+        elif isinstance(v, str) and v:
+            out.append(v if (root is None or "://" in v or posixpath.isabs(v)) else posixpath.join(root, v))
+        else:
+            raise BadRecord(f"image field holds {type(v).__name__}, not a path or image bytes")
+    return out
+
+
+def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str]):
+    """MMRecords of rows (texts[i], images[i]); returns (records, kept indices, bad (name, reason))."""
+    records, kept, bad = [], [], []
+    for i, (text, img) in enumerate(zip(texts, images)):
+        try:
+            if text is None:
+                raise BadRecord(f"field {spec.text_field!r} is null or missing")
+            records.append(make_record(text, image_list(img, spec.image_root), spec.template, names[i]))
+            kept.append(i)
+        except BadRecord as e:
+            bad.append((names[i], str(e)))
+    return records, np.asarray(kept, dtype=np.int64), bad
+
+
+def describe_ref(ref: ImageRef) -> str:
+    return f"<{len(ref)} inline bytes>" if isinstance(ref, bytes) else ref
+
+
+# ----- the image table ---------------------------------------------------------------------------
+@dataclass
+class ImageTable:
+    """A DocBlock's images. Per document (the DocBlock's shuffled order): `start`, `count` into the
+    per-image arrays (file order). Per image: `patches`, `tokens` (its placeholder run), `grid` (t, h, w
+    in patches), `at` (where its run starts inside the document's tokens), `refs` (how to re-read its
+    bytes) and `records` (its record's name, for errors)."""
+
+    start: np.ndarray  # int64 [docs]
+    count: np.ndarray  # int64 [docs]
+    patches: np.ndarray  # int64 [images]
+    tokens: np.ndarray  # int64 [images]
+    grid: np.ndarray  # int64 [images, 3]
+    at: np.ndarray  # int64 [images]
+    refs: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+
+    def take_docs(self, order: np.ndarray) -> ImageTable:
+        return ImageTable(self.start[order], self.count[order], self.patches, self.tokens, self.grid, self.at,
+                          self.refs, self.records)
+
+    def doc_sums(self, power: int = 1) -> np.ndarray:
+        """Per document: the sum of its images' patches (power 1) or squared patches (power 2)."""
+        acc = np.concatenate([[0], np.cumsum(self.patches.astype(np.int64) ** power)])
+        return acc[self.start + self.count] - acc[self.start]
+
+    @property
+    def nbytes(self) -> int:
+        inline = sum(len(r) for r in self.refs if isinstance(r, bytes))
+        return inline + sum(a.nbytes for a in (self.start, self.count, self.patches, self.tokens, self.grid, self.at))
+
+
+# ----- planning: headers -> documents ------------------------------------------------------------
+class ImageDocs:
+    """Builds a block's documents from MMRecords (module docstring, steps 1-3)."""
+
+    def __init__(self, spec: Spec, source: SourceSpec, encoder, reader, bad: Callable[[str, str, str], None]):
+        self.policy = policy_of(spec)
+        self.token_id = spec.images.image_token_id
+        self.seq_len = spec.packing.seq_len
+        self.max_patches = spec.packing.max_patches
+        self.vocab_size = spec.vocab_size
+        self.source = source
+        self.encoder = encoder
+        self.reader = reader
+        self.bad = bad
+
+    def plan(self, path: str, ref: ImageRef):
+        """The image's plan from its header (a prefix of its bytes; all of them if the header needs more)."""
+        head, whole = self.reader.image_head(path, ref, HEAD_BYTES)
+        try:
+            return self.policy.plan(*image_size(head))
+        except BadImage:
+            if whole:
+                raise
+        return self.policy.plan(*image_size(self.reader.image_bytes(path, ref)))
+
+    def _plans(self, path: str, records: list[MMRecord]) -> tuple[list[int], list[list]]:
+        kept, plans = [], []
+        for i, rec in enumerate(records):
+            rec_plans = []
+            try:
+                for ref in rec.images:
+                    rec_plans.append(self.plan(path, ref))
+            except (BadImage, OSError) as e:
+                self.bad(path, rec.name, f"image {describe_ref(ref)}: {str(e) or type(e).__name__}")
+                continue
+            plans.append(rec_plans)
+            kept.append(i)
+        return kept, plans
+
+    def build(self, path: str, records: list[MMRecord]):
+        """(tokens int32, offsets int64 [n+1], kept record indices, ImageTable in file order)."""
+        kept, plans = self._plans(path, records)
+        segs = [s for i in kept for s in records[i].segments]
+        flat, seg_off = self.encoder.encode(pa.array(segs, pa.string())) if segs else (np.zeros(0, np.int32), np.zeros(1, np.int64))
+        bos, eos = self.source.bos, self.source.eos
+        pieces, lengths, ok = [], [], []
+        img_counts, img_patches, img_tokens, img_grid, img_at, refs, names = [], [], [], [], [], [], []
+        s = 0  # segment index
+        for i, rec_plans in zip(kept, plans):
+            rec = records[i]
+            parts = [] if bos is None else [np.array([bos], np.int32)]
+            at = []
+            for j, seg_no in enumerate(range(s, s + len(rec.segments))):
+                parts.append(flat[seg_off[seg_no]:seg_off[seg_no + 1]].astype(np.int32))
+                if j < len(rec_plans):
+                    at.append(sum(len(p) for p in parts))
+                    parts.append(np.full(rec_plans[j].tokens, self.token_id, np.int32))
+            s += len(rec.segments)
+            if eos is not None:
+                parts.append(np.array([eos], np.int32))
+            doc = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+            patches = sum(p.patches for p in rec_plans)
+            why = self._check(doc, patches, bool(rec_plans))
+            if why:
+                self.bad(path, rec.name, why)
+                continue
+            pieces.append(doc)
+            lengths.append(len(doc))
+            ok.append(i)
+            img_counts.append(len(rec_plans))
+            img_patches += [p.patches for p in rec_plans]
+            img_tokens += [p.tokens for p in rec_plans]
+            img_grid += [p.grid for p in rec_plans]
+            img_at += at
+            refs += rec.images
+            names += [rec.name] * len(rec_plans)
+        counts = np.asarray(img_counts, np.int64)
+        table = ImageTable(np.cumsum(counts) - counts, counts, np.asarray(img_patches, np.int64),
+                           np.asarray(img_tokens, np.int64), np.asarray(img_grid, np.int64).reshape(-1, 3),
+                           np.asarray(img_at, np.int64), refs, names)
+        tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return tokens, offsets, np.asarray(ok, np.int64), table
+
+    def _check(self, doc: np.ndarray, patches: int, has_images: bool) -> str | None:
+        if has_images and len(doc) > self.seq_len:
+            return (f"a document holding images is {len(doc)} tokens, more than seq_len {self.seq_len} (documents "
+                    "with images are never cut through; raise seq_len, lower the image policy's max_pixels)")
+        if self.max_patches is not None and patches > self.max_patches:
+            return f"its images hold {patches} patches, more than packing.max_patches {self.max_patches}"
+        if self.vocab_size is not None and len(doc) and int(doc.max()) >= self.vocab_size:
+            return f"token id {int(doc.max())} is outside the vocabulary (vocab_size {self.vocab_size})"
+        return None
+
+    # ----- gather: decode ------------------------------------------------------------------------
+    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray, str | None]:
+        """Image j's uint8 patches [patches, patch*patch*3], decoded once; on failure (see the module
+        docstring) zero pixels and the reason (the caller applies the policy)."""
+        want = int(table.patches[j])
+        try:
+            got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy)
+            if got.plan.patches != want:
+                raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
+            return got.patches, None
+        except (BadImage, OSError) as e:
+            why = (f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}; its document was planned "
+                   f"with it, so it is delivered with its placeholders and zero pixels")
+            return np.zeros((want, self.policy.patch * self.policy.patch * 3), np.uint8), why

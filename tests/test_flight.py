@@ -1,0 +1,217 @@
+"""The thin trainer client (runtime="flight"): batches over Arrow Flight from a job `plait serve` runs.
+
+One Ray head for the module (`ray start --head`, its own temp dir, auth off), one `plait serve` process
+on it; the trainer processes are plain subprocesses that never import Ray. This process never joins Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+flight = pytest.importorskip("pyarrow.flight")
+
+import plait  # noqa: E402
+from plait.batch import MicroBatch  # noqa: E402
+from plait.metrics import batch_digest_update, combined_digest  # noqa: E402
+from plait.runtime import Runtime, runtime_class  # noqa: E402
+from plait.runtime.flight import Channel, decode_batch, dumps, step_schema  # noqa: E402
+from plait.runtime.ray.flight_server import ConstructorFlight  # noqa: E402
+from helpers import make_spec, token_parquet  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+BIN = Path(sys.executable).parent
+JOB = "flight-test"
+
+# A trainer process: one thin Loader per rank in turn; digests, zero-copy flags, a resume, what it imported.
+TRAINER = r"""
+import hashlib, json, sys
+import plait
+from plait.metrics import batch_digest_update
+
+spec = plait.load_spec(sys.argv[1])
+out = {"digests": {}, "read_only_views": True}
+for r in range(spec.topology.dp):
+    h = hashlib.sha256()
+    with plait.Loader(spec, dp_rank=r, runtime="flight", job="flight-test") as loader:
+        for mb in loader:
+            batch_digest_update(h, mb)
+            out["read_only_views"] &= not (mb.input_ids.flags.owndata or mb.input_ids.flags.writeable)
+    out["digests"][str(r)] = h.hexdigest()
+for stop in (3, 4):  # mid-step (micro-batch 1 of step 1 next) and at a step boundary
+    with plait.Loader(spec, dp_rank=1, runtime="flight") as first:
+        it = iter(first)
+        head = [next(it).sample_ids.tolist() for _ in range(stop)]
+        state = json.loads(json.dumps(first.state_dict()))
+    with plait.Loader(spec, dp_rank=1, runtime="flight") as second:
+        second.load_state_dict(state)
+        out[f"resumed_{stop}"] = head + [mb.sample_ids.tolist() for mb in second]
+out["ray_imported"] = "ray" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "ray start --head failed"
+            time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int | None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    ds = token_parquet(tmp_path_factory.mktemp("flight"), files=2, docs_per_file=40, row_group_size=5, lo=4, hi=40)
+    return plait.load_spec(make_spec([ds], seq_len=64, microbatches=2, dp=2, steps=5))
+
+
+@pytest.fixture(scope="module")
+def served(spec, tmp_path_factory):
+    """A Ray head and `plait serve SPEC --job flight-test` on it; yields {address, token, spec_path}."""
+    tmp = tmp_path_factory.mktemp("serve")
+    spec_path = tmp / "spec.yaml"
+    spec_path.write_text(json.dumps(spec.model_dump(mode="json")))
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("PLAIT_TOKEN", None)
+    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = None
+    try:
+        wait_port(port, head, 60)
+        server = subprocess.Popen([str(BIN / "plait"), "serve", str(spec_path), "--job", JOB, "--ray-address",
+                                   f"127.0.0.1:{port}", "--loaders", "1", "--token-file", str(tmp / "token")],
+                                  env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        printed = {}
+        while "PLAIT_TOKEN" not in printed:
+            line = server.stdout.readline()
+            assert line, f"plait serve ended: {server.stderr.read()[-3000:]}"
+            key, _, value = line.strip().partition("=")
+            printed[key] = value
+        assert (tmp / "token").read_text().strip() == printed["PLAIT_TOKEN"]
+        assert oct((tmp / "token").stat().st_mode & 0o777) == "0o600"
+        yield {"address": printed["PLAIT_ADDRESS"], "token": printed["PLAIT_TOKEN"], "spec_path": spec_path}
+        assert stop(server) == 0, server.stderr.read()[-3000:]  # Ctrl-C ends the job cleanly
+    finally:
+        if server is not None:
+            stop(server)
+        stop(head)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def local_streams(spec) -> dict[int, list[MicroBatch]]:
+    return {r: list(plait.Loader(spec, dp_rank=r, prefetch=0)) for r in range(spec.topology.dp)}
+
+
+def test_flight_runtime_keeps_the_runtime_contract():
+    cls = runtime_class("flight")
+    for method in [n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")]:
+        want = list(inspect.signature(getattr(Runtime, method)).parameters)
+        have = list(inspect.signature(getattr(cls, method)).parameters)
+        assert have[: len(want)] == want or "args" in have[-1:], f"flight.{method}{have} != contract {want}"
+
+
+def test_received_arrays_are_views_of_the_arrow_buffers():
+    """A step travels as one-row record batches; the client's numpy arrays point into what Flight
+    received (no copy after the wire); stats (with arrays) come back as they left."""
+    mb = MicroBatch(step=3, microbatch=0, num_microbatches=1, dp_rank=0, input_ids=np.arange(100, dtype=np.int32),
+                    labels=np.arange(100, dtype=np.int32), position_ids=np.arange(100, dtype=np.int32),
+                    cu_seqlens=np.array([0, 40, 100], np.int32), sample_ids=np.arange(10).reshape(2, 5),
+                    source_ids=np.array([0, 1], np.int32), stats={"cp": {"cu_seqlens": np.array([0, 7])}, "f": 0.5})
+    server = ConstructorFlight(lambda *a: ({"step": 3}, [mb]), "127.0.0.1", "secret")
+    try:
+        channel = Channel(server.location, "secret", 10)
+        reader = channel.client.do_get(flight.Ticket(dumps({"gen": 0, "step": 3, "dp_rank": 0, "cp": [1, 0]})),
+                                       options=channel.options)
+        assert json.loads(reader.schema.metadata[b"plait.state"]) == {"step": 3}
+        assert reader.schema == step_schema({"step": 3}, [mb])
+        chunk = reader.read_chunk()
+        got = decode_batch(chunk.data, chunk.app_metadata)
+        for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_ids", "source_ids"):
+            assert np.array_equal(getattr(got, name), getattr(mb, name)), name
+            col = chunk.data.column(name).flatten()
+            buf = (col.flatten() if name == "sample_ids" else col).buffers()[1]
+            ptr = getattr(got, name).__array_interface__["data"][0]
+            assert buf.address <= ptr < buf.address + buf.size, f"{name} was copied"
+        assert got.sample_ids.shape == (2, 5) and got.input_ids.dtype == np.int32
+        assert got.stats["f"] == 0.5 and got.stats["cp"]["cu_seqlens"].tolist() == [0, 7]
+        channel.close()
+    finally:
+        server.shutdown()
+
+
+def test_thin_client_delivers_the_local_stream_and_never_imports_ray(served, spec):
+    env = {**os.environ, "PLAIT_ADDRESS": served["address"], "PLAIT_TOKEN": served["token"]}
+    out = subprocess.run([sys.executable, "-c", TRAINER, str(served["spec_path"])], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ray_imported"] is False
+    assert got["read_only_views"] is True
+
+    local = local_streams(spec)
+    digests = {}
+    for r, batches in local.items():
+        h = hashlib.sha256()
+        for mb in batches:
+            batch_digest_update(h, mb)
+        digests[str(r)] = h.hexdigest()
+    assert combined_digest(got["digests"]) == combined_digest(digests)
+    # A thin client's state_dict resumes exactly, mid-step and at a step boundary.
+    expected = [mb.sample_ids.tolist() for mb in local[1]]
+    assert got["resumed_3"] == expected and got["resumed_4"] == expected
+
+
+def test_a_wrong_token_or_address_is_refused_in_one_sentence(served, spec, monkeypatch):
+    monkeypatch.delenv("PLAIT_TOKEN", raising=False)
+    monkeypatch.delenv("PLAIT_TOKEN_FILE", raising=False)
+    with pytest.raises(plait.PlaitError, match=r"refused this client's token \(PLAIT_TOKEN must be"):
+        plait.Loader(spec, runtime="flight", address=served["address"], token="not-the-token")
+    with pytest.raises(plait.PlaitError, match="needs the job's token"):
+        plait.Loader(spec, runtime="flight", address=served["address"])
+    with pytest.raises(plait.PlaitError, match="runs a different spec"):
+        plait.Loader(spec.with_overrides(seed=7), runtime="flight", address=served["address"], token=served["token"])
+    with pytest.raises(plait.PlaitError, match="is 'flight-test', not 'other'"):
+        plait.Loader(spec, runtime="flight", address=served["address"], token=served["token"], job="other")
+    with pytest.raises(plait.PlaitError, match="no plait job answers at"):
+        plait.Loader(spec, runtime="flight", address=f"127.0.0.1:{free_port()}", token="x", timeout=5)
+    with plait.Loader(spec, runtime="flight", address=served["address"], token=served["token"]) as loader:
+        assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}  # forwarded to the Planner
+        with pytest.raises(plait.PlaitError, match="not available on the thin client"):
+            loader.runtime.plan()

@@ -1,0 +1,185 @@
+"""A job's lifecycle on Ray: a live job's name is not reused silently (attach=True joins it); `plait jobs`
+lists it and `plait jobs stop` ends it; a job nobody touches for its idle timeout ends by itself; a
+trainer process that exits without close() releases its job at exit; a torchrun job leaves no actor.
+
+One Ray head for the module, started like a cluster's (`ray start --head`, its own temp dir, so other
+processes' `ray.init()` never find it), used by this process and by the trainer processes it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import plait  # noqa: E402
+from plait.cli import main  # noqa: E402
+from plait.runtime.ray.jobs import find_planner, list_jobs  # noqa: E402
+from helpers import make_spec, token_parquet  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_actors(job: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "plait" and a["name"].startswith(f"{job}/")]
+
+
+def wait_gone(job: str, timeout: float) -> float:
+    """Seconds until no named actor of `job` is left (fails after `timeout`)."""
+    t0 = time.monotonic()
+    while job_actors(job):
+        assert time.monotonic() - t0 < timeout, f"actors of {job} still alive: {job_actors(job)}"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def head():
+    """`ray start --head` on a free port without token auth (in its environment and this process's), in
+    its own session; stopped (SIGINT: `--block` then ends every process it started) at the end."""
+    assert not ray.is_initialized(), "this module needs no Ray running in the process"
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "ray start --head failed"
+                time.sleep(0.1)
+        ray.init(address=address, namespace="plait", log_to_driver=False, configure_logging=False)
+        yield {"address": address, "env": env}
+    finally:
+        ray.shutdown()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    ds = token_parquet(tmp_path_factory.mktemp("jobs"), files=2, docs_per_file=40, row_group_size=5, lo=4, hi=40)
+    return plait.load_spec(make_spec([ds], seq_len=64, microbatches=2, dp=1))
+
+
+@pytest.mark.parametrize("options, error", [({"attach": True}, "pass job=NAME too"),
+                                            ({"job": "x", "job_idle_timeout": 0}, "job_idle_timeout must be"),
+                                            ({"job": "x", "job_idle_timeout": "10"}, "job_idle_timeout must be")])
+def test_lifecycle_options_are_checked_before_anything_starts(options, error):
+    from plait.runtime.ray import RayOptions
+
+    with pytest.raises(plait.PlaitError, match=error):
+        RayOptions(**options)
+    assert RayOptions(job="x", attach=True, job_idle_timeout=None).job_idle_timeout is None
+
+
+def test_a_live_job_name_needs_attach_and_plait_jobs_lists_and_stops_it(head, spec, capsys, monkeypatch):
+    first = plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1, steps=50)
+    try:
+        it = iter(first)
+        next(it)
+        with pytest.raises(plait.PlaitError, match=r"a job named 'jobs-a' is running \(1 trainer attached, "
+                                                   r"started \d+ s ago\); pass attach=True to join it"):
+            plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1)
+        with pytest.raises(plait.PlaitError, match="no job named 'jobs-x' is running"):
+            find_planner("jobs-x", wait=0.5)  # what attach=True does (it waits 30 s) for a job nobody starts
+        second = plait.Loader(spec, runtime="ray", job="jobs-a", attach=True)  # joins, nothing new
+        assert next(iter(second)).sample_ids.tolist() == next(iter(plait.Loader(spec))).sample_ids.tolist()
+
+        [row] = [r for r in list_jobs() if r["job"] == "jobs-a"]
+        assert row["state"] == "running" and row["clients"] == 2 and row["idle_timeout"] == 600
+        assert row["actors"] == row["actors_asked"] >= 3  # Planner, loader, Constructor answered
+        assert row["rss"] > 100 * 2**20  # a few Python processes with plait imported
+        monkeypatch.setenv("COLUMNS", "200")
+        assert main(["jobs"]) == 0
+        listed = capsys.readouterr().out
+        assert "jobs-a" in listed and "MiB" in listed
+
+        assert main(["jobs", "stop", "jobs-a"]) == 0
+        assert "stopped job jobs-a" in capsys.readouterr().out
+        assert job_actors("jobs-a") == []  # stop waits until every named actor is gone
+        assert main(["jobs", "stop", "jobs-a"]) == 2  # no such job: one-line error
+        assert "no job named 'jobs-a' is running" in capsys.readouterr().err
+        second.close()  # closing after the job ended is harmless
+    finally:
+        first.close()
+    assert job_actors("jobs-a") == []
+
+
+def test_idle_timeout_ends_a_job_nobody_uses(head, spec):
+    loader = plait.Loader(spec, runtime="ray", job="jobs-idle", loaders=1, steps=50, job_idle_timeout=1.5)
+    try:
+        it = iter(loader)
+        next(it)
+        time.sleep(2.2)  # idle past the timeout, but the trainer's heartbeat says it is alive
+        assert job_actors("jobs-idle"), "a job whose trainer is alive must not end"
+        next(it)
+        loader.runtime.heartbeat.stop()  # as if the trainer process had been killed
+        took = wait_gone("jobs-idle", timeout=30)
+        assert took > 1.0  # not before the timeout (1.5 s after the last call)
+    finally:
+        loader.close()  # the job is gone: harmless
+    assert job_actors("jobs-idle") == []
+
+
+EXITS_WITHOUT_CLOSE = """
+import json, sys
+import plait
+spec, address = json.loads(sys.argv[1]), sys.argv[2]
+loader = plait.Loader(spec, runtime="ray", job="jobs-exit", address=address, loaders=1, steps=50)
+print(len(next(iter(loader)).sample_ids), flush=True)
+"""  # ...and exits, without close(): the atexit hook closes the runtime, the last client ends the job
+
+
+def test_a_trainer_that_exits_without_close_releases_its_job(head, spec):
+    proc = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE, json.dumps(spec.model_dump(mode="json")),
+                           head["address"]], capture_output=True, text=True, timeout=120, env=head["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wait_gone("jobs-exit", timeout=5)  # gone at exit, not after the 600 s idle timeout
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path):
+    """examples/gpt_torchrun.py, 2 processes on the ray runtime: rank 0 creates the job, rank 1 joins
+    it (attach=True); when torchrun returns, no actor of the job is left on the cluster."""
+    pytest.importorskip("torch")
+    torchrun = shutil.which("torchrun", path=str(BIN)) or shutil.which("torchrun")
+    assert torchrun, "torchrun not found"
+    job = "jobs-torchrun"
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "ray", "--steps", "10", "--job", job,
+           "--address", head["address"], "--data", str(tmp_path / "data"), "--json", str(tmp_path / "out.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=head["env"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert len(json.loads((tmp_path / "out.json").read_text())["losses"]) == 10
+    wait_gone(job, timeout=5)
