@@ -37,3 +37,21 @@ def test_torchrun_gpt_example_learns(tmp_path):
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_vlm_example_learns(tmp_path):
+    """examples/vlm_torchrun.py: a tiny ViT + GPT on the demo's image-text source, 2 ranks, local runtime."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    assert torchrun, "torchrun not found"
+    out = tmp_path / "losses.json"
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(ROOT / "examples" / "vlm_torchrun.py"), "--runtime", "local", "--steps", "15",
+           "--data", str(tmp_path / "data"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    losses = json.loads(out.read_text())["losses"]
+    assert len(losses) == 15
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 1.0, (first, last)

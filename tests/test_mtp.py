@@ -25,3 +25,23 @@ def test_multi_token_labels_respect_boundaries(lengths, horizon):
                 want = ids[t + j + 1] if t + j + 1 < start + L else IGNORE_INDEX
                 assert mtp[j, t] == want
         start += L
+
+
+def test_label_horizon_in_the_spec_fills_mtp_labels(tmp_path):
+    import plait
+    from plait.packing import multi_token_labels
+    from helpers import make_spec, token_parquet
+
+    ds = token_parquet(tmp_path / "a", files=1, docs_per_file=30, row_group_size=10, lo=3, hi=40)
+    spec = make_spec([ds], seq_len=64, microbatches=2)
+    spec["packing"]["label_horizon"] = 3
+    batches = list(plait.Loader(spec, steps=2, prefetch=0))
+    assert batches
+    for mb in batches:
+        assert mb.mtp_labels.shape == (3, mb.num_tokens)
+        assert (mb.mtp_labels[0] == mb.labels).all()
+        assert (mb.mtp_labels == multi_token_labels(mb.input_ids, mb.cu_seqlens, 3)).all()
+        ends = mb.cu_seqlens[1:] - 1  # the last two positions of a document have no target 2 or 3 ahead
+        assert (mb.mtp_labels[1][ends] == -100).all() and (mb.mtp_labels[2][ends] == -100).all()
+    spec["packing"]["label_horizon"] = 1
+    assert next(iter(plait.Loader(spec, steps=1, prefetch=0))).mtp_labels is None

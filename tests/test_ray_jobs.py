@@ -183,3 +183,20 @@ def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert len(json.loads((tmp_path / "out.json").read_text())["losses"]) == 10
     wait_gone(job, timeout=5)
+
+
+def test_plait_mix_changes_a_running_jobs_weights(head, spec, capsys):
+    loader = plait.Loader(spec, runtime="ray", job="jobs-mix", loaders=1, steps=60)
+    try:
+        next(iter(loader))
+        name = spec.sources[0].name
+        assert main(["mix", "jobs-mix", "--set", f"{name}=1.0", "--at-step", "40", "--address", head["address"]]) == 0
+        assert "from step 40" in capsys.readouterr().out
+        assert main(["mix", "jobs-mix", "--show", "--address", head["address"]]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown and shown[-1]["at_step"] == 40 and shown[-1]["weights"] == {name: 1.0}
+        assert main(["mix", "jobs-mix", "--set", f"{name}=1.0", "--at-step", "0", "--address", head["address"]]) == 2
+        assert "planned" in capsys.readouterr().err  # a step already planned is refused
+        assert main(["mix", "jobs-mix", "--set", "oops"]) == 2
+    finally:
+        loader.close()

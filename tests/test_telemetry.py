@@ -7,6 +7,7 @@ import json
 import logging
 import urllib.request
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -92,3 +93,30 @@ def test_events_as_json_lines():
     lines = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert lines[0]["event"] == "recovery" and lines[0]["role"] == "loader" and lines[0]["message"]
     assert lines[1]["logger"] == "plait.recovery" and lines[1]["level"] == "warning"
+
+
+def test_counts_built_elsewhere_are_summed_at_scrape_and_loaders_are_labelled():
+    """The ray runtime's shape: builds counted in other processes (delivery_counts), several loaders."""
+    from plait.cli.top import Sample, is_endpoint
+    from plait.telemetry import Telemetry
+
+    class MB:  # two documents of source 0 (3 and 5 tokens), one of source 1 (4 tokens)
+        source_ids = np.array([0, 0, 1])
+        cu_seqlens = np.array([0, 3, 8, 12])
+
+    builders = [Telemetry(["a", "b"]) for _ in range(2)]
+    for t in builders:
+        t.observe_build([MB()], 0.01)
+    job = Telemetry(["a", "b"], delivered=lambda: [t.delivery_counts() for t in builders])
+    job.watch_loaders(lambda: {"0": {"buffer_bytes": 10, "busy_fraction": 0.5, "skipped": {"a": 1}},
+                               "1": {"buffer_bytes": 30, "busy_fraction": 0.25, "skipped": {"a": 2, "b": 0}}})
+    port = job.serve(0)
+    now = scrape(port)
+    assert now[("plait_source_tokens_total", (("source", "a"),))] == 16
+    assert now[("plait_source_samples_total", (("source", "b"),))] == 2
+    assert now[("plait_rank_build_seconds_count", ())] == 2
+    assert now[("plait_loader_buffer_bytes", (("loader", "1"),))] == 30
+    sample = Sample(0.0, now)
+    assert sample.total("plait_loader_buffer_bytes") == 40
+    assert sample.series("plait_source_skipped_records", "source") == {"a": 3, "b": 0}
+    assert is_endpoint("127.0.0.1:9400") and is_endpoint("http://h/metrics") and not is_endpoint("my-job")

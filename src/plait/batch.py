@@ -82,6 +82,7 @@ class MicroBatch:
     image_grid: np.ndarray | None = None  # int64 [images, 3]
     image_cu_seqlens: np.ndarray | None = None  # int32 [sequences + 1]
     image_document: np.ndarray | None = None  # int64 [images]
+    mtp_labels: np.ndarray | None = None  # int32 [k, tokens] with packing.label_horizon k > 1 (row 0 = labels)
 
     @property
     def num_images(self) -> int:
@@ -128,6 +129,8 @@ class MicroBatch:
             out["image_grid"] = t(self.image_grid, torch.long)
             out["image_cu_seqlens"] = t(self.image_cu_seqlens, torch.int32)
             out["image_document"] = t(self.image_document, torch.long)
+        if self.mtp_labels is not None:
+            out["mtp_labels"] = t(self.mtp_labels, torch.long)
         out.max_seqlen = self.max_seqlen
         return out
 

@@ -78,7 +78,7 @@ def shard_for_cp(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
     stats["cp"] = {"size": cp, "rank": cp_rank, "cu_seqlens": np.asarray(mb.cu_seqlens).copy()}
     return dataclasses.replace(
         mb, input_ids=mb.input_ids[index], labels=mb.labels[index], position_ids=mb.position_ids[index],
-        cu_seqlens=local, stats=stats,
+        cu_seqlens=local, stats=stats, mtp_labels=None if mb.mtp_labels is None else mb.mtp_labels[:, index],
     )
 
 

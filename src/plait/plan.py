@@ -124,12 +124,14 @@ class StepPlan:
     carried: int  # items left for a later step
     delayed_outliers: int = 0
     empty_documents: int = 0  # zero-token documents drawn this step (nothing to place; counted, not lost)
+    documents_cut: int = 0  # split: boundary: chunks cut at a micro-batch's end this step
     state_before: dict = field(default_factory=dict)  # the data state at the start of this step
     # Micro-batches of each rank: all `microbatches` in balance mode `equal`; in `variable` mode each
     # rank runs its own count (at most `microbatches`) and losses must be normalised by
     # stats()["global_label_tokens"], the label tokens of the whole step over all ranks.
     rank_microbatches: np.ndarray | None = None
     vocab_size: int | None = None  # the spec's, when it states one
+    label_horizon: int = 1  # packing.label_horizon: > 1 asks the Constructor for multi-token labels
     weights: np.ndarray | None = None  # the mixture weights this step was drawn with (after run-time changes)
     drawn: np.ndarray | None = None  # tokens drawn per source this step (what the mixture's quotas took)
     # image steps (spec `images` set): micro_patches [R, M], max_over_capacity_lb (None on steps where
@@ -188,6 +190,7 @@ class StepPlan:
             "tokens": self.tokens,
             "samples": len(self.items),
             "vocab_size": self.vocab_size,
+            "label_horizon": self.label_horizon,
             "microbatches": self.microbatches,
             "global_label_tokens": int((self.items.length - 1).clip(min=0).sum()),
             "efficiency": self.efficiency,
@@ -197,6 +200,8 @@ class StepPlan:
             "lower_bound": self.lower_bound,
             "tokens_max_over_mean": self.tokens_max_over_mean,
             "capacity": self.capacity,
+            "seq_len": self.capacity,  # the step's phase (packing.schedule)
+            "documents_cut": self.documents_cut,
             "fill": self.fill,
             "padding_fraction": 1.0 - self.fill,
             "carried": self.carried,

@@ -76,6 +76,10 @@ class SourceSpec(_Model):
         "path or a list of paths (relative to image_root). Needs the top-level `images` section",
     )
     image_root: str | None = Field(None, description="the folder image paths are relative to (LLaVA)")
+    max_chunk: int | None = Field(
+        None, ge=8, description="longest chunk of this source: its documents are cut into chunks of at most "
+        "min(max_chunk, seq_len) tokens", exclude_if=lambda v: v is None,  # unset: fingerprints as before
+    )
     template: Literal["caption", "chat"] | None = Field(
         None, description="caption: [image placeholders] + text + eos; chat: a LLaVA conversation list "
         "[{from|role, value|content}] whose `<image>` markers become placeholder runs (default caption)",
@@ -208,6 +212,21 @@ class MixtureSpec(_Model):
         return v
 
 
+class PackingPhase(_Model):
+    """One sequence-length phase: from `step` on, micro-batches of `seq_len` tokens, `microbatches` per rank."""
+
+    step: int = Field(ge=0)
+    seq_len: int = Field(ge=8)
+    microbatches: int | None = Field(None, ge=1, description="unset: the packing section's")
+
+
+class LongCap(_Model):
+    """At most `per_rank` chunks of at least `min_tokens` tokens per DP rank per step."""
+
+    min_tokens: int = Field(ge=1)
+    per_rank: int = Field(ge=1)
+
+
 class PackingSpec(_Model):
     seq_len: int = Field(4096, ge=8, description="token capacity of one packed micro-batch (per DP replica)")
     microbatches: int | None = Field(None, ge=1, description="micro-batches per DP rank per step")
@@ -218,20 +237,59 @@ class PackingSpec(_Model):
     max_patches: int | None = Field(
         None, ge=1, description="image patches one micro-batch may hold (the encoder's capacity); unset: no limit",
     )
+    label_horizon: int = Field(
+        1, ge=1, le=64, description="multi-token prediction: batches carry `mtp_labels` [k, tokens] when k > 1",
+    )
+    schedule: list[PackingPhase] | None = Field(
+        None, description="sequence-length phases [{step, seq_len, microbatches}], steps strictly increasing from "
+        "0; then seq_len and microbatches above are the largest of the phases'",
+    )
+    split: Literal["none", "boundary"] = Field(
+        "none", description="boundary: cut a document at a micro-batch's end to fill it (the rest follows as "
+        "its own sequence)",
+    )
+    max_long_per_step: LongCap | None = Field(
+        None, description="at most per_rank chunks of >= min_tokens tokens per DP rank per step (the rest waits)",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> "PackingSpec":
         if self.microbatches is not None and self.tokens_per_rank is not None:
             raise ValueError("set microbatches or tokens_per_rank, not both")
+        if self.schedule:
+            steps = [p.step for p in self.schedule]
+            if steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+                raise ValueError("packing.schedule: steps must start at 0 and strictly increase")
+            for p in self.schedule:  # a phase without microbatches takes the section's
+                if p.microbatches is None:
+                    mb = (self.tokens_per_rank // p.seq_len) if self.tokens_per_rank else (self.microbatches or 1)
+                    object.__setattr__(p, "microbatches", mb)  # frozen model: set once, while validating
+                    if mb < 1:
+                        raise ValueError(f"packing.schedule: tokens_per_rank is below the phase's seq_len {p.seq_len}")
+            # the section's own values become the largest phase's (what sizes buffers and bounds checks)
+            object.__setattr__(self, "seq_len", max(p.seq_len for p in self.schedule))
+            object.__setattr__(self, "microbatches", max(int(p.microbatches) for p in self.schedule))
+            object.__setattr__(self, "tokens_per_rank", None)
         if self.tokens_per_rank is not None and self.tokens_per_rank < self.seq_len:
             raise ValueError("tokens_per_rank must be at least seq_len")
         return self
 
     @property
     def num_microbatches(self) -> int:
+        """Micro-batches per rank per step (with a schedule: the most of any phase)."""
         if self.tokens_per_rank is not None:
             return self.tokens_per_rank // self.seq_len
         return self.microbatches or 1
+
+    def phase_at(self, step: int) -> tuple[int, int]:
+        """(seq_len, microbatches) of the phase holding `step` (the section's when there is no schedule)."""
+        if not self.schedule:
+            return self.seq_len, self.num_microbatches
+        phase = [p for p in self.schedule if p.step <= step][-1]
+        return phase.seq_len, int(phase.microbatches)
+
+    def min_seq_len(self) -> int:
+        return min(p.seq_len for p in self.schedule) if self.schedule else self.seq_len
 
 
 class TopologySpec(_Model):

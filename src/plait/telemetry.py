@@ -23,29 +23,38 @@ from typing import Callable, Iterable
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 EVENTS = logging.getLogger("plait.events")
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKENS_HELP = "Tokens delivered in batches, per source"
+SAMPLES_HELP = "Samples (document chunks) delivered, per source"
+IMAGES_HELP = "Images delivered in batches, per source"
+BUILD_HELP = "Time to build one DP rank's micro-batches of a step"
 
 
 class Telemetry:
     """The metric families of one runtime (one registry); cheap to update, read by a scrape."""
 
-    def __init__(self, source_names: list[str]):
+    def __init__(self, source_names: list[str], delivered: Callable[[], list[dict]] | None = None):
+        """`delivered`: where the per-source delivery counters and the build histogram come from when the
+        builds happen in other processes (the ray runtime's Constructors): a callable returning their
+        `delivery_counts()`, summed at each scrape; the counters of this object then go unserved."""
         self.registry = CollectorRegistry()
         r = self.registry
+        d = None if delivered is not None else r
         self.source_names = list(source_names)
-        self.tokens = Counter("plait_source_tokens", "Tokens delivered in batches, per source", ["source"], registry=r)
-        self.samples = Counter("plait_source_samples", "Samples (document chunks) delivered, per source", ["source"],
-                               registry=r)
-        self.images = Counter("plait_source_images", "Images delivered in batches, per source", ["source"],
-                              registry=r)
+        self.tokens = Counter("plait_source_tokens", TOKENS_HELP, ["source"], registry=d)
+        self.samples = Counter("plait_source_samples", SAMPLES_HELP, ["source"], registry=d)
+        self.images = Counter("plait_source_images", IMAGES_HELP, ["source"], registry=d)
         self.steps = Counter("plait_steps_planned", "Global steps planned", registry=r)
         self.plan_seconds = Histogram("plait_step_plan_seconds", "Time to plan one global step (metadata, "
                                       "mixture, balance)", buckets=STEP_SECONDS_BUCKETS, registry=r)
-        self.build_seconds = Histogram("plait_rank_build_seconds", "Time to build one DP rank's micro-batches of "
-                                       "a step", buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.build_seconds = Histogram("plait_rank_build_seconds", BUILD_HELP, buckets=STEP_SECONDS_BUCKETS,
+                                       registry=d)
+        if delivered is not None:
+            r.register(_DeliveredCollector(self.source_names, delivered))
         self.max_over_lb = Gauge("plait_step_max_over_lower_bound", "Last step's max rank cost over the lower "
                                  "bound (1.0 is optimal)", registry=r)
         self.fill = Gauge("plait_step_fill_ratio", "Last step's tokens over its seq_len slots (1 - padding)",
@@ -90,6 +99,29 @@ class Telemetry:
         "busy_fraction": f, "skipped": {source: n}} (what SourceLoader.telemetry() gives)."""
         self.registry.register(_LoaderCollector(read))
 
+    def watch_loaders(self, read: Callable[[], dict[str, dict]]) -> None:
+        """Per-loader gauges (label `loader`) read at scrape time: `read()` returns {loader: what
+        `watch_loader`'s read returns}, for the loaders that answered (the ray runtime's loader actors)."""
+        self.registry.register(_LoadersCollector(read))
+
+    def delivery_counts(self) -> dict:
+        """What this object counted of the builds, as plain numbers (a ray Constructor actor's report, summed
+        by the job's endpoint): {"tokens" | "samples" | "images": {source: n}, "build": {"buckets":
+        [cumulative count per bound of STEP_SECONDS_BUCKETS, then +Inf], "sum": seconds}}."""
+        keys = {"plait_source_tokens_total": "tokens", "plait_source_samples_total": "samples",
+                "plait_source_images_total": "images"}
+        out: dict = {"tokens": {}, "samples": {}, "images": {}, "build": {"buckets": [], "sum": 0.0}}
+        for metric in (self.tokens, self.samples, self.images, self.build_seconds):
+            for family in metric.collect():
+                for s in family.samples:
+                    if s.name in keys:
+                        out[keys[s.name]][s.labels["source"]] = s.value
+                    elif s.name == "plait_rank_build_seconds_bucket":
+                        out["build"]["buckets"].append(s.value)
+                    elif s.name == "plait_rank_build_seconds_sum":
+                        out["build"]["sum"] = s.value
+        return out
+
     def serve(self, port: int, address: str = "127.0.0.1") -> int:
         """Serve /metrics on (address, port); port 0 picks a free one. Returns the port."""
         server, _ = start_http_server(port, addr=address, registry=self.registry)
@@ -111,6 +143,57 @@ class _LoaderCollector:
         for name, n in now["skipped"].items():
             skipped.add_metric([name], float(n))
         yield skipped
+
+
+class _LoadersCollector:
+    def __init__(self, read: Callable[[], dict[str, dict]]):
+        self.read = read
+
+    def collect(self):
+        now = self.read()
+        buffer = GaugeMetricFamily("plait_loader_buffer_bytes", "Decoded data the SourceLoader holds",
+                                   labels=["loader"])
+        busy = GaugeMetricFamily("plait_loader_busy_ratio", "Fraction of wall time the SourceLoader spent reading "
+                                 "and decoding", labels=["loader"])
+        skipped = GaugeMetricFamily("plait_source_skipped_records", "Bad records skipped (on_error: skip), "
+                                    "per source", labels=["loader", "source"])
+        for loader, figures in sorted(now.items()):
+            buffer.add_metric([loader], float(figures["buffer_bytes"]))
+            busy.add_metric([loader], float(figures["busy_fraction"]))
+            for name, n in figures["skipped"].items():
+                skipped.add_metric([loader, name], float(n))
+        yield from (buffer, busy, skipped)
+
+
+class _DeliveredCollector:
+    """Delivery counters and the build histogram, summed over reports of `Telemetry.delivery_counts()`."""
+
+    def __init__(self, source_names: list[str], read: Callable[[], list[dict]]):
+        self.source_names = source_names
+        self.read = read
+
+    def collect(self):
+        reports = self.read()
+        for key, name, doc in (("tokens", "plait_source_tokens", TOKENS_HELP),
+                               ("samples", "plait_source_samples", SAMPLES_HELP),
+                               ("images", "plait_source_images", IMAGES_HELP)):
+            totals = dict.fromkeys(self.source_names if key != "images" else [], 0.0)
+            for report in reports:
+                for source, n in report[key].items():
+                    totals[source] = totals.get(source, 0.0) + n
+            family = CounterMetricFamily(name, doc, labels=["source"])
+            for source, n in totals.items():
+                family.add_metric([source], n)
+            yield family
+        bounds = [floatToGoString(b) for b in STEP_SECONDS_BUCKETS] + ["+Inf"]
+        counts = np.zeros(len(bounds))
+        total = 0.0
+        for report in reports:
+            if len(report["build"]["buckets"]) == len(bounds):
+                counts += report["build"]["buckets"]
+                total += report["build"]["sum"]
+        yield HistogramMetricFamily("plait_rank_build_seconds", BUILD_HELP, buckets=list(zip(bounds, counts.tolist())),
+                                    sum_value=total)
 
 
 class JsonLines(logging.Formatter):

@@ -23,6 +23,7 @@ COMMAND_MODULES = {
     "plan": "plait.cli.plan",
     "fit-cost": "plait.cli.fit_cost",
     "jobs": "plait.cli.jobs",
+    "mix": "plait.cli.mix",
     "top": "plait.cli.top",
     "serve": "plait.cli.serve",
 }
@@ -37,6 +38,7 @@ BENCH_MODULES = {
     "scale": "plait.cli.bench.scale",
     "mixing": "plait.cli.bench.mixing",
     "multimodal": "plait.cli.bench.multimodal",
+    "images": "plait.cli.bench.images",
 }
 
 

@@ -14,24 +14,26 @@ from plait.spec import load_spec
 
 HELP = "generate the embedded sample dataset (once) and stream it for 8 DP ranks"
 DESCRIPTION = (
-    "Generate a small 4-source dataset in a cache folder (once), stream it for a "
-    "simulated job of 8 data-parallel ranks and print throughput, mixture and balance."
+    "Generate a small 5-source dataset (4 text sources and an image-text source) in a cache folder "
+    "(once), stream it for a simulated job of 8 data-parallel ranks and print throughput (tokens/s, "
+    "images/s), the encoder's share of the cost, mixture and balance. Its demo-text.yaml is the four "
+    "text sources alone."
 )
 
 
 def add_arguments(p) -> None:
     p.add_argument("--steps", type=positive_int, default=None, help="global steps to stream (default: the demo spec's 50)")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    p.add_argument("--cache", metavar="DIR", help="where the sample dataset lives (default: ~/.cache/plait/demo-v1)")
+    p.add_argument("--cache", metavar="DIR", help="where the sample dataset lives (default: ~/.cache/plait/demo-v2, or $PLAIT_CACHE/demo-v2)")
     p.add_argument("--plot", metavar="PATH", help="draw per-step mixture and balance to a PNG (needs matplotlib)")
     p.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
 
 
 def run(args) -> int:
     cache = Path(args.cache) if args.cache else default_cache_dir()
-    existed = (cache / "demo.yaml").exists()
+    existed = (cache / "demo.yaml").exists() and (cache / "demo-text.yaml").exists()
     with console.status("generating the demo dataset (once)…", spinner="dots"):
-        spec_path = generate(cache)
+        spec_path = generate(cache, images=True)
     console.print(f"dataset: {cache} ({'cached' if existed else 'generated'}); spec: {spec_path}")
     spec = load_spec(spec_path)
     summary = stream(spec, steps=args.steps or spec.steps or 50, runtime=args.runtime, progress=True, plot=args.plot)

@@ -1,11 +1,16 @@
-"""The embedded demo: a small multi-source dataset, generated once, and a spec over it.
+"""The embedded demo: a small multi-source dataset, generated once, and two specs over it.
 
-Four sources with clearly different document-length distributions and formats:
+Five sources with clearly different document-length distributions and formats:
   chat  short chat turns              JSONL (.jsonl.gz), text, median ~70 tokens
   web   web pages                     Parquet, text,       median ~250 tokens, tail to ~4k
   code  source files                  JSONL (.jsonl.zst), text, median ~2.8k tokens, tail to ~35k
   long  long documents                Parquet, pre-tokenized list<int32>, 4k .. 64k tokens (median ~10k)
+  image image-text pairs              LLaVA-style JSONL + image_root: 300 JPEG/PNG images, 64..640 px
+                                      sides, aspect ratios 1:4..4:1, each with a short caption (4..40 words);
+                                      at most 400 patches (100 tokens) per image
 Text sources use a byte-level BPE tokenizer trained here with Hugging Face `tokenizers` (no download).
+demo.yaml streams all five (images: dynamic policy, placeholder id 4096, max_patches, a ViT-L-like
+cost.encoder); demo-text.yaml the four text sources alone (demo-v1's demo.yaml: same stream digest).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 VOCAB_SIZE = 4096
+IMAGE_TOKEN_ID = VOCAB_SIZE  # the placeholder id: one past the text vocabulary (an added special token)
+N_IMAGES = 300
 
 
 def default_cache_dir() -> Path:
@@ -56,12 +63,14 @@ def _lognormal(rng, n, median, sigma, lo, hi) -> np.ndarray:
     return np.clip(rng.lognormal(np.log(median), sigma, size=n), lo, hi).astype(np.int64)
 
 
-def generate(cache_dir: Path | None = None, *, force: bool = False) -> Path:
-    """Write the demo dataset and spec (once); return the spec's path."""
+def generate(cache_dir: Path | None = None, *, force: bool = False, images: bool = False) -> Path:
+    """Write the demo dataset and its two specs (once). Returns, with `images`, demo.yaml (the five
+    sources, what `plait demo` streams), else demo-text.yaml (the four text sources: demo-v1's demo.yaml,
+    same stream digest)."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    spec_path = root / "demo.yaml"
-    if spec_path.exists() and not force:
-        return spec_path
+    spec_path, text_path = root / "demo.yaml", root / "demo-text.yaml"
+    if spec_path.exists() and text_path.exists() and not force:
+        return spec_path if images else text_path
     rng = np.random.default_rng(20261129)
     vocab = _words(rng, 3000)
     for sub in ("chat", "web", "code", "long"):
@@ -105,6 +114,7 @@ def generate(cache_dir: Path | None = None, *, force: bool = False) -> Path:
         pq.write_table(pa.table({"input_ids": tokens}), root / "long" / f"long-{shard:03d}.parquet", row_group_size=4)
 
     _train_tokenizer(root, rng, vocab)
+    write_image_source(root / "image")  # its own rng: the text sources are byte-identical to demo-v1's
     spec = {
         "seed": 1234,
         "sources": [
@@ -118,8 +128,52 @@ def generate(cache_dir: Path | None = None, *, force: bool = False) -> Path:
         "cost": {"hidden": 4096, "layers": 32, "ffn": 11008, "heads": 32},
         "steps": 50,
     }
-    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return spec_path
+    # demo-text.yaml: the four text sources alone (its stream digest is the one of demo-v1's demo.yaml)
+    text_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    spec["sources"] = [dict(s, weight=w) for s, w in zip(spec["sources"], (0.13, 0.36, 0.18, 0.21))]
+    spec["sources"].append({"name": "image", "path": "image/captions.jsonl", "format": "jsonl", "text_field": "caption",
+                            "image_field": "image", "image_root": "image", "tokenizer": "tokenizer.json", "bos": 0,
+                            "eos": 1, "weight": 0.12})
+    spec["images"] = {"policy": "dynamic", "patch": 14, "merge": 2, "min_pixels": 28 * 28 * 4,
+                      "max_pixels": 28 * 28 * 100, "image_token_id": IMAGE_TOKEN_ID}
+    spec["packing"]["max_patches"] = 4096
+    spec["cost"]["encoder"] = {"hidden": 1024, "layers": 24, "ffn": 4096}  # a ViT-L-like tower
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))  # last: its presence means "generated"
+    return spec_path if images else text_path
+
+
+def write_image_source(folder: Path, n: int = N_IMAGES, *, seed: int = 20261201, max_side: int = 640) -> Path:
+    """n pictures (smooth gradients and a few shapes; JPEG, every 4th PNG) of 64..max_side px sides and
+    aspect ratios up to 4:1, and folder/captions.jsonl of {id, image, caption} (image paths relative to
+    folder, the source's image_root). Returns the JSONL's path. Also used by `plait bench images`."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    captions = _texts(rng, _words(rng, 3000), _lognormal(rng, n, 24, 0.4, 4, 40))
+    lines = []
+    for i in range(n):
+        w, h = (int(v) for v in rng.integers(64, max_side + 1, size=2))
+        if max(w, h) > 4 * min(w, h):
+            h = max(h, w // 4) if w > h else h
+            w = max(w, h // 4)
+        y, x = np.ogrid[0:h, 0:w]
+        c0, c1 = rng.integers(0, 256, size=(2, 3))
+        t = (x / max(w - 1, 1) + y / max(h - 1, 1))[..., None] / 2
+        arr = (c0 * (1 - t) + c1 * t).astype(np.uint8)
+        img = Image.fromarray(arr)
+        draw = ImageDraw.Draw(img)
+        for _ in range(3):
+            x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+            box = (x0, y0, x0 + int(rng.integers(8, w // 2 + 9)), y0 + int(rng.integers(8, h // 2 + 9)))
+            fill = tuple(int(v) for v in rng.integers(0, 256, 3))
+            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+        name = f"img/{i:04d}.{'png' if i % 4 == 3 else 'jpg'}"
+        img.save(folder / name, quality=85) if name.endswith("jpg") else img.save(folder / name)
+        lines.append(json.dumps({"id": f"image-{i}", "image": name, "caption": captions[i]}))
+    path = folder / "captions.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _train_tokenizer(root: Path, rng, vocab) -> None:

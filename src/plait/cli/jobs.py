@@ -15,7 +15,8 @@ from plait.errors import PlaitError
 HELP = "list the plait jobs running on Ray (`plait jobs stop NAME` ends one)"
 DESCRIPTION = (
     "List the plait jobs running on a Ray cluster: name, age, attached trainers, idle time and the "
-    "resident memory of their actors. `plait jobs stop NAME` ends a job: its Constructors, SourceLoaders, "
+    "resident memory of their actors, and the address of the job's metrics endpoint (`plait top JOB` reads it; "
+    "set by `metrics: {port: ...}` in the spec). `plait jobs stop NAME` ends a job: its Constructors, SourceLoaders, "
     "shadows and Planner, and their object-store data. A job also ends by itself when every trainer has "
     "closed its Loader, or when no trainer was seen for its job_idle_timeout."
 )
@@ -103,14 +104,16 @@ def print_jobs(rows: list[dict], address: str) -> None:
         out.print(f"no plait jobs are running on the cluster at {escape(address)}", highlight=False)
         return
     table = Table(title="plait jobs")
-    for col in ("job", "age", "trainers", "idle", "idle timeout", "actors", "memory (RSS)", "step"):
-        table.add_column(col, justify="left" if col == "job" else "right")
+    for col in ("job", "age", "trainers", "idle", "idle timeout", "actors", "memory (RSS)", "step", "metrics"):
+        table.add_column(col, justify="left" if col == "job" else "right",
+                         overflow="fold" if col == "metrics" else "ellipsis")  # an address is never cut short
     for r in rows:
         if r["state"] != "running":
-            table.add_row(escape(r["job"]), "-", "-", "-", "-", str(r["named_actors"]), "-", escape(r["state"]))
+            table.add_row(escape(r["job"]), "-", "-", "-", "-", str(r["named_actors"]), "-", escape(r["state"]), "-")
             continue
         timeout = r.get("idle_timeout")
         table.add_row(escape(r["job"]), format_age(time.time() - r["started"]), str(r["clients"]),
                       format_age(r["idle_s"]), format_age(timeout) if timeout else "never",
-                      f"{r['actors']}/{r['actors_asked']}", f"{r['rss'] / 2**20:.0f} MiB", str(r["step"]))
+                      f"{r['actors']}/{r['actors_asked']}", f"{r['rss'] / 2**20:.0f} MiB", str(r["step"]),
+                      escape(r.get("metrics") or "-"))
     out.print(table)

@@ -61,7 +61,17 @@ def step_row(plan, seconds: float, microbatches: int) -> dict:
         "microbatches": int(plan.ranks * plan.microbatches if plan.rank_microbatches is None else plan.rank_microbatches.sum()),
         "efficiency": s["efficiency"], "max_over_lb": s["max_over_lb"], "tokens_max_over_mean": s["tokens_max_over_mean"],
         "carried": s["carried"], "delayed_outliers": s["delayed_outliers"], "plan_ms": seconds * 1e3,
+        "seq_len": int(plan.capacity), "documents_cut": int(plan.documents_cut),
     }
+
+
+def split_tradeoff(rows: list[dict]) -> str:
+    """packing.split's trade-off over the planned steps: the capacity filled against the documents cut."""
+    tokens, slots = sum(r["tokens"] for r in rows), sum(r["tokens"] / r["fill"] for r in rows if r["fill"])
+    docs, cut = sum(r["docs"] for r in rows), sum(r["documents_cut"] for r in rows)
+    return (f"split: boundary: fill {tokens / max(slots, 1):.2%} of capacity; {cut:,} chunks cut at a micro-batch's "
+            f"end ({cut / max(docs, 1):.2%} of the {docs:,} sequences delivered: each cut starts a new sequence, "
+            "whose first tokens lose their preceding context)")
 
 
 def explain(plan, spec, files: list[list[str]], top: int, docs: int) -> list[dict]:
@@ -146,7 +156,7 @@ def run(args) -> int:
 
     warm = balance.warmup()
     plans, seconds, files = collect(spec, args.steps)
-    rows = [step_row(p, s, spec.packing.num_microbatches) for p, s in zip(plans, seconds)]
+    rows = [step_row(p, s, spec.packing.phase_at(p.step)[1]) for p, s in zip(plans, seconds)]
     if args.step is not None:
         if not 0 <= args.step < len(plans):
             raise PlaitError(f"--step {args.step} is outside the {len(plans)} planned steps")
@@ -162,22 +172,26 @@ def run(args) -> int:
     cm = CostModel.from_spec(spec.cost)
     topo = spec.topology
     out.print(
-        f"[bold]{args.spec}[/]: dp={plan.ranks} (tp={topo.tp} pp={topo.pp} cp={topo.cp}), seq_len={spec.packing.seq_len}, "
-        f"{spec.packing.num_microbatches} micro-batches/rank, balance mode {spec.balance.mode}; cost c(L) = "
+        f"[bold]{args.spec}[/]: dp={plan.ranks} (tp={topo.tp} pp={topo.pp} cp={topo.cp}), {_layout_text(spec)}, balance mode {spec.balance.mode}; cost c(L) = "
         f"{cm.linear:.3g} L + {cm.quadratic:.3g} L^2 (attention = the rest at L = {cm.crossover:,.0f})"
         + (f", per CP rank / {topo.cp}" if topo.cp > 1 else ""), highlight=False,
     )
     t = Table(title=f"{len(rows)} planned steps (efficiency = mean/max rank cost; LB = max(sum c / R, max c))")
+    extra = (["seq_len"] if spec.packing.schedule else []) + (["cut"] if spec.packing.split == "boundary" else [])
     for col in ("step", "docs", "tokens", "fill", "micro-batches", "efficiency", "max/LB", "tokens max/mean", "carried",
-                "delayed", "plan ms*"):
+                "delayed", *extra, "plan ms*"):
         t.add_column(col, justify="right")
     for r in rows:
         mark = "[bold yellow]" if r["step"] == plan.step else ""
+        more = ([f"{r['seq_len']:,}"] if spec.packing.schedule else []) + (
+            [str(r["documents_cut"])] if spec.packing.split == "boundary" else [])
         t.add_row(f"{mark}{r['step']}", f"{r['docs']:,}", f"{r['tokens']:,}", f"{r['fill']:.3f}", f"{r['microbatches']:,}",
                   f"{r['efficiency']:.4f}",
                   f"{r['max_over_lb']:.4f}", f"{r['tokens_max_over_mean']:.3f}", str(r["carried"]),
-                  str(r["delayed_outliers"]), f"{r['plan_ms']:.1f}")
+                  str(r["delayed_outliers"]), *more, f"{r['plan_ms']:.1f}")
     out.print(t)
+    if spec.packing.split == "boundary":
+        out.print(split_tradeoff(rows), highlight=False)
     out.print("[dim]* the Planner's time for the step, including reading block metadata from the sources[/]")
     eff = np.array([r["efficiency"] for r in rows])
     out.print(f"efficiency mean {eff.mean():.4f}, worst {eff.min():.4f} (step {rows[int(eff.argmin())]['step']}); "
@@ -226,6 +240,13 @@ def run(args) -> int:
         _plot(rows, plan, args.plot)
         Console(stderr=True).print(f"plot written to {args.plot}")
     return 0
+
+
+def _layout_text(spec) -> str:
+    p = spec.packing
+    if not p.schedule:
+        return f"seq_len={p.seq_len}, {p.num_microbatches} micro-batches/rank"
+    return "seq_len schedule " + " -> ".join(f"{x.seq_len}x{x.microbatches} from step {x.step}" for x in p.schedule)
 
 
 def _plot(rows: list[dict], plan, path: str) -> None:

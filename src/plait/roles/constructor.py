@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from plait.batch import ImagePayload, MicroBatch, Payload, merge_images
-from plait.packing import IGNORE_INDEX, pack_fields, ragged_arange
+from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields, ragged_arange
 from plait.plan import Items, RankPlan
 
 
@@ -102,6 +102,12 @@ class Constructor:
                     stats=stats, **image_fields(images, a, b),
                 )
             )
+        horizon = int(stats.get("label_horizon", 1))
+        if horizon > 1:  # multi-token prediction: labels k ahead, never across a document or chunk
+            for mb in out:
+                mb.mtp_labels = multi_token_labels(mb.input_ids, mb.cu_seqlens, horizon)
+                if images is not None:
+                    mb.mtp_labels[mb.mtp_labels == images.token_id] = IGNORE_INDEX
         return out
 
 

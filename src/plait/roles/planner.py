@@ -25,6 +25,7 @@ from plait.cost import CostModel, EncoderCost
 from plait.errors import PlaitError, SourceError
 from plait.mixture import take_count
 from plait.plan import Items, StepPlan
+from plait.roles import phases
 from plait.roles.spec_change import carry_over, split_fingerprint
 from plait.roles.state_schema import STATE_VERSION, check_data_state, parse_data_state
 from plait.roles.weights import RunWeights
@@ -33,6 +34,7 @@ from plait.spec import Spec
 
 CAPACITY_LB_ITEMS = 20_000  # max_over_capacity_lb on every step of at most this many items ...
 CAPACITY_LB_EVERY = 10  # ... else on every 10th step
+TOPUP_ROUNDS = 16  # split: boundary: draws to find tokens for the step's unfilled room (deficits may be < 0)
 
 
 def encoder_cost(spec: Spec) -> EncoderCost | None:
@@ -58,9 +60,10 @@ class Planner:
         self.spec = spec
         self.provider = provider
         self.ranks = dp or spec.topology.dp
-        self.microbatches = spec.packing.num_microbatches
-        self.seq_len = spec.packing.seq_len
+        self.seq_len, self.microbatches = spec.packing.phase_at(0)  # the phase's (packing.schedule)
         self.capacity = self.seq_len
+        self.limits = phases.chunk_limits(spec, self.seq_len)  # longest chunk per source (max_chunk)
+        self.grains = phases.granules(spec)  # chunk numbering (roles/phases.py)
         self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
         self.encoder = encoder_cost(spec)
@@ -92,6 +95,7 @@ class Planner:
         state_before = self.state_dict()
         drawn_before = self.drawn.copy()
         self.empty_docs = 0
+        self._enter_phase()
         step_capacity = self.ranks * self.microbatches * self.capacity
         carry_tokens = int(self.carry.length.sum())
         budget = max(0, step_capacity - carry_tokens)
@@ -114,6 +118,11 @@ class Planner:
             priority = np.concatenate([priority[~held], np.zeros(len(extra), dtype=np.int64)])
         else:
             outliers = Items.empty()
+        cap = self.spec.packing.max_long_per_step
+        if cap is not None:  # long chunks beyond the cap wait in the carry, ahead of new ones next step
+            held = phases.hold_long(items, priority, cap.min_tokens, cap.per_rank * self.ranks)
+            outliers = Items.concat([outliers, items.take(np.flatnonzero(held))])
+            items, priority = items.take(np.flatnonzero(~held)), priority[~held]
         # Per-GPU cost: with context parallelism each CP rank of a replica carries cost / cp.
         costs, encoder = self._costs(items)
         result = balance.assign(
@@ -121,38 +130,84 @@ class Planner:
             priority=priority, mode=self.spec.balance.mode,
             patches=items.patches if self.images else None, patch_capacity=self.max_patches if self.images else None,
         )
+        if cap is not None:
+            phases.cap_long_per_rank(result, items, costs, cap.min_tokens, cap.per_rank)
         placed = np.flatnonzero(result.placed)
         left = np.flatnonzero(~result.placed)
-        self.carry = Items.concat([outliers, items.take(left)])
+        out = (items.take(placed), costs[placed], result.rank[placed], result.micro[placed])
+        cut = 0
+        if self.spec.packing.split == "boundary":
+            out, rest, cut = self._fill(result, items, costs, priority, out, weights)
+        else:
+            rest = items.take(left)
+        self.carry = Items.concat([outliers, rest])
         self.carry.delayed = self.carry.delayed + 1
         plan = StepPlan(
             step=self.step,
             ranks=self.ranks,
             microbatches=int(result.micro_cost.shape[1]),
             capacity=self.capacity,
-            items=items.take(placed),
-            cost=costs[placed],
-            rank=result.rank[placed],
-            micro=result.micro[placed],
+            items=out[0],
+            cost=out[1],
+            rank=out[2],
+            micro=out[3],
             rank_cost=result.rank_cost,
             micro_cost=result.micro_cost,
             micro_tokens=result.micro_tokens,
-            lower_bound=balance.lower_bound(costs[placed], self.ranks),
+            lower_bound=balance.lower_bound(out[1], self.ranks),
             carried=len(self.carry),
             delayed_outliers=len(outliers),
+            documents_cut=cut,
             empty_documents=self.empty_docs,
             state_before=state_before,
             rank_microbatches=result.microbatches,
             vocab_size=self.spec.vocab_size,
+            label_horizon=self.spec.packing.label_horizon,
             weights=weights,
             drawn=self.drawn - drawn_before,
         )
         if self.images:
             plan.images = self._image_stats(result, items, costs, encoder, placed)
         self.delivered_tokens += plan.tokens
-        self.delivered_samples += len(placed)
+        self.delivered_samples += len(plan.items)
         self.step += 1
         return plan
+
+    def _enter_phase(self) -> None:
+        """The step's sequence-length phase (packing.schedule): seq_len, micro-batches, chunk limits.
+        Carried chunks longer than the new limits are re-cut at exact token offsets (roles/phases.py); a
+        document drawn part-way continues from its cursor's token offset in chunks of the new length."""
+        self.seq_len, self.microbatches = self.spec.packing.phase_at(self.step)
+        self.capacity = self.seq_len
+        self.limits = phases.chunk_limits(self.spec, self.seq_len)
+        self.carry = phases.recut(self.carry, self.limits, self.grains)
+
+    def _fill(self, result, items: Items, costs: np.ndarray, priority: np.ndarray, out: tuple, weights):
+        """split: boundary: fill every micro-batch's room with head pieces of unplaced chunks, drawing
+        more first when the unplaced tokens cannot fill the room. Returns (placed, rest, pieces cut)."""
+        run = np.arange(result.micro_tokens.shape[1])[None, :] < result.microbatches[:, None]
+        room = int(((self.capacity - result.micro_tokens) * run).sum())
+        left = np.flatnonzero(~result.placed)
+        short = room - int(items.length[left].sum())
+        for _ in range(TOPUP_ROUNDS):  # top the step up: the mixture's shares of the missing tokens
+            if short <= 0:
+                break
+            self.deficit += weights * short
+            extra = Items.concat([self.draw(i) for i in range(len(self.spec.sources))])
+            n = len(items)
+            items = Items.concat([items, extra])
+            costs = np.concatenate([costs, self._costs(extra)[0]])
+            priority = np.concatenate([priority, np.zeros(len(extra), dtype=np.int64)])
+            left = np.concatenate([left, np.arange(n, len(items))])
+            short -= int(extra.length.sum())
+        order = left[np.lexsort((left, -priority[left]))]
+        cap = self.spec.packing.max_long_per_step
+        longest = cap.min_tokens - 1 if cap is not None else None  # a piece never counts as a long chunk
+        pieces, ranks, micros, piece_costs, rest, cut = phases.fill_boundary(
+            result, items, order, self.capacity, lambda n: self.cost_model.per_cp_rank(n, self.cp), longest)
+        placed = (Items.concat([out[0], pieces]), np.concatenate([out[1], piece_costs]),
+                  np.concatenate([out[2], ranks]), np.concatenate([out[3], micros]))
+        return placed, rest, cut
 
     def _costs(self, items: Items) -> tuple[np.ndarray, np.ndarray]:
         """Each item's cost per CP rank (LLM over its tokens + encoder over its images, both split over
@@ -206,7 +261,7 @@ class Planner:
         parts: list[Items] = []
         got = 0  # tokens: a source of only empty documents must fail, not loop forever
         start_epoch = int(self.cursor[source, 0])
-        S = self.seq_len
+        S = int(self.limits[source])
         while self.deficit[source] > 0:
             epoch, fpos, bpos, pos, offset = (int(x) for x in self.cursor[source])
             meta = self._block_meta(source, (epoch, fpos, bpos))
@@ -230,7 +285,7 @@ class Planner:
                     if end * S >= rest:
                         end = 0
                 sel = np.arange(first, first + k)
-                items = self._docs_to_items(meta, sel, offset, end)
+                items = self._docs_to_items(meta, sel, offset, end, S, int(self.grains[source]))
                 parts.append(items)
                 taken = int(items.length.sum())
                 got += taken
@@ -255,26 +310,25 @@ class Planner:
             self._meta[source] = meta
         return meta
 
-    def _docs_to_items(self, meta, sel: np.ndarray, offset: int = 0, end: int = 0) -> Items:
-        """Chunks of the documents `sel`: the first one from `offset` tokens in (its earlier chunks were
-        drawn in earlier steps); of the last one only its first `end` chunks when end > 0."""
+    def _docs_to_items(self, meta, sel: np.ndarray, offset: int, end: int, S: int, grain: int) -> Items:
+        """Chunks of at most S tokens of the documents `sel`: the first one from `offset` tokens in (its
+        earlier chunks were drawn in earlier steps); of the last one only its first `end` chunks when end > 0.
+        Chunk numbers: ceil(offset / grain) (roles/phases.py)."""
         lengths = meta.lengths[sel].astype(np.int64)
-        S = self.seq_len
         skip = np.zeros(len(sel), dtype=np.int64)
         skip[:1] = offset
         # Offsets are exact token counts; chunk numbers continue the document's (rounded up, so that a
         # state resumed with a smaller seq_len cannot reuse a number already delivered).
-        first_chunk = -(-skip // S)
         nchunks = -(-(lengths - skip) // S)
         if end:
             nchunks[-1] = end
         nonempty = lengths > 0
         self.empty_docs += int((~nonempty).sum())
-        sel, lengths, skip, first_chunk, nchunks = (a[nonempty] for a in (sel, lengths, skip, first_chunk, nchunks))
+        sel, lengths, skip, nchunks = (a[nonempty] for a in (sel, lengths, skip, nchunks))
         doc = np.repeat(np.arange(len(sel)), nchunks)
         j = np.arange(len(doc)) - np.repeat(np.cumsum(nchunks) - nchunks, nchunks)  # chunk within this draw
-        chunk = first_chunk[doc] + j
         offsets = skip[doc] + j * S
+        chunk = -(-offsets // grain)
         length = np.minimum(S, lengths[doc] - offsets)
         m = len(doc)
 
@@ -379,7 +433,7 @@ class Planner:
         self._check_cursors()
         # The state is layout-free, with one limit: carried chunks were cut for the saved seq_len and
         # must still fit a micro-batch, or they could never be delivered.
-        if len(self.carry) and int(self.carry.length.max()) > self.capacity:
+        if not self.spec.packing.schedule and len(self.carry) and int(self.carry.length.max()) > self.capacity:
             raise PlaitError(
                 f"the data state carries chunks of up to {int(self.carry.length.max())} tokens, more than this "
                 f"layout's micro-batch capacity ({self.capacity}); resume with seq_len >= that"

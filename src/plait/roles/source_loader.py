@@ -65,8 +65,7 @@ class SourceLoader:
         if partitions is not None:
             idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
         self.partitions = {int(s): (int(n), frozenset(owned)) for s, (n, owned) in (partitions or {}).items()}
-        self.sources: dict[int, Source] = {i: Source(spec.sources[i], i, spec.seed, vocab_size=spec.vocab_size, job=spec)
-                                           for i in idx}
+        self.sources: dict[int, Source] = {i: Source.of_job(spec, i) for i in idx}
         self.images_decoded = 0  # images decoded for payloads (each delivered image exactly once)
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()

@@ -35,7 +35,7 @@ def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens:
     per_source = budget_s / max(1, len(idx))
     costs, files = [], []
     for i in idx:
-        src = Source(spec.sources[i], i, spec.seed)
+        src = Source.of_job(spec, i)
         try:
             files.append(len(src.files))
             key = src.first_key()

@@ -109,6 +109,11 @@ class Source:
     that length; under `raise` it stops the run.
     """
 
+    @classmethod
+    def of_job(cls, job: Spec, index: int) -> "Source":
+        """Source `index` of a whole spec, with everything it takes from the job (seed, vocabulary, images)."""
+        return cls(job.sources[index], index, job.seed, vocab_size=job.vocab_size, job=job)
+
     def __init__(self, spec: SourceSpec, index: int, seed: int, *, vocab_size: int | None = None,
                  job: Spec | None = None):
         """`job`: the whole spec, needed by image sources (image policy, seq_len, max_patches)."""

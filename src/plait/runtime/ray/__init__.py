@@ -12,6 +12,8 @@ One module each:
                      pulled straight from the loaders (RayPayloads); serves each CP rank its shard
   recovery           what happens when a loader, a shadow, a Constructor or the Planner dies
   jobs               a job's lifecycle: attach=True, heartbeats, close at exit, `plait jobs` list/stop
+  job_metrics        the job's Prometheus endpoint, served by the Planner (per-loader and delivered counts
+                     collected from the actors at scrape time)
   common             namespace, names, `get`, dead-actor errors, actor options
 
 The stream is the local runtime's, bit for bit. Ray is imported lazily (plait[ray] is optional); the

@@ -32,6 +32,7 @@ from plait.runtime.ray.common import (
     ray_module,
     use_numpy_kernels,
 )
+from plait.telemetry import Stopwatch, Telemetry
 
 
 class RayPayloads:
@@ -109,6 +110,7 @@ class ConstructorActor:
         loaders = get(self.planner.get_loaders.remote())
         pmap = PartitionMap(**info["pmap"])
         self.constructor = Constructor(RayPayloads(loaders, pmap, planner=self.planner))
+        self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
         self.lock = threading.Lock()
@@ -119,7 +121,9 @@ class ConstructorActor:
     def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
         plan, state = get([self.planner.rank_plan.remote(gen, step, dp_rank),
                            self.planner.state_at.remote(gen, step)])
-        batches = self.constructor.build(plan)
+        with Stopwatch() as t:
+            batches = self.constructor.build(plan)
+        self.counts.observe_build(batches, t.seconds)
         self.planner.mark_built.remote(gen, step, dp_rank)
         return state, batches
 
@@ -157,6 +161,10 @@ class ConstructorActor:
     def stats(self) -> dict:
         return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds),
                 "rss": process_rss()}
+
+    def telemetry(self) -> dict:
+        """Per-source tokens, samples and images built so far, and build times (Telemetry.delivery_counts)."""
+        return self.counts.delivery_counts()
 
     def serve_flight(self, host: str, token: str) -> str:
         """Serve this Constructor's builds to thin trainer clients over Arrow Flight (a server in this

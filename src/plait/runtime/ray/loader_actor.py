@@ -67,6 +67,16 @@ class LoaderActor:
                     "images_decoded": self.loader.images_decoded,
                     "sources": sorted(self.loader.sources), "pid": os.getpid(), "rss": process_rss()}
 
+    def telemetry(self) -> dict:
+        """SourceLoader.telemetry() (buffer, busy ratio, skipped), for the job's /metrics. A scrape waits at
+        most a second for a long gather to finish, then reads without the lock (plain numbers)."""
+        locked = self.lock.acquire(timeout=1.0)
+        try:
+            return self.loader.telemetry()
+        finally:
+            if locked:
+                self.lock.release()
+
     def error_report(self) -> dict:
         with self.lock:
             return self.loader.error_report()

@@ -31,10 +31,12 @@ from plait.runtime.ray.common import (
     process_rss,
     ray_module,
 )
+from plait.runtime.ray.job_metrics import JobMetrics
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.recovery import LoaderFleet
 from plait.runtime.scaling import format_layout, probe_costs
 from plait.spec import Spec, load_spec
+from plait.telemetry import Stopwatch
 
 scale_log = logging.getLogger("plait.scaling")
 job_log = logging.getLogger("plait.jobs")
@@ -102,6 +104,9 @@ class PlannerActor:
         self.creator = options.get("creator")  # the client whose start made this actor (attach=False)
         self.last_seen = time.monotonic()  # the last call of a trainer (or its heartbeat)
         self.idle_timeout = options.get("job_idle_timeout")
+        # The job's /metrics (plait.runtime.ray.job_metrics): served here when the spec sets metrics.port.
+        self.metrics = JobMetrics(self.spec, lambda: self.loaders.handles, lambda: list(self.constructors))
+        self.loaders.on_event = self._observe_event
         if self.idle_timeout:
             IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
 
@@ -111,6 +116,7 @@ class PlannerActor:
     # ----- shared plan stream --------------------------------------------------------------------
     def info(self) -> dict:
         return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
+                "sources": self.spec.source_names,
                 "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict(),
                 "idle_timeout": self.idle_timeout}
 
@@ -149,6 +155,10 @@ class PlannerActor:
         self._seen()
         self.planner.set_weights(weights, at_step)
 
+    def weight_overrides(self) -> list[dict]:
+        """The weight changes recorded so far (`plait mix JOB --show`)."""
+        return list(self.planner.state_dict().get("overrides", []))
+
     def report(self, step: int, losses: dict) -> None:
         self._seen()
         self.planner.report(step, losses)
@@ -161,7 +171,9 @@ class PlannerActor:
         if step < self.planner.step:
             raise PlaitError(f"step {step} left the Planner's window; resume from a saved state")
         while self.planner.step <= step:
-            plan = self.planner.plan_step()
+            with Stopwatch() as t:
+                plan = self.planner.plan_step()
+            self.metrics.telemetry.observe_plan(plan, t.seconds)
             self.planned += 1
             self.window[plan.step] = plan
             while len(self.window) > PLAN_WINDOW:
@@ -268,7 +280,7 @@ class PlannerActor:
         """What `plait jobs` shows (not a trainer's call: it does not keep the job alive)."""
         return {"job": self.job, "started": self.started, "clients": self.clients,
                 "idle_s": time.monotonic() - self.last_seen, "idle_timeout": self.idle_timeout,
-                "step": self.planner.step, **self.memory()}
+                "step": self.planner.step, "metrics": self.metrics.address, **self.memory()}
 
     def memory(self) -> dict:
         """Resident memory of the job's actors (each measures itself), in bytes, and how many answered."""
@@ -311,6 +323,19 @@ class PlannerActor:
 
     def recovery_events(self) -> list[dict]:
         return list(self.loaders.events)
+
+    # ----- metrics (plait.runtime.ray.job_metrics) --------------------------------------------------
+    def metrics_address(self) -> str | None:
+        """`host:port` of the job's /metrics endpoint; None when the spec sets no metrics port."""
+        return self.metrics.address
+
+    def record_recovery(self, role: str) -> None:
+        """A trainer process recovered from a failure of `role` (planner, constructor): count it."""
+        self.metrics.telemetry.observe_recovery(role)
+
+    def _observe_event(self, event: dict) -> None:
+        if event["role"] in ("loader", "shadow"):  # failures (not "shadow-start", a standby starting)
+            self.metrics.telemetry.observe_recovery(event["role"])
 
     def get_shadows(self) -> list[list]:
         return self.loaders.shadows

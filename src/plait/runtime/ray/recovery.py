@@ -68,6 +68,7 @@ class LoaderFleet:
         self.generation = [0] * n
         self.shadows: list[list] = [[] for _ in range(n)]
         self.events: list[dict] = []
+        self.on_event: Callable[[dict], None] | None = None  # told of each event (the job's metrics)
         self.checkpoint_interval = max(1, int(options.get("checkpoint_interval") or 1))
         self.respawn_delay = int(options.get("respawn_delay", 4))
         self._last_delta_step = -1
@@ -130,9 +131,8 @@ class LoaderFleet:
             self._respawn.append((k, step + self.respawn_delay))
         took = time.perf_counter() - t0
         log.warning("recovery: SourceLoader %s replaced by %s (%s) in %.3f s", dead, self.names[k], how, took)
-        self.events.append({"role": "loader", "actor": dead, "replacement": self.names[k], "step": step,
-                            "at": time.time(), "recovery_s": took, "how": how,
-                            "reread_blocks": info.get("reread_blocks")})
+        self._record({"role": "loader", "actor": dead, "replacement": self.names[k], "step": step,
+                      "at": time.time(), "recovery_s": took, "how": how, "reread_blocks": info.get("reread_blocks")})
 
     def after_planning(self, step: int) -> None:
         """Right after the Planner planned up to `step`: notice dead shadows, start the shadows that are
@@ -147,7 +147,7 @@ class LoaderFleet:
             sh.sync.remote(self.handles[k].checkpoint_snapshot.remote(step))
             self.shadows[k].append(sh)
             log.info("standby: a new shadow of %s starts at step %d", self.names[k], step)
-            self.events.append({"role": "shadow-start", "actor": self.names[k], "step": step, "at": time.time()})
+            self._record({"role": "shadow-start", "actor": self.names[k], "step": step, "at": time.time()})
         if step - self._last_delta_step < self.checkpoint_interval:
             return
         self._last_delta_step = step
@@ -184,9 +184,14 @@ class LoaderFleet:
                 self.shadows[k] = [x for x in self.shadows[k] if x != sh]
                 log.warning("failure: a shadow of SourceLoader %s is dead; detected at step %d; a new one starts "
                             "in %d steps", self.names[k], step, self.respawn_delay)
-                self.events.append({"role": "shadow", "actor": self.names[k], "step": step, "at": time.time(),
-                                    "recovery_s": 0.0})
+                self._record({"role": "shadow", "actor": self.names[k], "step": step, "at": time.time(),
+                              "recovery_s": 0.0})
                 self._respawn.append((k, step + self.respawn_delay))
+
+    def _record(self, event: dict) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
 
     def shadow_stats(self) -> list[list[dict]]:
         return [get([sh.shadow_stats.remote() for sh in group]) for group in self.shadows]

@@ -32,6 +32,7 @@ from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.planner_actor import PlannerRecipe
 from plait.runtime.scaling import describe
 from plait.spec import Spec, load_spec
+from plait.telemetry import Telemetry
 
 
 def loaders_option(loaders) -> int | str:
@@ -82,6 +83,10 @@ class RayOptions:
       checkpoint_interval  steps between loader deltas to their shadows (`shadows` per source in the spec)
       respawn_delay  steps after a takeover before a new shadow starts (a worker process start-up costs
                     about a second of CPU; it should not land on the failure step)
+      metrics_port  serve this process's own Prometheus metrics there (0: any free port; the time its ranks
+                    waited for data), on the spec's `metrics.address`; off by default. The job's endpoint
+                    (planning, loaders, delivered tokens, recoveries) is the Planner's, from the spec's
+                    `metrics.port` (plait.runtime.ray.job_metrics)
     """
 
     job: str | None = None
@@ -100,6 +105,7 @@ class RayOptions:
     init_options: dict | None = None
     checkpoint_interval: int = 1
     respawn_delay: int = 4
+    metrics_port: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "loaders", loaders_option(self.loaders))
@@ -260,6 +266,11 @@ class RayRuntime:
         opts = RayOptions(**options)
         ray = ray_module()
         self.spec = load_spec(spec)
+        # This trainer process's figures (Loader waits); served only when asked (metrics_port), before
+        # anything starts (a port in use fails here, leaving nothing behind).
+        self.telemetry = Telemetry(self.spec.source_names)
+        port = opts.metrics_port
+        self.metrics_port = None if port is None else self.telemetry.serve(port, self.spec.metrics.address)
         self._uses_local_instance = False
         if not ray.is_initialized():
             self._uses_local_instance = start_ray(opts)
@@ -385,12 +396,17 @@ class RayRuntime:
                 pass
         self._plan_refs.clear()
         self._build_refs = {}
-        self.recovery_log.append(event)
+        self._recovered(event)
 
     def _constructor_died(self, dp_rank: int, step: int) -> None:
         event = recovery.replace_dead_constructors(self._constructors, self.planner, step, dp_rank)
         if event is not None:
-            self.recovery_log.append(event)
+            self._recovered(event)
+
+    def _recovered(self, event: dict) -> None:
+        """Keep a recovery of this process's (Planner, Constructor) and count it on the job's endpoint."""
+        self.recovery_log.append(event)
+        self.planner.record_recovery.remote(event["role"])
 
     def _seek(self, state: dict) -> None:
         gen = get(self.planner.seek.remote(state))
@@ -423,6 +439,10 @@ class RayRuntime:
         return get(self.planner.error_report.remote())
 
     # ----- introspection (tests, benchmarks, chaos drills) ---------------------------------------------
+    def metrics_address(self) -> str | None:
+        """`host:port` of the job's /metrics endpoint (served by its Planner), None without metrics.port."""
+        return get(self.planner.metrics_address.remote())
+
     def recovery_events(self) -> list[dict]:
         """Every failure survived so far: SourceLoaders (replaced by the Planner) and Constructors."""
         return get(self.planner.recovery_events.remote()) + list(self.recovery_log)
