@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from plait.ragged import ragged_arange
+
 
 class ImagePayload(NamedTuple):
     """The images of fetched items: uint8 patches of all images concatenated in item order, each image's
@@ -44,9 +46,8 @@ def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePa
     pixels = np.concatenate([p.pixels for _, p in parts])
     order = np.argsort(item, kind="stable")
     sizes = grid.prod(axis=1)
-    starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
-    rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in order]) if len(order) else \
-        np.zeros(0, np.int64)
+    starts = np.cumsum(sizes) - sizes
+    rows = ragged_arange(starts[order], sizes[order])  # each image's patch rows, in item order
     first = parts[0][1]
     return ImagePayload(pixels[rows], grid[order], item[order], first.token_id, first.patch)
 
