@@ -52,12 +52,15 @@ def test_bench_balance_quick(tmp_path, capsys):
             "--lengths", str(lengths), "--pp", "2"]
     assert main(args) == 0
     rows = json.loads(out.read_text())
-    keys = {"dist", "dp", "seq_len", "strategy", "max_over_mean", "max_over_lb", "plan_ms", "speedup_vs_naive"}
+    keys = {"dist", "dp", "seq_len", "strategy", "max_over_mean", "max_over_lb", "max_over_capacity_lb", "plan_ms",
+            "speedup_vs_naive"}
     assert rows and all(keys <= set(r) for r in rows)
     assert {r["strategy"] for r in rows} == {"naive", "sorted", "plait", "plait-var"}
     assert any(r["dist"].startswith("file:") for r in rows)
     for r in rows:
         assert r["max_over_lb"] >= 1 - 1e-9 and r["max_over_mean"] >= 1 - 1e-9
+        # the capacity-aware bound is at least the plain one, and still a bound: 1 <= max/capLB <= max/LB
+        assert 1 - 1e-9 <= r["max_over_capacity_lb"] <= r["max_over_lb"] + 1e-9
     assert png.exists()
     assert "speedup" in capsys.readouterr().out
 
@@ -76,6 +79,11 @@ def test_plan_offers_variable_mode_when_tokens_bind(tmp_path, capsys):
     data = json.loads(out.read_text())
     worst = max(r["max_over_lb"] for r in data["steps"])
     assert worst > 1.01
+    # Tokens bind here: the capacity-aware bound is higher than max(sum/R, max), so the certificate
+    # against it is tighter on some step, and never above the plain one.
+    for r in data["steps"]:
+        assert 1 - 1e-9 <= r["max_over_capacity_lb"] <= r["max_over_lb"] + 1e-9
+    assert min(r["max_over_capacity_lb"] - r["max_over_lb"] for r in data["steps"]) < -1e-3
     alt = data["variable_mode"]
     assert alt is not None and alt["max_over_lb"] < 1.01 < worst and alt["placed"] == 1.0
     assert "balance mode `variable`: max/LB" in capsys.readouterr().out

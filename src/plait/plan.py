@@ -134,8 +134,11 @@ class StepPlan:
     label_horizon: int = 1  # packing.label_horizon: > 1 asks the Constructor for multi-token labels
     weights: np.ndarray | None = None  # the mixture weights this step was drawn with (after run-time changes)
     drawn: np.ndarray | None = None  # tokens drawn per source this step (what the mixture's quotas took)
-    # image steps (spec `images` set): micro_patches [R, M], max_over_capacity_lb (None on steps where
-    # it was not computed), encoder_cost and cost (summed over the placed items, per CP rank)
+    # max(rank cost) / the capacity-aware lower bound (balance.capacity_lower_bound: what no placement that
+    # respects each rank's token and patch capacity can beat); None on steps where it was not computed
+    max_over_capacity_lb: float | None = None
+    # image steps (spec `images` set): micro_patches [R, M], encoder_cost and cost (summed over the placed
+    # items, per CP rank)
     images: dict | None = None
 
     @property
@@ -196,6 +199,7 @@ class StepPlan:
             "efficiency": self.efficiency,
             "max_over_mean": self.max_over_mean,
             "max_over_lb": self.max_over_lb,
+            "max_over_capacity_lb": self.max_over_capacity_lb,
             "max_rank_cost": float(self.rank_cost.max()) if len(self.rank_cost) else 0.0,
             "lower_bound": self.lower_bound,
             "tokens_max_over_mean": self.tokens_max_over_mean,
@@ -215,8 +219,7 @@ class StepPlan:
             return {}
         mp = self.images["micro_patches"]
         return {"patches": int(self.items.patches.sum()), "max_microbatch_patches": int(mp.max()) if mp.size else 0,
-                "microbatch_patches": mp.tolist(), "max_over_capacity_lb": self.images["max_over_capacity_lb"],
-                "encoder_share": self.encoder_share}
+                "microbatch_patches": mp.tolist(), "encoder_share": self.encoder_share}
 
     @property
     def encoder_share(self) -> float:

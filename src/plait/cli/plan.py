@@ -62,7 +62,7 @@ def step_row(plan, seconds: float, microbatches: int) -> dict:
         "efficiency": s["efficiency"], "max_over_lb": s["max_over_lb"], "tokens_max_over_mean": s["tokens_max_over_mean"],
         "carried": s["carried"], "delayed_outliers": s["delayed_outliers"], "plan_ms": seconds * 1e3,
         "seq_len": int(plan.capacity), "documents_cut": int(plan.documents_cut),
-        "max_over_capacity_lb": s.get("max_over_capacity_lb"),  # image steps: against the two-capacity bound
+        "max_over_capacity_lb": s.get("max_over_capacity_lb"),  # against the bound respecting the capacities
     }
 
 
@@ -178,20 +178,18 @@ def run(args) -> int:
         + (f", per CP rank / {topo.cp}" if topo.cp > 1 else ""), highlight=False,
     )
     t = Table(title=f"{len(rows)} planned steps (efficiency = mean/max rank cost; LB = max(sum c / R, max c))")
-    extra = (["seq_len"] if spec.packing.schedule else []) + (["cut"] if spec.packing.split == "boundary" else []) + (
-        ["max/cap-LB"] if spec.images is not None else [])
-    for col in ("step", "docs", "tokens", "fill", "micro-batches", "efficiency", "max/LB", "tokens max/mean", "carried",
+    extra = (["seq_len"] if spec.packing.schedule else []) + (["cut"] if spec.packing.split == "boundary" else [])
+    for col in ("step", "docs", "tokens", "fill", "micro-batches", "efficiency", "max/LB", "max/cap-LB", "tokens max/mean", "carried",
                 "delayed", *extra, "plan ms*"):
         t.add_column(col, justify="right")
     for r in rows:
         mark = "[bold yellow]" if r["step"] == plan.step else ""
         cap = r["max_over_capacity_lb"]
         more = ([f"{r['seq_len']:,}"] if spec.packing.schedule else []) + (
-            [str(r["documents_cut"])] if spec.packing.split == "boundary" else []) + (
-            (["-" if cap is None else f"{cap:.4f}"]) if spec.images is not None else [])
+            [str(r["documents_cut"])] if spec.packing.split == "boundary" else [])
         t.add_row(f"{mark}{r['step']}", f"{r['docs']:,}", f"{r['tokens']:,}", f"{r['fill']:.3f}", f"{r['microbatches']:,}",
                   f"{r['efficiency']:.4f}",
-                  f"{r['max_over_lb']:.4f}", f"{r['tokens_max_over_mean']:.3f}", str(r["carried"]),
+                  f"{r['max_over_lb']:.4f}", "-" if cap is None else f"{cap:.4f}", f"{r['tokens_max_over_mean']:.3f}", str(r["carried"]),
                   str(r["delayed_outliers"]), *more, f"{r['plan_ms']:.1f}")
     out.print(t)
     if spec.packing.split == "boundary":

@@ -32,7 +32,7 @@ from plait.roles.weights import RunWeights
 from plait.spec import Spec
 
 
-CAPACITY_LB_ITEMS = 20_000  # max_over_capacity_lb on every step of at most this many items ...
+CAPACITY_LB_ITEMS = 8_000  # max_over_capacity_lb on every step of at most this many items (~15 ms) ...
 CAPACITY_LB_EVERY = 10  # ... else on every 10th step
 TOPUP_ROUNDS = 16  # split: boundary: draws to find tokens for the step's unfilled room (deficits may be < 0)
 
@@ -166,8 +166,9 @@ class Planner:
             weights=weights,
             drawn=self.drawn - drawn_before,
         )
+        plan.max_over_capacity_lb = self._capacity_certificate(result, items, costs)
         if self.images:
-            plan.images = self._image_stats(result, items, costs, encoder, placed)
+            plan.images = self._image_stats(result, items, encoder, costs, placed)
         self.delivered_tokens += plan.tokens
         self.delivered_samples += len(plan.items)
         self.step += 1
@@ -218,18 +219,21 @@ class Planner:
         encoder = (self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq) / max(1, self.cp)
         return costs + encoder, encoder
 
-    def _image_stats(self, result, items: Items, costs: np.ndarray, encoder: np.ndarray, placed: np.ndarray) -> dict:
-        """Patches per micro-batch, the encoder's share of the cost, and the certificate against the
-        capacity-aware bound (balance.max_over_capacity_lb: only on steps of at most CAPACITY_LB_ITEMS
-        items, or every CAPACITY_LB_EVERY steps: it is slow on huge steps; None when skipped)."""
+    def _capacity_certificate(self, result, items: Items, costs: np.ndarray) -> float | None:
+        """The step's certificate against the capacity-aware bound (balance.max_over_capacity_lb: tokens
+        per rank, and patches with images): only on steps of at most CAPACITY_LB_ITEMS items, or every
+        CAPACITY_LB_EVERY steps, as it is slow on huge steps; None when skipped."""
+        if len(items) > CAPACITY_LB_ITEMS and self.step % CAPACITY_LB_EVERY != 0:
+            return None
+        return balance.max_over_capacity_lb(result, items.length, costs, items.patches if self.images else None,
+                                            microbatches=int(result.micro_cost.shape[1]), capacity=self.capacity,
+                                            patch_capacity=self.max_patches if self.images else None)
+
+    def _image_stats(self, result, items: Items, encoder: np.ndarray, costs: np.ndarray, placed: np.ndarray) -> dict:
+        """Patches per micro-batch and the encoder's share of the cost."""
         micro_patches = result.micro_patches if result.micro_patches is not None else np.zeros_like(result.micro_tokens)
-        ratio = None
-        if len(items) <= CAPACITY_LB_ITEMS or self.step % CAPACITY_LB_EVERY == 0:
-            ratio = balance.max_over_capacity_lb(result, items.length, costs, items.patches,
-                                                 microbatches=int(result.micro_cost.shape[1]), capacity=self.capacity,
-                                                 patch_capacity=self.max_patches)
-        return {"micro_patches": micro_patches, "max_over_capacity_lb": ratio,
-                "encoder_cost": float(encoder[placed].sum()), "cost": float(costs[placed].sum())}
+        return {"micro_patches": micro_patches, "encoder_cost": float(encoder[placed].sum()),
+                "cost": float(costs[placed].sum())}
 
     def _hold_outliers(self, items: Items) -> np.ndarray:
         """Which items to delay: outliers (cost > outlier_factor x mean rank load), held until enough
