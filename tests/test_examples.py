@@ -55,3 +55,31 @@ def test_torchrun_vlm_example_learns(tmp_path):
     assert len(losses) == 15
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, (first, last)
+
+
+@pytest.mark.timeout(90)
+def test_calibrate_vlm_quick(tmp_path):
+    """examples/calibrate_vlm.py --quick: rows in `plait fit-cost`'s format that the CLI fits, a held-out
+    error, and naive vs plait placements of the same step's documents, each simulated rank timed."""
+    out, rows_csv = tmp_path / "calib.json", tmp_path / "rows.csv"
+    cmd = [sys.executable, str(ROOT / "examples" / "calibrate_vlm.py"), "--quick", "--device", "cpu",
+           "--data", str(tmp_path / "data"), "--csv", str(rows_csv), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    from plait.cli.fit_cost import read_rows
+
+    cols = read_rows(str(rows_csv))  # the CLI's reader accepts the file, with the encoder columns
+    assert {"sum_P", "sum_P2"} <= set(cols) and len(cols["time"]) == result["calibration"]["rows"] >= 8
+    assert (cols["time"] > 0).all() and (cols["sum_P"] > 0).any() and (cols["sum_P"] == 0).any()
+    calib = result["calibration"]
+    assert calib["train_rows"] + calib["test_rows"] == calib["rows"] and calib["held_out_rel_err_rms"] >= 0
+    by_strategy = {s["strategy"]: s for s in result["steps"]}
+    naive, plait_step = by_strategy["naive"], by_strategy["plait"]
+    dp = result["args"]["dp"]
+    for s in (naive, plait_step):
+        assert len(s["rank_seconds"]) == len(s["fitted_rank_seconds"]) == dp
+        assert min(s["rank_seconds"]) > 0 and s["measured_max_over_mean"] >= 1.0
+    assert plait_step["waiting"] == 0  # the Planner placed every document of its step
+    assert naive["documents"] + naive["waiting"] == plait_step["documents"]  # the same documents, placed otherwise

@@ -4,6 +4,7 @@ with pixels, the digest over pixels, metrics, and the same stream on the ray run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -170,6 +171,10 @@ def test_to_torch_pixels(sources):
     assert x.dtype == torch.float32
     want = (mb.pixel_values.astype(np.float32).reshape(len(mb.pixel_values), -1, 3) / 255 - 0.5) / 0.25
     np.testing.assert_allclose(x.numpy(), want.reshape(len(mb.pixel_values), -1), rtol=1e-5, atol=1e-5)
+    # a micro-batch of an image job that holds text only: zero patches, still normalised (no reshape error)
+    empty = dataclasses.replace(mb, pixel_values=mb.pixel_values[:0], image_grid=mb.image_grid[:0])
+    none = empty.to_torch(normalize=((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)))["pixel_values"]
+    assert tuple(none.shape) == (0, mb.pixel_values.shape[1]) and none.dtype == torch.float32
 
 
 def test_metrics_count_images(sources):

@@ -171,8 +171,10 @@ def _pixels(x, normalize):
     import torch
 
     mean, std = (torch.as_tensor(v, dtype=torch.float32, device=x.device) for v in normalize)
-    y = x.to(torch.float32).view(len(x), -1, 3) / 255.0
-    return ((y - mean) / std).view(len(x), -1)
+    # explicit widths: a micro-batch of text only has [0, width] patches, where -1 cannot be inferred
+    width = int(x.shape[1])
+    y = x.to(torch.float32).view(len(x), width // 3, 3) / 255.0
+    return ((y - mean) / std).view(len(x), width)
 
 
 class TorchBatch(dict):

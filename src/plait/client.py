@@ -329,6 +329,11 @@ class Loader:
     def error_report(self) -> dict:
         return self._runtime.error_report()
 
+    def scaling_report(self) -> dict:
+        """How the job's SourceLoaders were re-partitioned while it ran (the ray runtime with `autoscale`,
+        or `rescale`): {"events", "timeline", "options"}; empty on the local and flight runtimes."""
+        return self._runtime.scaling_report()
+
     def close(self) -> None:
         """Release what this Loader holds; safe to call twice. On the ray runtime every trainer process
         closes (also done by `with`, and at interpreter exit): the last one of a job ends the job's actors."""

@@ -30,6 +30,7 @@ from plait.errors import SpecError
 
 Format = Literal["parquet", "jsonl", "megatron", "arrow", "mds", "webdataset"]
 IMAGE_FORMATS = ("parquet", "jsonl", "webdataset")  # formats that read an image_field
+DEFAULT_BUFFER_MB = 16.0  # a source's decoded-data budget when its buffer_mb is unset
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")  # webdataset image members
 
 
@@ -84,6 +85,14 @@ class SourceSpec(_Model):
         None, description="caption: [image placeholders] + text + eos; chat: a LLaVA conversation list "
         "[{from|role, value|content}] whose `<image>` markers become placeholder runs (default caption)",
     )
+    buffer_mb: float | None = Field(
+        None, gt=0, description=f"decoded data a SourceLoader keeps of this source, in MiB (default "
+        f"{DEFAULT_BUFFER_MB:g}); a Parquet row group decoding to more than a quarter of it is read in row ranges "
+        "(which changes the order of that row group's rows: set it when you create a job, not mid-run)",
+        exclude_if=lambda v: v is None,  # unset: fingerprints as before
+    )
+
+    buffer_bytes = property(lambda self: int((self.buffer_mb or DEFAULT_BUFFER_MB) * 2**20))
 
     @field_validator("format", mode="before")
     @classmethod
@@ -381,6 +390,14 @@ class BalanceSpec(_Model):
     outlier_factor: float = Field(1.0, gt=0, description="delay documents costing more than this x mean rank load")
 
 
+class LoadingSpec(_Model):
+    """How much decoded data the job's SourceLoaders may hold (besides each source's `buffer_mb`)."""
+
+    max_buffer_mb: float | None = Field(512, gt=0, description="cap on the decoded data one SourceLoader holds over "
+                                        "all its sources, MiB (local: per process; ray: split over the loader actors "
+                                        "by their share of the sources); null: only the sources' buffer_mb")
+
+
 class MetricsSpec(_Model):
     """Prometheus metrics (plait.telemetry): off unless a port is given."""
 
@@ -401,6 +418,7 @@ class Spec(_Model):
     steps: int | None = Field(None, ge=1, description="stop after this many global steps (unbounded if unset)")
     vocab_size: int | None = Field(None, ge=1, description="the model's vocabulary: a token id >= it is a bad record")
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    loading: LoadingSpec = Field(default_factory=LoadingSpec)
     images: ImagesSpec | None = Field(None, description="image policy and placeholder id, for image sources")
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
@@ -434,6 +452,15 @@ class Spec(_Model):
         if not self.mixture.schedule and sum(s.weight for s in self.sources) <= 0:
             raise ValueError("at least one source needs a positive weight")
         return self
+
+    @field_validator("loading")
+    @classmethod
+    def _cap_holds_a_source(cls, v: LoadingSpec, info: ValidationInfo) -> LoadingSpec:
+        largest = max(info.data.get("sources") or [], key=lambda s: s.buffer_bytes, default=None)
+        if v.max_buffer_mb is not None and largest is not None and v.max_buffer_mb * 2**20 < largest.buffer_bytes:
+            raise ValueError(f"max_buffer_mb {v.max_buffer_mb:g} is below source {largest.name!r}'s buffer_mb "
+                             f"({largest.buffer_bytes / 2**20:g}): the job-wide cap must hold at least one source's buffer")
+        return v
 
     @field_validator("images")
     @classmethod

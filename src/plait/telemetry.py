@@ -138,6 +138,8 @@ class _LoaderCollector:
                                 value=float(now["buffer_bytes"]))
         yield GaugeMetricFamily("plait_loader_busy_ratio", "Fraction of wall time the SourceLoader spent reading "
                                 "and decoding", value=float(now["busy_fraction"]))
+        yield CounterMetricFamily("plait_loader_buffer_over_budget", "Blocks kept although they alone put a "
+                                  "buffer over its budget (buffer_mb)", value=float(now.get("buffer_over_budget", 0)))
         skipped = GaugeMetricFamily("plait_source_skipped_records", "Bad records skipped (on_error: skip), "
                                     "per source", labels=["source"])
         for name, n in now["skipped"].items():
@@ -157,12 +159,15 @@ class _LoadersCollector:
                                  "and decoding", labels=["loader"])
         skipped = GaugeMetricFamily("plait_source_skipped_records", "Bad records skipped (on_error: skip), "
                                     "per source", labels=["loader", "source"])
+        over = CounterMetricFamily("plait_loader_buffer_over_budget", "Blocks kept although they alone put a "
+                                   "buffer over its budget (buffer_mb)", labels=["loader"])
         for loader, figures in sorted(now.items()):
             buffer.add_metric([loader], float(figures["buffer_bytes"]))
             busy.add_metric([loader], float(figures["busy_fraction"]))
+            over.add_metric([loader], float(figures.get("buffer_over_budget", 0)))
             for name, n in figures["skipped"].items():
                 skipped.add_metric([loader, name], float(n))
-        yield from (buffer, busy, skipped)
+        yield from (buffer, busy, skipped, over)
 
 
 class _DeliveredCollector:

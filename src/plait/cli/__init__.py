@@ -39,6 +39,8 @@ BENCH_MODULES = {
     "mixing": "plait.cli.bench.mixing",
     "multimodal": "plait.cli.bench.multimodal",
     "images": "plait.cli.bench.images",
+    "e2e": "plait.cli.bench.e2e",
+    "autoscale": "plait.cli.bench.autoscale",
 }
 
 

@@ -49,6 +49,15 @@ def add_arguments(p) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="serve Prometheus metrics on 127.0.0.1:P/metrics while running (watch with `plait top`)")
     p.add_argument("--log-json", action="store_true", help="events (failures, recoveries, ...) as JSON lines on stderr")
+    p.add_argument("--autoscale", action="store_true",
+                   help="ray runtime: re-partition sources over more or fewer SourceLoaders while running, following "
+                   "the measured demand (the stream does not change); prints the events and the layout over time")
+    p.add_argument("--autoscale-interval", type=float, default=None, metavar="S",
+                   help="with --autoscale: seconds per control interval (default 2)")
+    p.add_argument("--max-loader-cpus", type=float, default=None, metavar="N",
+                   help="with --autoscale: at most this many loader CPUs (default: the cluster's)")
+    p.add_argument("--plot", metavar="PATH", help="ray runtime: draw SourceLoaders per source and waits per step "
+                   "over time (PNG)")
 
 
 def run(args) -> int:
@@ -68,6 +77,11 @@ def run(args) -> int:
                                      ("step_time", args.step_time)) if v is not None}
         if not args.quiet:
             options["on_layout"] = print_layout
+        autoscale = autoscale_option(args)
+        if autoscale is not None:
+            options["autoscale"] = autoscale
+    elif args.autoscale or args.plot:
+        raise PlaitError("--autoscale and --plot need --runtime ray (the local runtime has one loader)")
     summary = stream(
         spec, steps=args.steps or spec.steps or 100, runtime=args.runtime, progress=not args.quiet,
         resume=resume, save_state=args.save_state, runtime_options=options,
@@ -75,6 +89,10 @@ def run(args) -> int:
     )
     if not args.quiet:
         print_summary(spec, summary, console=Console())
+        print_scaling(summary.get("scaling") or {})
+    if args.plot:
+        plot_scaling(summary.get("scaling") or {}, args.plot)
+        console.print(f"scaling plot: {args.plot}")
     if args.digest:
         for rank, d in summary["digests"].items():
             print(f"rank {rank}: {d}")
@@ -93,6 +111,74 @@ def print_layout(rows: list[dict]) -> None:
         dem = "-" if math.isnan(r["demand"]) else f"{r['demand']:.3f}"
         table.add_row(str(r["loader"]), escape(r["sources"]), dem)
     console.print(table)
+
+
+def autoscale_option(args) -> dict | None:
+    """RayOptions.autoscale from --autoscale and its knobs (None: off); a knob without --autoscale is refused."""
+    knobs = {k: v for k, v in (("interval_s", args.autoscale_interval), ("max_loader_cpus", args.max_loader_cpus))
+             if v is not None}
+    if not args.autoscale:
+        if knobs:
+            raise PlaitError("--autoscale-interval and --max-loader-cpus need --autoscale")
+        return None
+    return knobs
+
+
+def print_scaling(report: dict) -> None:
+    """The ray runtime's rescaling events and the layout over time (nothing when it never changed)."""
+    events, timeline = report.get("events") or [], report.get("timeline") or []
+    if not events and not timeline:
+        return
+    if events:
+        table = Table(title="SourceLoader rescaling")
+        for col in ("t (s)", "step", "kind", "loaders", "partitions", "reason"):
+            table.add_column(col, justify="right" if col in ("t (s)", "step", "loaders") else "left")
+        for e in events:
+            parts = " ".join(f"{n}:{k}" for n, k in e["partitions"].items())
+            table.add_row(f"{e['t']:.1f}", str(e["step"]), e["kind"], str(e["loaders"]), escape(parts),
+                          escape(e["reason"]))
+        console.print(table)
+    if timeline:
+        table = Table(title="layout over time (one row per change of loaders, and the last interval)")
+        for col in ("t (s)", "step", "loaders", "loaders per source", "waited (s)", "steps", "max busy"):
+            table.add_column(col, justify="left" if col == "loaders per source" else "right")
+        shown = [r for i, r in enumerate(timeline) if i == 0 or i == len(timeline) - 1
+                 or r["loaders_per_source"] != timeline[i - 1]["loaders_per_source"]]
+        for r in shown:
+            per = " ".join(f"{n}:{v:g}" for n, v in r["loaders_per_source"].items())
+            table.add_row(f"{r['t']:.1f}", str(r["step"]), str(r["loaders"]), escape(per), f"{r['wait_s']:.3f}",
+                          str(r["steps"]), f"{max(r['busy'], default=0):.0%}")
+        console.print(table)
+
+
+def plot_scaling(report: dict, path: str) -> None:
+    """Loaders per source, and the seconds waited per consumed step, over time (PNG at `path`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timeline = report.get("timeline") or []
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    if timeline:
+        t = [r["t"] for r in timeline]
+        for name in timeline[0]["loaders_per_source"]:
+            a.step(t, [r["loaders_per_source"][name] for r in timeline], where="post", label=name)
+        a.step(t, [r["loaders"] for r in timeline], where="post", color="black", linestyle="--", label="all loaders")
+        b.plot(t, [r["wait_s"] / max(1, r["steps"]) for r in timeline], marker=".")
+    for e in report.get("events") or []:
+        for ax in (a, b):
+            ax.axvline(e["t"], color="grey", alpha=0.4)
+    a.set_ylabel("SourceLoaders")
+    a.set_title("SourceLoaders per source (events: grey lines)" if timeline else "no autoscaling timeline "
+                "(run with --autoscale)")
+    if timeline:
+        a.legend(loc="upper left", fontsize="small")
+    b.set_ylabel("waited per step (s)")
+    b.set_xlabel("seconds since the job started")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def read_state(path: str) -> dict:

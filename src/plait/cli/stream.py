@@ -66,6 +66,7 @@ def stream(
         summary["errors"] = {k: v["skipped"] for k, v in errors.items()}
         summary["error_messages"] = {k: v["messages"][:20] for k, v in errors.items() if v["messages"]}
         summary["runtime"] = runtime
+        summary["scaling"] = rt.scaling_report()  # the loader layout's changes (ray; empty elsewhere)
         summary["dp"] = spec.topology.dp
         if changes:
             summary["spec_changes"] = changes

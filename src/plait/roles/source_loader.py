@@ -25,6 +25,18 @@ from plait.spec import Spec
 FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
 
 
+def loader_budget(spec: Spec, sources, partitions: dict[int, tuple[int, frozenset]]) -> int | None:
+    """A loader's share of the job-wide cap (loading.max_buffer_mb): its share of the job's sources,
+    a source split into partitions counting for the partitions it owns (all of it on the local runtime),
+    and never less than one of its sources' buffer_mb."""
+    cap = spec.loading.max_buffer_mb
+    if cap is None:
+        return None
+    owned = sum(len(partitions[s][1]) / partitions[s][0] if s in partitions else 1.0 for s in sources)
+    largest = max((spec.sources[s].buffer_bytes for s in sources), default=0)
+    return max(largest, int(cap * 2**20 * owned / len(spec.sources)))
+
+
 def partition_of(file_idx: int, num_partitions: int) -> int:
     """The partition owning a file (index in the source's sorted file list): files are dealt out
     round-robin, so every partition gets a similar share of a source's data."""
@@ -69,6 +81,12 @@ class SourceLoader:
         self.images_decoded = 0  # images decoded for payloads (each delivered image exactly once)
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
+        # Byte budgets (spec: each source's buffer_mb, this loader's share of loading.max_buffer_mb);
+        # `_window`: blocks some plan still needs (the last `retain`, plus every block read since).
+        self.source_budget = {i: spec.sources[i].buffer_bytes for i in self.sources}
+        self.loader_budget = loader_budget(spec, self.sources, self.partitions)
+        self.buffer_over_budget = 0  # blocks kept although they alone put a budget over (never a deadlock)
+        self._window: set[FullKey] = set()
         self.blocks_read = 0
         self.busy_seconds = 0.0  # reading and decoding blocks, copying payloads (for the busy ratio)
         self.started = time.perf_counter()
@@ -113,9 +131,12 @@ class SourceLoader:
             sel = np.flatnonzero(block_index == b)
             full = keys[int(b)]
             block = self.block(full[0], full[1:])
+            t_copy = time.perf_counter()
             doc = np.searchsorted(block.positions, position[sel])
             src_start = block.starts[doc] + offset[sel]
             copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
+            count_production(self, full[0], time.perf_counter() - t_copy, tokens=int(length[sel].sum()),
+                             samples=int(np.count_nonzero(np.asarray(offset)[sel] == 0)))
         self.busy_seconds += time.perf_counter() - t0
         return out
 
@@ -141,6 +162,7 @@ class SourceLoader:
                 continue
             token_id, patch = src.images.token_id, src.images.policy.patch
             block = self.block(full[0], full[1:])
+            t_images, before = time.perf_counter(), len(pixels)
             sel = np.flatnonzero(block_index == b)
             doc = np.searchsorted(block.positions, position[sel])
             for i, d in zip(sel, doc):
@@ -149,6 +171,7 @@ class SourceLoader:
                     pixels.append(src.image_pixels(block, j))
                     grids.append(block.images.grid[j])
                     owner.append(int(i))
+            count_production(self, full[0], time.perf_counter() - t_images, images=len(pixels) - before)
         self.images_decoded += len(pixels)
         self.busy_seconds += time.perf_counter() - t0
         if not pixels:
@@ -162,6 +185,7 @@ class SourceLoader:
         """Drop cached blocks that no pending or future step needs."""
         for k in [k for k in self._blocks if k not in live]:
             del self._blocks[k]
+        self._window = set(live)
 
     # ----- internals ---------------------------------------------------------------------------
     def owns(self, source: int, key: BlockKey) -> bool:
@@ -187,13 +211,39 @@ class SourceLoader:
             t0 = time.perf_counter()
             block = self.sources[source].read_block(tuple(key))
             self.busy_seconds += time.perf_counter() - t0
+            count_production(self, source, time.perf_counter() - t0)
             self.blocks_read += 1
             self._blocks[full] = block
+            self._window.add(full)
             while len(self._blocks) > self.max_cached_blocks:
                 self._blocks.popitem(last=False)
+            self._fit_budgets(full)
         else:
             self._blocks.move_to_end(full)
         return block
+
+    def _fit_budgets(self, newest: FullKey) -> None:
+        """Keep the buffer within the source's budget and the loader's: drop least recently used blocks,
+        those no plan in the window needs first (a dropped block that is needed again is read again:
+        reading is deterministic). The block just read stays even if it alone is over a budget (one
+        document larger than buffer_mb): counted in `buffer_over_budget`, never a deadlock."""
+        over = False
+        for limit, source in ((self.source_budget[newest[0]], newest[0]), (self.loader_budget, None)):
+            if limit is None:
+                continue
+            mine = [k for k in self._blocks if source is None or k[0] == source]
+            held = sum(self._blocks[k].nbytes for k in mine)
+            victims = sorted((k for k in mine if k != newest), key=lambda k: k in self._window)  # stable: LRU first
+            for k in victims:
+                if held <= limit:
+                    break
+                held -= self._blocks.pop(k).nbytes
+            over = over or held > limit
+        self.buffer_over_budget += over
+
+    def source_bytes(self, source: int) -> int:
+        """Decoded data buffered of one source."""
+        return sum(b.nbytes for k, b in self._blocks.items() if k[0] == source)
 
     @property
     def cached_bytes(self) -> int:
@@ -202,8 +252,10 @@ class SourceLoader:
     def telemetry(self) -> dict:
         """Live figures for plait.telemetry: buffered bytes, busy fraction of wall time, skipped records."""
         wall = max(time.perf_counter() - self.started, 1e-9)
-        return {"buffer_bytes": self.cached_bytes, "busy_fraction": min(1.0, self.busy_seconds / wall),
-                "skipped": {s.name: s.errors.get("skipped", 0) for s in self.sources.values()}}
+        return {"buffer_bytes": self.cached_bytes, "buffer_over_budget": self.buffer_over_budget,
+                "busy_fraction": min(1.0, self.busy_seconds / wall),
+                "skipped": {s.name: s.errors.get("skipped", 0) for s in self.sources.values()},
+                "produced": {int(s): list(map(float, v)) for s, v in self.__dict__.get("produced", {}).items()}}
 
     def error_report(self) -> dict[str, dict]:
         return {
@@ -239,3 +291,17 @@ class SourceLoader:
 
     def buffered_keys(self) -> list[FullKey]:
         return list(self._blocks)
+
+
+PRODUCED_FIELDS = ("busy_s", "tokens", "samples", "images")  # SourceLoader.telemetry()["produced"][source]
+
+
+def count_production(loader: SourceLoader, source: int, busy_s: float, tokens: int = 0, samples: int = 0,
+                     images: int = 0) -> None:
+    """Per source, what a loader spent and produced (PRODUCED_FIELDS): the run-time autoscaler's rates.
+    Kept in `loader.produced` (made on first use: the loader's constructor stays as it is)."""
+    row = loader.__dict__.setdefault("produced", {}).setdefault(int(source), [0.0, 0, 0, 0])
+    row[0] += busy_s
+    row[1] += tokens
+    row[2] += samples
+    row[3] += images

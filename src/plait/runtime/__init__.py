@@ -63,6 +63,12 @@ class Runtime(Protocol):
         """{source: {"skipped": n, "messages": [...]}} for records skipped under `on_error: skip`."""
         ...
 
+    def scaling_report(self) -> dict:
+        """How the loader layout changed while the job ran: {"events": [...], "timeline": [...], "options":
+        the autoscale options or None} (ray: plait.runtime.ray.autoscaler; a runtime that never rescales
+        returns no events, no timeline and no options)."""
+        ...
+
     def close(self) -> None:
         """Release what this runtime started (never starts anything)."""
         ...

@@ -327,6 +327,10 @@ class FlightRuntime:
     def error_report(self) -> dict:
         return self.control.action("error_report")
 
+    def scaling_report(self) -> dict:
+        """A thin client sees no loaders (the job's ray driver reports their rescaling)."""
+        return {"events": [], "timeline": [], "options": None}
+
     # ----- whole-job driving: not a thin client's job ----------------------------------------------------
     def plan(self):
         raise PlaitError("plan() is not available on the thin client: the job's Planner plans; drive a whole job "

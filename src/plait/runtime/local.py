@@ -97,5 +97,9 @@ class LocalRuntime:
     def error_report(self) -> dict:
         return self.loader.error_report()
 
+    def scaling_report(self) -> dict:
+        """One process, one loader: nothing is ever re-partitioned."""
+        return {"events": [], "timeline": [], "options": None}
+
     def close(self) -> None:
         self.loader.close()

@@ -126,6 +126,7 @@ class Source:
         self.reader: FormatReader = reader_for(spec, self.files[0], self.fs)
         self.encoder = _make_encoder(spec)
         self._num_blocks: dict[int, int] = {}
+        self._block_runs: dict[int, np.ndarray | None] = {}  # per file: blocks read in sequence (reader.block_runs)
         self._file_orders: OrderedDict[int, np.ndarray] = OrderedDict()
         self.errors: Counter[str] = Counter()
         self.error_log: list[str] = []
@@ -154,6 +155,7 @@ class Source:
             path = self.files[file_idx]
             try:
                 n = self.reader.num_blocks(path)
+                self._block_runs[file_idx] = self.reader.block_runs(path)
             except SourceError as e:  # e.g. the column is missing: the policy decides, as for any bad shard
                 self._bad_file(path, e.record, e.reason)
                 n = 0
@@ -164,7 +166,16 @@ class Source:
         return n
 
     def block_order(self, epoch: int, file_idx: int) -> np.ndarray:
-        return _rng(self.seed, self.index, epoch, file_idx, 0x5EED).permutation(self.num_blocks(file_idx))
+        """A seeded permutation of a file's blocks. Blocks read in sequence (`FormatReader.block_runs`)
+        stay together and in order: the runs are permuted (the same permutation as of single blocks when
+        every run is one block, so splitting nothing changes nothing)."""
+        rng = _rng(self.seed, self.index, epoch, file_idx, 0x5EED)
+        n = self.num_blocks(file_idx)
+        runs = self._block_runs.get(file_idx)
+        if runs is None or len(runs) == n:
+            return rng.permutation(n)
+        order = rng.permutation(len(runs))
+        return ragged_arange((np.cumsum(runs) - runs)[order], runs[order])
 
     def first_key(self, epoch: int = 0) -> BlockKey:
         return self._settle((epoch, 0, 0))

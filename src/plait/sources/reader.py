@@ -67,6 +67,11 @@ class FormatReader:
     def read_block(self, path: str, block: int) -> RawBlock:
         raise NotImplementedError
 
+    def block_runs(self, path: str) -> np.ndarray | None:
+        """Blocks that are read in sequence (a Parquet row group read in row ranges): the length of each
+        run, in file order; the Source shuffles runs, never the blocks inside one. None: every block alone."""
+        return None
+
     def reads_lengths(self, path: str) -> bool:
         """Whether `read_lengths` gives the record lengths of a block of `path` without reading its
         tokens (a `length_field` is set, or the format's index holds them)."""

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from plait.cli.bench import memory_realistic
+from plait.cli.bench.memory_realistic import start_serve, stop_serve
 
 CACHED_BLOCKS = 256  # decoded blocks a SourceLoader keeps, in both setups (the ray runtime's default)
 HELP = "resident memory of data loading: per-rank loaders vs plait's ray runtime (S sources, R ranks)"
@@ -41,13 +43,17 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=6, help="global steps every rank consumes before measuring")
     p.add_argument("--block-mb", type=float, default=2.0, help="decoded size of one Parquet row group (a block)")
     p.add_argument("--files", type=int, default=2, help="files per source")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch (default 2048; 8192 with --realistic)")
     p.add_argument("--workers", type=int, default=1,
                    help="per-rank: loader worker processes per rank (torch DataLoader num_workers; each holds "
                         "every source's state and serves every W-th step)")
     p.add_argument("--loaders", type=int, default=None, help="ray: SourceLoader actors (default: the runtime's)")
     p.add_argument("--only", choices=["per-rank", "plait"], default=None, help="measure one setup only")
+    p.add_argument("--client", choices=["ray", "flight"], default="ray",
+                   help="plait's trainers: Ray drivers (plait.Loader runtime=ray) or thin clients over Arrow Flight "
+                        "(runtime=flight, served by `plait serve`, no Ray in the trainers)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    memory_realistic.add_arguments(p)
 
 
 # ----- data -------------------------------------------------------------------------------------------
@@ -102,7 +108,7 @@ def _trainer() -> None:
     import psutil
 
     cfg = json.loads(sys.argv[2])
-    import plait  # noqa: F401 - the trainer has plait imported in both setups: not counted
+    import plait
     from plait.spec import load_spec
 
     spec = load_spec(cfg["spec"])
@@ -130,6 +136,10 @@ def _trainer() -> None:
                     n += 1
                     if mb.microbatch == mb.num_microbatches - 1:
                         break
+    elif cfg["mode"] == "flight":
+        loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="flight", job=cfg["job"], address=cfg["address"],
+                              token=cfg["token"], steps=cfg["steps"])
+        n = sum(1 for _ in loader)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="ray", job=cfg["job"], attach=cfg["rank"] > 0,
@@ -157,33 +167,9 @@ def _mem(pid: int) -> tuple[int, int]:
 
 
 def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dict) -> tuple[list, list]:
-    procs = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for r in range(ranks):
-        cfg = {"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra}
-        procs.append(subprocess.Popen([sys.executable, "-m", "plait.cli.bench.memory", "--trainer", json.dumps(cfg)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
-    reports = []
-    for p in procs:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a {mode} trainer failed (exit {p.wait()})")
-        reports.append(json.loads(line))
-    return procs, reports
-
-
-def _finish(procs) -> None:
-    for p in procs:
-        try:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        except BrokenPipeError:
-            pass
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    cfgs = [{"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra} for r in range(ranks)]
+    return memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
 
 
 def measure_per_rank(spec_dict: dict, ranks: int, steps: int, workers: int = 1) -> dict:
@@ -203,20 +189,31 @@ def measure_per_rank(spec_dict: dict, ranks: int, steps: int, workers: int = 1) 
         return {"total_rss": rss, "total_pss": pss, "worker_rss_mean": float(np.mean(workers)),
                 "batches": sum(r["batches"] for r in reports)}
     finally:
-        _finish(procs)
+        memory_realistic.finish(procs)
 
 
-def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None) -> dict:
+def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, client: str = "ray") -> dict:
+    """`client` ray: trainers are Ray drivers; flight: a `plait serve` process (counted as plait's) serves
+    thin trainers over Arrow Flight."""
     import psutil
     import ray
 
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
              log_to_driver=False, configure_logging=False)
     job = f"bench-memory-{os.getpid()}"
+    serve = None
     try:
         address = ray.get_runtime_context().gcs_address
-        procs, reports = _run_trainers("plait", spec_dict, ranks, steps,
-                                       {"job": job, "address": address, "loaders": loaders})
+        if client == "flight":
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(spec_dict, f)
+            serve, flight_address, token = start_serve(Path(f.name), job, address, loaders,
+                                                       {**os.environ, "OMP_NUM_THREADS": "1",
+                                                        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")})
+            extra = {"job": job, "address": flight_address, "token": token}
+        else:
+            extra = {"job": job, "address": address, "loaders": loaders}
+        procs, reports = _run_trainers("plait" if client == "ray" else "flight", spec_dict, ranks, steps, extra)
         try:
             trainer_pids = {r["pid"] for r in reports}
             client_rss = client_pss = 0
@@ -233,7 +230,8 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None) 
                     cmd = " ".join(child.cmdline())
                 except psutil.Error:
                     continue
-                role = next((r for r in ("PlannerActor", "LoaderActor", "ConstructorActor") if f"ray::{r}" in cmd), None)
+                role = "serve" if serve is not None and child.pid == serve.pid else \
+                    next((r for r in ("PlannerActor", "LoaderActor", "ConstructorActor") if f"ray::{r}" in cmd), None)
                 rss, pss = _mem(child.pid)
                 if role:
                     actors.setdefault(role, []).append((rss, pss))
@@ -257,8 +255,11 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None) 
                 "batches": sum(r["batches"] for r in reports),
             }
         finally:
-            _finish(procs)
+            memory_realistic.finish(procs)
     finally:
+        if serve is not None:
+            stop_serve(serve)
+            os.unlink(f.name)
         ray.shutdown()
 
 
@@ -266,6 +267,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if args.realistic:
+        args.seq_len = args.seq_len or 8192
+        return memory_realistic.run(args)
+    args.seq_len = args.seq_len or 2048
     console = Console()
     mb = 2**20
     with tempfile.TemporaryDirectory(prefix="plait-bench-memory-") as tmp:
@@ -275,13 +280,13 @@ def run(args) -> int:
         console.print(f"{args.sources} sources written in {time.perf_counter() - t0:.1f} s; "
                       f"{args.ranks} trainer processes per setup, {args.steps} steps each")
         result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb,
-                        "workers_per_rank": args.workers, "max_cached_blocks": CACHED_BLOCKS}
+                        "workers_per_rank": args.workers, "max_cached_blocks": CACHED_BLOCKS, "client": args.client}
         if args.only != "plait":
             a = measure_per_rank(spec_dict, args.ranks, args.steps, args.workers)
             result["per_rank"] = a
             result["per_rank_total_bytes"] = a["total_rss"]
         if args.only != "per-rank":
-            b = measure_plait(spec_dict, args.ranks, args.steps, args.loaders)
+            b = measure_plait(spec_dict, args.ranks, args.steps, args.loaders, args.client)
             result["plait"] = b
             result["plait_total_bytes"] = b["total_rss"]
             result["ray_daemons_bytes"] = b["daemons_rss"]
@@ -303,7 +308,7 @@ def run(args) -> int:
         b = result["plait"]
         roles = ", ".join(f"{v['count']} {k.replace('Actor', '')} {v['rss'] / mb:.0f} MiB"
                           for k, v in sorted(b["actors"].items()))
-        table.add_row("plait (ray runtime)", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
+        table.add_row(f"plait (ray runtime, {args.client} client)", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
                       f"{roles}; client {b['client_rss_per_rank'] / mb:.0f} MiB/rank")
         table.add_row("Ray daemons (separate)", f"{b['daemons_rss'] / mb:,.0f}", f"{b['daemons_pss'] / mb:,.0f}",
                       ", ".join(f"{v['count']} {k}" for k, v in b["daemons"].items()))

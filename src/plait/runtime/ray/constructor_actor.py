@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -21,6 +22,7 @@ from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
 from plait.roles.constructor import Constructor
 from plait.runtime.placement import PartitionMap
+from plait.runtime.ray.routing import Route
 from plait.runtime.ray.common import (
     NAMESPACE,
     actor_options,
@@ -37,32 +39,44 @@ from plait.telemetry import Stopwatch, Telemetry
 
 class RayPayloads:
     """A Constructor's payloads (plait.roles.constructor.PayloadSource), pulled from the owning loader
-    actors in parallel; a part whose loader died is asked of the loader's replacement."""
+    actors in parallel, routed by `route` (plait.runtime.ray.routing.Route: the layout version, its
+    PartitionMap and loader handles; updated with each build order). A gather that finds its loader dead
+    (it died, or its layout was retired by a rescale) gets the current routing from the Planner and is
+    repeated there: loaders decode a block the same whoever owns it."""
 
-    def __init__(self, loaders: list, pmap: PartitionMap, planner=None):
-        self.loaders = loaders
-        self.pmap = pmap
+    def __init__(self, route: Route, planner=None):
+        self.route = route
         self.planner = planner  # asked to replace a loader found dead (None: errors propagate)
 
     def fetch(self, items):
         """Tokens (text), or a Payload (tokens and images) when an item holds images: the images are
         decoded in the owning loader actors' gather (roles/constructor.py has the contract)."""
+        if not len(items):
+            return np.zeros(0, dtype=np.int32)
+        while True:
+            out = self._fetch(items, *self.route.now)
+            if out is not None:
+                return out
+
+    def _fetch(self, items, version: int, pmap: PartitionMap, loaders: list):
+        """The payload routed by one routing version, or None when a loader was dead (the routing was
+        refreshed: ask again)."""
         from plait.batch import Payload, merge_images
         from plait.packing import ragged_arange
 
-        if not len(items):
-            return np.zeros(0, dtype=np.int32)
         keys, block_index = items.block_keys()
-        owner_of_block = np.array([self.pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
+        owner_of_block = np.array([pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
         owner = owner_of_block[block_index]
         images = items.has_images
         refs, sels, owners = [], [], []
         for k in np.unique(owner):
             sel = np.flatnonzero(owner == k)
             sels.append(sel)
-            owners.append((int(k), self.loaders[int(k)]))
-            refs.append(self._gather(self.loaders[int(k)], items, keys, block_index, sel, images))
-        parts = self._collect(refs, sels, owners, (items, keys, block_index), images)
+            owners.append((int(k), loaders[int(k)]))
+            refs.append(self._gather(loaders[int(k)], items, keys, block_index, sel, images))
+        parts = self._collect(refs, owners, version)
+        if parts is None:
+            return None
         if len(parts) == 1:
             return parts[0]
         out = np.empty(int(items.length.sum()), dtype=np.int32)
@@ -79,24 +93,21 @@ class RayPayloads:
         return call.remote(items.source[sel], keys, block_index[sel], items.position[sel],
                            items.offset[sel], items.length[sel])
 
-    def _collect(self, refs, sels, owners, request, images: bool = False) -> list:
-        """Each loader's part; a part whose loader died is asked again of the loader's replacement."""
+    def _collect(self, refs, owners, version: int) -> list | None:
+        """Each loader's part; None after a loader was found dead (the Planner replaced it, or it belonged
+        to a retired layout) and the routing was refreshed."""
         try:
             return get(refs)
         except dead_errors():
             if self.planner is None:
                 raise
-        parts = []
-        for ref, sel, (k, handle) in zip(refs, sels, owners):
-            while True:
-                try:
-                    parts.append(get(ref))
-                    break
-                except dead_errors():
-                    self.loaders[:] = get(self.planner.replace_loader.remote(k, handle))
-                    handle = self.loaders[k]
-                    ref = self._gather(handle, *request, sel, images)
-        return parts
+        for ref, (k, handle) in zip(refs, owners):
+            try:
+                get(ref)
+            except dead_errors():
+                self.route.update(get(self.planner.replace_loader.remote(k, handle, version)))
+                return None
+        return None  # every part answered on a second look (a transient error): ask again
 
 
 class ConstructorActor:
@@ -107,9 +118,8 @@ class ConstructorActor:
         ray = ray_module()
         self.planner = ray.get_actor(planner_name(job), namespace=NAMESPACE)
         info = get(self.planner.info.remote())
-        loaders = get(self.planner.get_loaders.remote())
-        pmap = PartitionMap(**info["pmap"])
-        self.constructor = Constructor(RayPayloads(loaders, pmap, planner=self.planner))
+        self.route = Route(get(self.planner.routing.remote()))
+        self.constructor = Constructor(RayPayloads(self.route, planner=self.planner))
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
@@ -117,10 +127,12 @@ class ConstructorActor:
         self.builds: dict[tuple[int, int, int], Future] = {}
         self.waits = 0  # requests that found their build not finished yet
         self.requests = 0
+        self.consumed: dict[int, int] = {}  # DP rank -> steps its trainer asked for (last step + 1)
+        self.wait_seconds: dict[int, float] = {}  # DP rank -> seconds its requests waited for a build
 
     def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
-        plan, state = get([self.planner.rank_plan.remote(gen, step, dp_rank),
-                           self.planner.state_at.remote(gen, step)])
+        plan, state, routing = get(self.planner.build_order.remote(gen, step, dp_rank, self.route.version))
+        self.route.update(routing)
         with Stopwatch() as t:
             batches = self.constructor.build(plan)
         self.counts.observe_build(batches, t.seconds)
@@ -148,19 +160,27 @@ class ConstructorActor:
             for key in [k for k in self.builds if k[2] == dp_rank and (k[0] != gen or k[1] < step - self.prefetch - 1)]:
                 self.builds.pop(key).cancel()
             self.requests += 1
-            if not fut.done():
+            self.consumed[dp_rank] = max(self.consumed.get(dp_rank, 0), step + 1)
+            waited = not fut.done()
+            if waited:
                 self.waits += 1
+        t0 = time.perf_counter()
         try:
             state, batches = fut.result()
         except BaseException:
             with self.lock:
                 self.builds.pop((gen, step, dp_rank), None)
             raise
+        finally:
+            if waited:
+                with self.lock:
+                    self.wait_seconds[dp_rank] = self.wait_seconds.get(dp_rank, 0.0) + time.perf_counter() - t0
         return state, shard_for_rank(batches, *cp)
 
     def stats(self) -> dict:
         return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds),
-                "rss": process_rss()}
+                "rss": process_rss(), "consumed": dict(self.consumed), "wait_s": dict(self.wait_seconds),
+                "routing_version": self.route.version}
 
     def telemetry(self) -> dict:
         """Per-source tokens, samples and images built so far, and build times (Telemetry.delivery_counts)."""

@@ -105,6 +105,7 @@ class LoaderConfig:
     max_cached_blocks: int = 256
     cpus: float = 0  # CPUs each loader actor reserves (0: placement by spreading only)
     lifetime: str | None = None  # "detached" in a shared job: the loaders outlive their Planner
+    version: int = 0  # the layout version (plait.runtime.ray.routing): 0 at start, +1 per rescale
 
     @classmethod
     def from_options(cls, job: str, spec_dict: dict, layout: Layout, options: dict) -> LoaderConfig:
@@ -121,7 +122,9 @@ class LoaderConfig:
                              scheduling_strategy="SPREAD")
 
     def name(self, k: int, generation: int = 0) -> str:
-        return loader_name(self.job, k, generation)
+        """Loader k's actor name; a later layout version's loaders get names of their own (`@v2`), so
+        starting them never finds a retiring loader of the same index by name."""
+        return loader_name(self.job, k, generation) + (f"@v{self.version}" if self.version else "")
 
     def start(self, k: int, generation: int = 0):
         """Start (or, by name, find) loader k's actor; a replacement has the next generation's name."""

@@ -8,7 +8,8 @@ by `block_meta`; it never sees a token. A client that resumes from another data 
 a new generation of the stream. `PlannerRecipe` is the one way a Planner actor is started (by the first
 client of a job, and again after the Planner died). It counts the attached trainers and, with
 `job_idle_timeout`, ends the whole job when no trainer was seen for that long (`IdleWatch`;
-plait.runtime.ray.jobs).
+plait.runtime.ray.jobs). The layout can change while the job runs (`rescale`, by hand or by the
+autoscaling loop of `RayOptions.autoscale`): plait.runtime.ray.routing and plait.runtime.ray.autoscaler.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.errors import PlaitError
 from plait.plan import RankPlan, StepPlan
@@ -31,9 +32,11 @@ from plait.runtime.ray.common import (
     process_rss,
     ray_module,
 )
+from plait.runtime.ray.autoscaler import Autoscaler, ControlLoop, ScalingRecord, collect_figures
 from plait.runtime.ray.job_metrics import JobMetrics
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.recovery import LoaderFleet
+from plait.runtime.ray.routing import Routing, RoutingTable, check_layout
 from plait.runtime.scaling import format_layout, probe_costs
 from plait.spec import Spec, load_spec
 from plait.telemetry import Stopwatch
@@ -49,7 +52,8 @@ class StaleGeneration(PlaitError):
 
 
 class LoaderMetadata:
-    """The Planner's MetadataProvider: asks the loader that owns each block (a dead one is replaced)."""
+    """The Planner's MetadataProvider: asks the loader that owns each block (a dead one is replaced).
+    `fleet` and `pmap` are swapped by a rescale (between two planning calls: never during one)."""
 
     def __init__(self, fleet: LoaderFleet, pmap: PartitionMap, first_keys: dict[int, tuple]):
         self.fleet = fleet
@@ -75,24 +79,28 @@ class PlannerActor:
     def __init__(self, spec_dict: dict, job: str, options: dict):
         self.spec = load_spec(spec_dict)
         self.job = job
-        self.layout = layout_for(self.spec, options)
-        self.loaders = LoaderFleet(LoaderConfig.from_options(job, spec_dict, self.layout, options), self.spec,
-                                   options, now=lambda: self.planner.step, on_replaced=self._release)
-        num_files: dict[int, int] = {}
-        for counts in get([ld.num_files.remote() for ld in self.loaders.handles]):
-            num_files.update({int(s): n for s, n in counts.items()})
-        owner = self.layout.owner()
-        self.pmap = PartitionMap(self.spec.seed, num_files, self.layout.num_partitions, owner)
+        self.options = options
+        layout = layout_for(self.spec, options)
+        fleet = self._fleet(LoaderConfig.from_options(job, spec_dict, layout, options))
+        self.num_files: dict[int, int] = {}
+        for counts in get([ld.num_files.remote() for ld in fleet.handles]):
+            self.num_files.update({int(s): n for s, n in counts.items()})
+        owner = layout.owner()
+        pmap = PartitionMap(self.spec.seed, self.num_files, layout.num_partitions, owner)
+        self.routes = RoutingTable(Routing(0, layout, pmap, fleet))
+        self.prepared: dict[int, Routing] = {}  # layouts started, not yet switched to (prepare_layout)
+        self.version_lock, self.last_version = threading.Lock(), 0
         by_loader: dict[int, list[int]] = {}
         for s in range(len(self.spec.sources)):
             by_loader.setdefault(owner[(s, 0)], []).append(s)
         first: dict[int, tuple] = {}
-        for part in get([self.loaders.handles[k].first_keys.remote(srcs) for k, srcs in by_loader.items()]):
+        for part in get([fleet.handles[k].first_keys.remote(srcs) for k, srcs in by_loader.items()]):
             first.update({int(s): tuple(v) for s, v in part.items()})
         from plait.roles.planner import Planner
 
-        self.planner = Planner(self.spec, LoaderMetadata(self.loaders, self.pmap, first), dp=options.get("dp"))
-        self.loaders.start_shadows()
+        self.metadata = LoaderMetadata(fleet, pmap, first)
+        self.planner = Planner(self.spec, self.metadata, dp=options.get("dp"))
+        fleet.start_shadows()
         self.gen = 0
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.base_state = self.planner.state_dict()
@@ -107,8 +115,106 @@ class PlannerActor:
         # The job's /metrics (plait.runtime.ray.job_metrics): served here when the spec sets metrics.port.
         self.metrics = JobMetrics(self.spec, lambda: self.loaders.handles, lambda: list(self.constructors))
         self.loaders.on_event = self._observe_event
+        self.scaling = ScalingRecord(self.spec.source_names, self.metrics.telemetry.registry, options.get("autoscale"))
+        self.scaling.start(layout)
+        self.autoscaler, self.control = None, None
+        if options.get("autoscale"):
+            self._start_autoscaling(options["autoscale"])
         if self.idle_timeout:
             IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
+
+    # ----- the current layout, and changing it while the job runs (plait.runtime.ray.routing) ------
+    @property
+    def loaders(self) -> LoaderFleet:
+        return self.routes.current.fleet
+
+    @property
+    def layout(self) -> Layout:
+        return self.routes.current.layout
+
+    @property
+    def pmap(self) -> PartitionMap:
+        return self.routes.current.pmap
+
+    def _fleet(self, config: LoaderConfig) -> LoaderFleet:
+        return LoaderFleet(config, self.spec, self.options, now=lambda: self.planner.step, on_replaced=self._release)
+
+    def routing(self) -> dict:
+        """The current routing (version, PartitionMap, loader handles), as a Constructor starts with it."""
+        return self.routes.current.to_dict()
+
+    def rescale(self, layout_dict: dict, reason: str = "manual", kind: str = "manual") -> int:
+        """Re-partition the sources over new loaders (`layout_dict`: a Layout's to_dict); returns the new
+        layout version. The new loaders (and their shadows) start under names of their own and answer the
+        Planner's metadata from now on; Constructors get the new routing with their next build order; the
+        old loaders end once no build handed out under them is unfinished. The stream does not change."""
+        return self.switch_layout(self.prepare_layout(layout_dict), reason, kind)
+
+    def prepare_layout(self, layout_dict: dict) -> int:
+        """Start the loaders (and shadows) of a new layout and wait until they answer; returns its version
+        (`switch_layout` makes it current). The autoscaling thread calls it directly: starting worker
+        processes takes seconds, and planning goes on meanwhile."""
+        layout = Layout.from_dict(layout_dict)
+        check_layout(layout, self.spec)
+        with self.version_lock:
+            self.last_version += 1
+            version = self.last_version
+        current = self.loaders
+        fleet = self._fleet(replace(current.config, layout=layout, version=version))
+        fleet.events, fleet.on_event = current.events, current.on_event  # one recovery log for the job
+        try:
+            get([ld.num_files.remote() for ld in fleet.handles])  # started and answering before the switch
+        except Exception:
+            fleet.retire()  # the old layout stays; nothing of the new one is left running
+            raise
+        fleet.start_shadows()
+        pmap = PartitionMap(self.spec.seed, self.num_files, layout.num_partitions, layout.owner())
+        self.prepared[version] = Routing(version, layout, pmap, fleet)
+        return version
+
+    def switch_layout(self, version: int, reason: str = "manual", kind: str = "manual") -> int:
+        """Make the prepared layout `version` current (between two planning calls); returns the current
+        version (an older prepared one than the current is ended instead)."""
+        new = self.prepared.pop(version)
+        if new.version < self.routes.version:
+            new.fleet.retire()
+            return self.routes.version
+        self.routes.switch(new)
+        self.metadata.fleet, self.metadata.pmap = new.fleet, new.pmap
+        self._release()
+        self.scaling.event(kind, reason, self.planner.step, new.layout)
+        return version
+
+    def scaling_report(self) -> dict:
+        """Rescaling events and the timeline of the layout (plait.runtime.ray.autoscaler.ScalingRecord)."""
+        return self.scaling.report()
+
+    def _start_autoscaling(self, options: dict) -> None:
+        from plait.runtime.autoscale import AutoscaleOptions
+
+        opts = AutoscaleOptions.from_option(options)
+        files = [self.num_files[s] for s in range(len(self.spec.sources))]
+        self.autoscaler = Autoscaler(opts, files, float(self.options.get("cpus") or 1), self.spec.source_names,
+                                     self.planner.ranks, self.scaling)
+        this = ray_module().get_runtime_context().current_actor
+
+        def apply(change: tuple[dict, str, str]) -> None:  # on the control thread: start, then switch
+            get(this.switch_layout.remote(self.prepare_layout(change[0]), change[1], change[2]))
+
+        self.control = ControlLoop(opts.interval_s, self._figures, lambda f: get(this.autoscale_tick.remote(f)),
+                                   apply)
+        self.control.start()
+
+    def _figures(self) -> dict:
+        """Read by the control thread: the current loaders' and the Constructors' counters."""
+        fleet = self.loaders
+        return collect_figures(list(fleet.handles), list(fleet.names), list(self.constructors),
+                               float(self.options.get("loader_cpus") or 0))
+
+    def autoscale_tick(self, figures: dict) -> tuple[dict, str, str] | None:
+        """One control interval (called by the control thread through this actor's queue): the layout to
+        change to (layout dict, reason, kind), or None."""
+        return self.autoscaler.tick(figures, self.layout, self.planner.step)
 
     def _seen(self) -> None:
         self.last_seen = time.monotonic()
@@ -118,7 +224,7 @@ class PlannerActor:
         return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
                 "sources": self.spec.source_names,
                 "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict(),
-                "idle_timeout": self.idle_timeout}
+                "idle_timeout": self.idle_timeout, "routing_version": self.routes.version}
 
     def get_loaders(self) -> list:
         return self.loaders.handles
@@ -137,6 +243,7 @@ class PlannerActor:
         self.built.clear()
         self.base_state = self.planner.state_dict()
         self.gen += 1
+        self.routes.forget(lambda gen, _: gen == self.gen)
         return self.gen
 
     def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
@@ -179,6 +286,8 @@ class PlannerActor:
             while len(self.window) > PLAN_WINDOW:
                 old, _ = self.window.popitem(last=False)
                 self.built.pop(old, None)
+            self.routes.forget(lambda g, t: g == self.gen and t in self.window)
+        self.routes.retire_due()
         self._release()
         self.loaders.after_planning(self.planner.step)
         return self.window[step]
@@ -190,6 +299,13 @@ class PlannerActor:
     def rank_plan(self, gen: int, step: int, dp_rank: int) -> RankPlan:
         return self._plan(gen, step).for_rank(dp_rank)
 
+    def build_order(self, gen: int, step: int, dp_rank: int, routing_version: int | None
+                    ) -> tuple[RankPlan, dict, dict | None]:
+        """A Constructor's one call per build: the rank's plan, the state before the step, and the current
+        routing when the Constructor's (`routing_version`) is not it (else None)."""
+        plan, state = self.rank_plan(gen, step, dp_rank), self.state_at(gen, step)
+        return plan, state, self.routes.order(gen, step, dp_rank, routing_version)
+
     def state_at(self, gen: int, step: int) -> dict:
         self._seen()  # also asked by Constructors, for each build a trainer requested
         if gen == self.gen and step == self.base_state["step"]:
@@ -199,6 +315,7 @@ class PlannerActor:
         return self._plan(gen, step).state_before
 
     def mark_built(self, gen: int, step: int, dp_rank: int) -> None:
+        self.routes.built(gen, step, dp_rank)
         if gen != self.gen or step not in self.window:
             return
         done = self.built.setdefault(step, set())
@@ -217,7 +334,8 @@ class PlannerActor:
 
     def stats(self) -> dict:
         return {"planned": self.planned, "step": self.planner.step, "gen": self.gen, "clients": self.clients,
-                "constructors": sorted(self.constructors)}
+                "constructors": sorted(self.constructors), "routing_version": self.routes.version,
+                "retiring": [r.version for r, _ in self.routes.retiring]}
 
     # ----- lifetime -----------------------------------------------------------------------------
     def attach(self, fingerprint: str, ranks: int | None = None, creator: str | None = None,
@@ -259,12 +377,16 @@ class PlannerActor:
     def shutdown(self) -> None:
         """End the job's Constructors, loaders and shadows (the caller then ends this actor)."""
         ray = ray_module()
+        if self.control is not None:
+            self.control.stop()
         for name in self.constructors:
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
             except Exception:  # noqa: BLE001
                 pass
-        self.loaders.close()
+        for routing in self.prepared.values():  # started for a switch that never came
+            routing.fleet.retire()
+        self.routes.close()
 
     def _end_idle_job(self) -> None:
         """No trainer was seen for `job_idle_timeout` seconds: end the job, this actor last."""
@@ -315,11 +437,12 @@ class PlannerActor:
     def loader_stats(self) -> list[dict]:
         return self.loaders.each("stats")
 
-    def replace_loader(self, k: int, dead) -> list:
-        """Called by a Constructor whose gather found loader k (handle `dead`) dead; returns the current
-        handles."""
-        self.loaders.replace_if_current(k, dead)
-        return self.loaders.handles
+    def replace_loader(self, k: int, dead, version: int | None = None) -> dict:
+        """Called by a Constructor whose gather found loader k (handle `dead`) of layout `version` dead;
+        returns the current routing. A loader of an older layout was retired, not lost: nothing to replace."""
+        if version is None or version == self.routes.version:
+            self.loaders.replace_if_current(k, dead)
+        return self.routing()
 
     def recovery_events(self) -> list[dict]:
         return list(self.loaders.events)

@@ -206,6 +206,18 @@ class LoaderFleet:
         for ld in self.handles + [sh for group in self.shadows for sh in group]:
             ray.kill(ld)
 
+    def retire(self) -> None:
+        """End every loader and shadow of a layout that was replaced (plait.runtime.ray.routing), without
+        `close`: a gather still queued there must fail as "actor dead" (and be repeated on the new owner),
+        not run on closed readers."""
+        ray = ray_module()
+        self._respawn = []
+        for ld in self.handles + [sh for group in self.shadows for sh in group]:
+            try:
+                ray.kill(ld)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
 
 # ----- driver side: the Planner and the Constructors -----------------------------------------------
 def planner_alive(planner) -> bool:

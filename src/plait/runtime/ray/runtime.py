@@ -87,6 +87,11 @@ class RayOptions:
                     waited for data), on the spec's `metrics.address`; off by default. The job's endpoint
                     (planning, loaders, delivered tokens, recoveries) is the Planner's, from the spec's
                     `metrics.port` (plait.runtime.ray.job_metrics)
+      autoscale     re-partition the sources over more or fewer SourceLoaders while the job runs, following the
+                    measured demand (None / False: off, the default; True: plait.runtime.autoscale's default
+                    knobs; a dict of AutoscaleOptions fields: interval_s, cooldown_s, max_loader_cpus, ...). The
+                    layout `loaders` gives is the starting one. The data stream never changes, only which
+                    loaders decode it; `scaling_report()` lists the events (plait.runtime.ray.autoscaler)
     """
 
     job: str | None = None
@@ -106,9 +111,14 @@ class RayOptions:
     checkpoint_interval: int = 1
     respawn_delay: int = 4
     metrics_port: int | None = None
+    autoscale: bool | dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "loaders", loaders_option(self.loaders))
+        if self.autoscale is not None and self.autoscale is not False:
+            from plait.runtime.autoscale import AutoscaleOptions
+
+            object.__setattr__(self, "autoscale", AutoscaleOptions.from_option(self.autoscale).to_dict())
         step_time = self.step_time
         if not (isinstance(step_time, (int, float)) and step_time > 0 and math.isfinite(step_time)):
             raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
@@ -125,7 +135,8 @@ class RayOptions:
         return {"loaders": self.loaders, "partitions": self.partitions, "dp": dp, "loader_cpus": self.loader_cpus,
                 "max_cached_blocks": self.max_cached_blocks, "lifetime": "detached" if self.job else None,
                 "checkpoint_interval": self.checkpoint_interval, "respawn_delay": self.respawn_delay,
-                "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout}
+                "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout,
+                "autoscale": self.autoscale or None}
 
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
@@ -446,6 +457,16 @@ class RayRuntime:
     def recovery_events(self) -> list[dict]:
         """Every failure survived so far: SourceLoaders (replaced by the Planner) and Constructors."""
         return get(self.planner.recovery_events.remote()) + list(self.recovery_log)
+
+    def scaling_report(self) -> dict:
+        """The loader layout's changes while the job ran: {"events", "timeline", "options", "initial"}
+        (plait.runtime.ray.autoscaler.ScalingRecord; events also come from `rescale`)."""
+        return get(self.planner.scaling_report.remote())
+
+    def rescale(self, layout: Layout | dict, reason: str = "manual") -> int:
+        """Re-partition the job's sources over a new loader layout now (what the autoscaler does, by hand:
+        benchmarks and tests); returns the layout version. The data stream does not change."""
+        return get(self.planner.rescale.remote(layout.to_dict() if isinstance(layout, Layout) else layout, reason))
 
     def constructor_handles(self) -> list:
         """The Constructor actors this process uses (e.g. to kill them in a chaos test)."""

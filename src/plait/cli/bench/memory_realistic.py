@@ -1,0 +1,321 @@
+"""`plait bench memory --realistic`: the memory plait adds to a real training set-up, at 4 and 64 sources.
+
+Set-up (the issue's): T trainer processes (default 8, one per DP rank), each with torch imported, read
+pre-tokenized Parquet whose row groups decode to 16-64 MiB, and each consumes `--microbatches`
+micro-batches of `--seq-len` tokens (default 200 of 8,192). Measured per runtime:
+
+  local   each trainer runs plait.Loader(spec, rank) (every rank plans the step and buffers its sources)
+  flight  one `plait serve` job on Ray (Planner, SourceLoaders, a Constructor) serves the trainers, which
+          use plait.Loader(spec, rank, runtime="flight") and never import Ray
+
+What plait adds = sum over trainers of (RSS after the run - RSS of the same process idle with torch
+imported, before plait is imported) + every plait process (the serve driver and the job's actors);
+Ray's daemons (GCS, raylet, agents, idle workers) are reported apart. Each trainer also reports the
+largest decoded buffer its local loader held (sampled every step).
+
+Data: `--distinct` distinct files (2 row groups each, sizes spread over 16-64 MiB decoded) are written
+once; each source is a folder of symlinks to two of them (a source's order is its own: sharing bytes on
+disk changes nothing for plait), so 64 sources cost the disk of `--distinct` files. Removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MIB = 2**20
+ROLES = ("PlannerActor", "LoaderActor", "ConstructorActor")
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("--realistic (8 torch trainers, 4 and 64 Parquet sources of 16-64 MiB row groups)")
+    g.add_argument("--realistic", action="store_true", help="measure the memory plait adds to a training set-up")
+    g.add_argument("--quick", action="store_true", help="with --realistic: a small version (CI; ~10 s on the local runtime)")
+    g.add_argument("--trainers", type=int, default=8, help="trainer processes (DP ranks)")
+    g.add_argument("--source-counts", default="4,64", help="comma-separated numbers of sources")
+    g.add_argument("--microbatches", type=int, default=200, help="micro-batches each trainer consumes")
+    g.add_argument("--runtimes", default="local,flight", help="comma-separated: local, flight")
+    g.add_argument("--row-group-mb", default="16,64", help="decoded row-group sizes: smallest,largest (MiB)")
+    g.add_argument("--distinct", type=int, default=6, help="distinct Parquet files written (disk use)")
+    g.add_argument("--buffer-mb", type=float, default=None, help="every source's buffer_mb (default: the spec's)")
+
+
+def quick(args) -> None:
+    """The CI size: 2 trainers, 2 and 8 sources of 8-16 MiB row groups, 20 micro-batches of 2,048 tokens."""
+    args.trainers, args.source_counts, args.microbatches = 2, "2,8", 20
+    args.row_group_mb, args.distinct, args.seq_len = "8,16", 2, 2048
+
+
+# ----- data ------------------------------------------------------------------------------------------
+def write_files(root: Path, distinct: int, smallest: float, largest: float, seed: int = 0) -> list[Path]:
+    """`distinct` Parquet files of list<int32> token documents, 2 row groups each, decoded sizes spread
+    evenly over [smallest, largest] MiB."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    sizes = np.linspace(smallest, largest, 2 * distinct)
+    rng.shuffle(sizes)
+    paths = []
+    for f in range(distinct):
+        groups = []
+        for mb in sizes[2 * f:2 * f + 2]:
+            tokens = int(mb * MIB / 4)
+            lengths = np.clip(rng.lognormal(np.log(1500), 0.9, size=tokens // 1000 + 16), 16, 32768).astype(np.int64)
+            lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            flat = rng.integers(2, 50000, size=int(offsets[-1]), dtype=np.int32)
+            groups.append(pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))}))
+        path = root / f"data-{f:02d}.parquet"
+        with pq.ParquetWriter(path, groups[0].schema, compression="none") as w:
+            for t in groups:
+                w.write_table(t, row_group_size=len(t))
+        paths.append(path)
+    return paths
+
+
+def make_spec(root: Path, files: list[Path], sources: int, trainers: int, seq_len: int, microbatches: int,
+              buffer_mb: float | None) -> dict:
+    entries = []
+    for s in range(sources):
+        folder = root / f"s{sources}" / f"src{s:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for k, f in enumerate((files[s % len(files)], files[(s + 1) % len(files)])):
+            link = folder / f"part-{k}.parquet"
+            if not link.exists():  # the same sources serve every runtime measured
+                link.symlink_to(f)
+        entries.append({"name": f"src{s:03d}", "path": str(folder / "*.parquet"), "tokens_field": "input_ids",
+                        "eos": 1, "weight": 1.0, **({} if buffer_mb is None else {"buffer_mb": buffer_mb})})
+    return {"sources": entries, "packing": {"seq_len": seq_len, "microbatches": 1}, "topology": {"dp": trainers},
+            "cost": {"hidden": 2048, "layers": 16, "ffn": 5632, "heads": 16}, "seed": 0, "steps": microbatches}
+
+
+# ----- processes -------------------------------------------------------------------------------------
+def process_memory(pid: int) -> int:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+
+
+def start_serve(spec_path: Path, job: str, ray_address: str, loaders: int | None, env: dict) -> tuple:
+    """`plait serve SPEC --job JOB` on an existing Ray instance; returns (process, PLAIT_ADDRESS, PLAIT_TOKEN)."""
+    cmd = [str(Path(sys.executable).parent / "plait"), "serve", str(spec_path), "--job", job, "--ray-address", ray_address,
+           "--loaders", str(loaders or 1)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    printed: dict[str, str] = {}
+    while "PLAIT_TOKEN" not in printed:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"plait serve ended: {proc.stderr.read()[-3000:]}")
+        key, _, value = line.strip().partition("=")
+        printed[key] = value
+    return proc, printed["PLAIT_ADDRESS"], printed["PLAIT_TOKEN"]
+
+
+def stop_serve(proc) -> None:
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def plait_processes(exclude: set[int], serve_pid: int | None) -> tuple[dict, dict]:
+    """This process's descendants (the trainers excluded) as plait roles {role: [rss]} and Ray's daemons."""
+    import psutil
+
+    roles: dict[str, list[int]] = {}
+    daemons: dict[str, list[int]] = {}
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in exclude:
+            continue
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        rss = process_memory(child.pid)
+        role = "serve" if child.pid == serve_pid else next((r for r in ROLES if f"ray::{r}" in cmd), None)
+        if role:
+            roles.setdefault(role, []).append(rss)
+        else:
+            name = "worker (idle/other)" if "ray::" in cmd else "agents" if ("dashboard" in cmd or "agent" in cmd) \
+                else (os.path.basename(cmd.split()[0]) if cmd else "?")
+            daemons.setdefault(name, []).append(rss)
+    return roles, daemons
+
+
+def run_trainers(cfg: dict, trainers: int, env: dict) -> tuple[list, list]:
+    return start_trainers("plait.cli.bench.memory_realistic", [{**cfg, "rank": r} for r in range(trainers)], env)
+
+
+def start_trainers(module: str, cfgs: list[dict], env: dict) -> tuple[list, list]:
+    """One `python -m MODULE --trainer CFG` process per config; returns them and the JSON line each printed
+    once ready (it then waits for `finish`, so every process is measured while all are alive)."""
+    procs = [subprocess.Popen([sys.executable, "-m", module, "--trainer", json.dumps(cfg)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for cfg in cfgs]
+    reports = []
+    for cfg, p in zip(cfgs, procs):
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a {cfg.get('mode') or cfg.get('runtime')} trainer failed (exit {p.wait()})")
+        reports.append(json.loads(line))
+    return procs, reports
+
+
+def finish(procs) -> None:
+    for p in procs:
+        try:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        except BrokenPipeError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _trainer() -> None:
+    """A trainer (`python -m plait.cli.bench.memory_realistic --trainer JSON`): torch imported, then plait;
+    consumes its micro-batches as torch tensors; reports its RSS before plait and its loader's buffer."""
+    import psutil
+    import torch
+
+    cfg = json.loads(sys.argv[2])
+    torch.zeros(1)
+    idle = psutil.Process().memory_info().rss
+    import plait
+
+    if cfg["runtime"] == "flight":
+        loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"], runtime="flight", job=cfg["job"],
+                              address=cfg["address"], token=cfg["token"])
+    else:
+        loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"])
+    n = tokens = peak_buffer = 0
+    for batch in loader:
+        tokens += int(batch.to_torch()["input_ids"].numel())
+        n += 1
+        if cfg["runtime"] == "local":
+            peak_buffer = max(peak_buffer, loader.runtime.loader.cached_bytes)
+    over = loader.runtime.loader.buffer_over_budget if cfg["runtime"] == "local" else None
+    print(json.dumps({"pid": os.getpid(), "idle_rss": idle, "batches": n, "tokens": tokens,
+                      "peak_buffer": peak_buffer, "over_budget": over, "ray_imported": "ray" in sys.modules}),
+          flush=True)
+    sys.stdin.readline()  # measured: go
+    loader.close()
+
+
+def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: int | None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    if runtime == "local":
+        procs, reports = run_trainers({"runtime": "local", "spec": spec_dict}, trainers, env)
+        try:
+            return _summary(reports, {}, {})
+        finally:
+            finish(procs)
+    import ray
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
+             log_to_driver=False, configure_logging=False)
+    serve = None
+    try:
+        spec_path = root / f"spec-{len(spec_dict['sources'])}.json"
+        spec_path.write_text(json.dumps(spec_dict))
+        job = f"bench-memory-{os.getpid()}-{len(spec_dict['sources'])}"
+        serve, address, token = start_serve(spec_path, job, ray.get_runtime_context().gcs_address, loaders, env)
+        procs, reports = run_trainers({"runtime": "flight", "spec": spec_dict, "job": job, "address": address,
+                                       "token": token}, trainers, env)
+        try:
+            roles, daemons = plait_processes({r["pid"] for r in reports}, serve.pid)
+            return _summary(reports, roles, daemons)
+        finally:
+            finish(procs)
+    finally:
+        if serve is not None:
+            stop_serve(serve)
+        ray.shutdown()
+
+
+def _summary(reports: list[dict], roles: dict, daemons: dict) -> dict:
+    added = [max(0, process_memory(r["pid"]) - r["idle_rss"]) for r in reports]
+    processes = sum(sum(v) for v in roles.values())
+    return {"trainer_added": int(sum(added)), "trainer_added_per_rank": int(np.mean(added)),
+            "plait_processes": int(processes), "total": int(sum(added) + processes),
+            "roles": {k: {"count": len(v), "rss": int(sum(v))} for k, v in roles.items()},
+            "ray_daemons": int(sum(sum(v) for v in daemons.values())),
+            "peak_buffer_per_rank": int(max(r["peak_buffer"] for r in reports)),
+            "over_budget": [r["over_budget"] for r in reports], "batches": sum(r["batches"] for r in reports),
+            "tokens": sum(r["tokens"] for r in reports), "ray_imported": any(r["ray_imported"] for r in reports)}
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    if args.quick:
+        quick(args)
+    console = Console()
+    counts = [int(c) for c in args.source_counts.split(",")]
+    runtimes = [r.strip() for r in args.runtimes.split(",")]
+    smallest, largest = (float(x) for x in args.row_group_mb.split(","))
+    result: dict = {"trainers": args.trainers, "microbatches": args.microbatches, "seq_len": args.seq_len,
+                    "row_group_mb": [smallest, largest], "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="plait-bench-memory-") as tmp:
+        t0 = time.perf_counter()
+        files = write_files(Path(tmp), args.distinct, smallest, largest)
+        disk = sum(f.stat().st_size for f in files)
+        console.print(f"{args.distinct} distinct files ({disk / MIB:,.0f} MiB on disk) written in "
+                      f"{time.perf_counter() - t0:.1f} s; {args.trainers} trainers x {args.microbatches} "
+                      f"micro-batches of {args.seq_len} tokens")
+        result["disk_bytes"] = disk
+        for runtime in runtimes:
+            for n in counts:
+                spec = make_spec(Path(tmp), files, n, args.trainers, args.seq_len, args.microbatches, args.buffer_mb)
+                t1 = time.perf_counter()
+                got = measure(spec, Path(tmp), runtime, args.trainers, args.loaders)
+                got["seconds"] = time.perf_counter() - t1
+                assert got["batches"] == args.trainers * args.microbatches, got["batches"]
+                result["runs"][f"{runtime}/{n}"] = got
+    table = Table(title=f"memory plait adds: {args.trainers} torch trainers, {args.microbatches} micro-batches of "
+                        f"{args.seq_len} tokens, row groups {smallest:g}-{largest:g} MiB")
+    for col in ("runtime", "sources", "added MiB", "per trainer", "plait procs", "Ray daemons", "buffer/rank", "s"):
+        table.add_column(col, justify="left" if col == "runtime" else "right")
+    for key, got in result["runs"].items():
+        runtime, n = key.split("/")
+        table.add_row(runtime, n, f"{got['total'] / MIB:,.0f}", f"{got['trainer_added_per_rank'] / MIB:,.0f}",
+                      f"{got['plait_processes'] / MIB:,.0f}",
+                      f"{got['ray_daemons'] / MIB:,.0f}", f"{got['peak_buffer_per_rank'] / MIB:.1f}",
+                      f"{got['seconds']:.0f}")
+    console.print(table)
+    for key, got in result["runs"].items():
+        if got["roles"]:
+            console.print(f"{key} sources, plait processes (MiB): " + ", ".join(
+                f"{k.replace('Actor', '')} {v['rss'] / MIB:.0f}" for k, v in sorted(got["roles"].items())))
+    for runtime in runtimes:
+        totals = [result["runs"][f"{runtime}/{n}"]["total"] for n in counts]
+        result[f"{runtime}_spread"] = max(totals) / max(1, min(totals)) - 1
+        console.print(f"{runtime}: {counts[-1]} sources add {totals[-1] / MIB:,.0f} MiB in all "
+                      f"({totals[-1] / MIB / args.trainers:,.0f} MiB per trainer); spread over "
+                      f"{', '.join(map(str, counts))} sources {100 * result[f'{runtime}_spread']:.0f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--trainer":
+        _trainer()

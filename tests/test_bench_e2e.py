@@ -1,0 +1,145 @@
+"""`plait bench e2e`: a short whole run (both strategies, DP 4, a few steps, ~10 s with Ray's start), and
+the pure parts: the synchronous step clock, balance loss, the summary, the per-rank greedy packer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from plait.cli.bench.e2e import (
+    GpuClock,
+    Trace,
+    balance_loss,
+    run_synchronous,
+    summarize,
+)
+from plait.cli.bench.e2e_per_rank import Document, pack_greedy
+from plait.cost import CostModel, EncoderCost
+from plait.errors import PlaitError
+
+
+def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_better(tmp_path):
+    from plait.cli import main
+
+    out = tmp_path / "e2e.json"
+    # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
+    argv = ["bench", "e2e", "--quick", "--dp", "4", "--steps", "4", "--warmup", "1", "--gpu-tflops", "4000",
+            "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["strategy"], r["dp"]): r for r in result["rows"]}
+    assert set(rows) == {("per-rank", 4), ("plait", 4)}
+    per_rank, plait = rows["per-rank", 4], rows["plait", 4]
+    assert per_rank["steps"] == plait["steps"] == 4 and per_rank["measured_steps"] == plait["measured_steps"] == 3
+    assert per_rank["processes"] == 4 and per_rank["workers_per_rank"] == 1  # the same 4-CPU budget
+    assert plait["balance_loss"] <= per_rank["balance_loss"]
+    capacity = 4 * 2 * 8192  # dp x micro-batches x seq_len
+    for r in (per_rank, plait):
+        assert 0.5 * capacity < r["tokens_per_step"] <= capacity
+        assert 0.0 <= r["wait_fraction"] <= 1.0 and r["steps_per_s"] > 0
+    assert [q["dp"] for q in result["ratios"]] == [4]
+    assert result["ratios"][0]["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
+
+
+def test_balance_loss_is_one_minus_mean_over_max_averaged_over_steps():
+    computes = np.array([[1.0, 1.0, 1.0, 1.0],   # balanced: 0
+                         [2.0, 1.0, 1.0, 0.0]])  # mean 1, max 2: 0.5
+    assert balance_loss(computes) == pytest.approx(0.25)
+    assert balance_loss(np.zeros((3, 2))) == 0.0
+
+
+def test_summary_rates_leave_warmup_out():
+    waits = np.array([[5.0, 5.0], [0.0, 0.5], [0.0, 0.0]])
+    computes = np.array([[1.0, 1.0], [1.0, 0.5], [2.0, 1.0]])
+    tokens = np.full((3, 2), 100.0)
+    trace = Trace(start=0.0, waits=waits, computes=computes, tokens=tokens, step_ends=np.array([6.0, 7.5, 9.5]))
+    s = summarize(trace, warmup=1)
+    assert s["measured_steps"] == 2 and s["seconds"] == pytest.approx(3.5)
+    assert s["steps_per_s"] == pytest.approx(2 / 3.5)
+    assert s["wait_fraction"] == pytest.approx(0.5 / (2 * 3.5))
+    assert s["balance_loss"] == pytest.approx(((1 - 0.75) + (1 - 0.75)) / 2)
+    assert s["compute_bound_steps_per_s"] == pytest.approx(2 / 3.0)  # max per step: 1 + 2
+    assert s["tokens_per_s"] == pytest.approx(400 / 3.5)
+    assert s["startup_s"] == pytest.approx(6.0)
+
+
+def test_step_clock_runs_every_rank_for_every_step_and_charges_the_cost_model():
+    llm = CostModel(linear=1.0, quadratic=0.0)
+    clock = GpuClock(llm, EncoderCost(linear=10.0, quadratic=0.0), flops_per_s=1e6)  # 1 us per token
+    # micro-batch = (doc lengths, image patches, tokens): rank 1 gets twice rank 0's tokens, and an image
+    streams = [iter([(np.array([100]), np.zeros(0, np.int64), 100)] * 6),
+               iter([(np.array([150, 50]), np.array([20]), 200)] * 6)]
+    trace = run_synchronous(streams, steps=3, microbatches=2, clock=clock, shape=lambda mb: mb)
+    assert trace.computes.shape == (3, 2)
+    assert trace.computes[:, 0] == pytest.approx([200e-6] * 3)
+    assert trace.computes[:, 1] == pytest.approx([2 * (200 + 200) * 1e-6] * 3)  # tokens + encoder (10 x 20)
+    assert trace.tokens.sum(axis=0).tolist() == [600, 1200]
+    assert (np.diff(trace.step_ends) >= 0).all() and trace.step_ends[0] >= trace.start
+    assert balance_loss(trace.computes) == pytest.approx(1 - 500 / 800)
+
+
+def test_step_clock_stops_every_rank_when_one_stream_fails():
+    clock = GpuClock(CostModel(1.0, 0.0), EncoderCost(0.0, 0.0), flops_per_s=1e9)
+    short = iter([(np.array([10]), np.zeros(0, np.int64), 10)])  # one micro-batch, then exhausted
+    long = iter([(np.array([10]), np.zeros(0, np.int64), 10)] * 10)
+    with pytest.raises(StopIteration):
+        run_synchronous([short, long], steps=3, microbatches=2, clock=clock, shape=lambda mb: mb)
+
+
+def _text(n: int, start: int = 0) -> Document:
+    return Document(np.arange(start, start + n, dtype=np.int32), [], [])
+
+
+def _image(n: int, patches: int) -> Document:
+    return Document(np.full(n, 7, np.int32), [np.zeros((patches, 3), np.uint8)], [np.array([1, 1, patches])])
+
+
+def test_greedy_packing_fills_micro_batches_cutting_text_but_never_images():
+    docs = iter([_text(6), _text(7, 100), _image(5, 8), _text(3, 200), _image(2, 4)])
+    mbs = list(pack_greedy(docs, seq_len=10, max_patches=None))
+    # [6, first 4 of the 7] | [its last 3, the 5-token image, first 2 of the 3-token text] | (open, not
+    # emitted when the stream ends: its last token and the 2-token image)
+    assert [len(m["input_ids"]) for m in mbs] == [10, 10]
+    assert mbs[0]["cu_seqlens"].tolist() == [0, 6, 10]
+    assert mbs[1]["cu_seqlens"].tolist() == [0, 3, 8, 10]
+    assert mbs[1]["input_ids"][:3].tolist() == [104, 105, 106]  # the cut document continues in order
+    assert mbs[1]["image_grid"].tolist() == [[1, 1, 8]] and len(mbs[1]["pixel_values"]) == 8
+    assert mbs[0]["labels"][5] == -100  # no label crosses a document boundary
+
+
+def test_greedy_packing_closes_a_micro_batch_for_an_image_that_does_not_fit():
+    docs = iter([_text(4), _image(8, 2), _text(10, 50)])
+    mbs = list(pack_greedy(docs, seq_len=10, max_patches=None))
+    assert mbs[0]["cu_seqlens"].tolist() == [0, 4]  # padded: the image document is never cut
+    assert mbs[1]["cu_seqlens"].tolist() == [0, 8, 10]
+    docs = iter([_image(2, 6), _image(2, 6), _text(20)])  # the patch capacity closes it too
+    mbs = list(pack_greedy(docs, seq_len=10, max_patches=8))
+    assert [m["image_grid"][:, 2].tolist() for m in mbs[:2]] == [[6], [6]]
+
+
+def test_bad_options_are_named(capsys):
+    from plait.cli import main
+
+    for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
+                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies")):
+        assert main(["bench", "e2e", *argv]) == 2
+        assert word in capsys.readouterr().err
+    with pytest.raises(PlaitError):
+        from types import SimpleNamespace
+
+        from plait.cli.bench.e2e import parse
+
+        parse(SimpleNamespace(quick=False, dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
+                              images=1, gpu_tflops=1.0, image_weight=0.5, strategies="plait"))
+
+
+def test_missing_torch_is_named(monkeypatch):
+    import sys
+
+    from plait.cli.bench.e2e_per_rank import require_torch
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(PlaitError, match="needs torch"):
+        require_torch()
