@@ -21,6 +21,7 @@ from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
 from plait.roles.constructor import Constructor
 from plait.runtime.placement import PartitionMap
+from plait.runtime.ray import standby_planner
 from plait.runtime.ray.common import (
     NAMESPACE,
     actor_options,
@@ -105,11 +106,13 @@ class ConstructorActor:
     def __init__(self, job: str, prefetch: int, threads: int = 2):
         use_numpy_kernels()
         ray = ray_module()
+        self.job = job
         self.planner = ray.get_actor(planner_name(job), namespace=NAMESPACE)
         info = get(self.planner.info.remote())
         loaders = get(self.planner.get_loaders.remote())
         pmap = PartitionMap(**info["pmap"])
-        self.constructor = Constructor(RayPayloads(loaders, pmap, planner=self.planner))
+        self.payloads = RayPayloads(loaders, pmap, planner=self.planner)
+        self.constructor = Constructor(self.payloads)
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
@@ -119,8 +122,16 @@ class ConstructorActor:
         self.requests = 0
 
     def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
-        plan, state = get([self.planner.rank_plan.remote(gen, step, dp_rank),
-                           self.planner.state_at.remote(gen, step)])
+        while True:
+            planner = self.planner
+            try:
+                plan, state = get([planner.rank_plan.remote(gen, step, dp_rank), planner.state_at.remote(gen, step)])
+                break
+            except dead_errors():  # the job's standby makes the Planner's successor (once, whoever asks)
+                successor = standby_planner.successor(self.job, planner)
+                if successor is None:
+                    raise
+                self.planner = self.payloads.planner = successor[0]
         with Stopwatch() as t:
             batches = self.constructor.build(plan)
         self.counts.observe_build(batches, t.seconds)

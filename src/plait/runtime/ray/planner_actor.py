@@ -34,6 +34,7 @@ from plait.runtime.ray.common import (
 from plait.runtime.ray.job_metrics import JobMetrics
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.recovery import LoaderFleet
+from plait.runtime.ray.standby_planner import StandbyLink
 from plait.runtime.scaling import format_layout, probe_costs
 from plait.spec import Spec, load_spec
 from plait.telemetry import Stopwatch
@@ -92,7 +93,7 @@ class PlannerActor:
         from plait.roles.planner import Planner
 
         self.planner = Planner(self.spec, LoaderMetadata(self.loaders, self.pmap, first), dp=options.get("dp"))
-        self.loaders.start_shadows()
+        self.loaders.start_shadows(from_snapshot="takeover" in options)
         self.gen = 0
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.base_state = self.planner.state_dict()
@@ -109,6 +110,12 @@ class PlannerActor:
         self.loaders.on_event = self._observe_event
         if self.idle_timeout:
             IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
+        # A shared job's standby follows this Planner's per-step state and makes its successor, should it
+        # die; a successor continues the dead one's stream (plait.runtime.ray.standby_planner).
+        recipe = PlannerRecipe(spec_dict, job, {**options, "layout": self.layout.to_dict()}, self.spec.data_fingerprint())
+        self.standby = StandbyLink.for_planner(recipe, PLAN_WINDOW)
+        self.standby.adopt(self)
+        self.standby.sync(self)
 
     def _seen(self) -> None:
         self.last_seen = time.monotonic()
@@ -132,11 +139,14 @@ class PlannerActor:
             return self.gen
         if plan is None and self.planner.step == step and self.planner.state_dict() == state:
             return self.gen
+        if self.standby.rewind(self, step, state):  # a successor serving a step its predecessor planned
+            return self.gen
         self.planner.load_state_dict(state)  # validates version and fingerprint
         self.window.clear()
         self.built.clear()
         self.base_state = self.planner.state_dict()
         self.gen += 1
+        self.standby.sync(self, wait=True)
         return self.gen
 
     def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
@@ -148,12 +158,14 @@ class PlannerActor:
         self.built.clear()
         self.base_state = self.planner.state_dict()
         self.gen += 1
+        self.standby.sync(self, wait=True)
         return self.gen, list(changes)
 
     def set_weights(self, weights: dict, at_step: int) -> None:
         """Run-time reweighting, applied once for the whole job (the Planner refuses a planned step)."""
         self._seen()
         self.planner.set_weights(weights, at_step)
+        self.standby.sync(self, wait=True)
 
     def weight_overrides(self) -> list[dict]:
         """The weight changes recorded so far (`plait mix JOB --show`)."""
@@ -162,15 +174,17 @@ class PlannerActor:
     def report(self, step: int, losses: dict) -> None:
         self._seen()
         self.planner.report(step, losses)
+        self.standby.sync(self, wait=True)
 
     def _plan(self, gen: int, step: int) -> StepPlan:
         if gen != self.gen:
             raise StaleGeneration(f"the plan stream was reset (generation {self.gen}, asked {gen})")
         if step in self.window:
             return self.window[step]
-        if step < self.planner.step:
+        if step < self.planner.step and not self.standby.rewind(self, step):
             raise PlaitError(f"step {step} left the Planner's window; resume from a saved state")
         while self.planner.step <= step:
+            self.standby.align(self.planner)
             with Stopwatch() as t:
                 plan = self.planner.plan_step()
             self.metrics.telemetry.observe_plan(plan, t.seconds)
@@ -181,6 +195,7 @@ class PlannerActor:
                 self.built.pop(old, None)
         self._release()
         self.loaders.after_planning(self.planner.step)
+        self.standby.sync(self)
         return self.window[step]
 
     def step_plan(self, gen: int, step: int) -> StepPlan:
@@ -205,6 +220,7 @@ class PlannerActor:
         done.add(dp_rank)
         if len(done) == self.planner.ranks:
             self._release()
+            self.standby.sync(self)  # the oldest step still needed moved
 
     def _release(self) -> None:
         """Tell loaders which blocks are still live: the Planner's own, and those of unbuilt steps."""
@@ -237,6 +253,7 @@ class PlannerActor:
                              f"{ranks}: every trainer process of a job must use the same spec and layout")
         self._seen()
         self.clients += 1
+        self.standby.sync(self)
         return self.clients
 
     def touch(self) -> None:
@@ -245,6 +262,7 @@ class PlannerActor:
 
     def register_constructor(self, name: str) -> None:
         self.constructors.add(name)
+        self.standby.sync(self)
 
     def base(self) -> tuple[int, dict]:
         """The current generation and the data state it started from."""
@@ -254,11 +272,13 @@ class PlannerActor:
     def detach(self) -> int:
         self._seen()
         self.clients -= 1
+        self.standby.sync(self)
         return self.clients
 
     def shutdown(self) -> None:
         """End the job's Constructors, loaders and shadows (the caller then ends this actor)."""
         ray = ray_module()
+        self.standby.close()  # first: nobody must take over from a Planner that ends
         for name in self.constructors:
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
@@ -286,6 +306,7 @@ class PlannerActor:
         """Resident memory of the job's actors (each measures itself), in bytes, and how many answered."""
         ray = ray_module()
         handles = list(self.loaders.handles) + [sh for group in self.loaders.shadows for sh in group]
+        handles += self.standby.handles()
         for name in self.constructors:
             try:
                 handles.append(ray.get_actor(name, namespace=NAMESPACE))

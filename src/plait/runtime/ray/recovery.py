@@ -63,9 +63,10 @@ class LoaderFleet:
         self.now = now
         self.on_replaced = on_replaced
         n = config.layout.loaders
-        self.handles = [config.start(k) for k in range(n)]
-        self.names = [config.name(k) for k in range(n)]
-        self.generation = [0] * n
+        # A successor Planner (plait.runtime.ray.standby_planner) finds its predecessor's loaders by name.
+        self.generation = list(options.get("loader_generations") or [0] * n)
+        self.handles = [config.start(k, self.generation[k]) for k in range(n)]
+        self.names = [config.name(k, self.generation[k]) for k in range(n)]
         self.shadows: list[list] = [[] for _ in range(n)]
         self.events: list[dict] = []
         self.on_event: Callable[[dict], None] | None = None  # told of each event (the job's metrics)
@@ -75,10 +76,15 @@ class LoaderFleet:
         self._respawn: list[tuple[int, int]] = []  # (loader index, step at which a new shadow starts)
         self._follows: dict[int, list] = {}  # loader index -> [(shadow, ref of one of its follow calls)]
 
-    def start_shadows(self) -> None:
-        """Each loader's standbys: as many as the most demanding of its sources asks for (`shadows`)."""
+    def start_shadows(self, from_snapshot: bool = False) -> None:
+        """Each loader's standbys: as many as the most demanding of its sources asks for (`shadows`).
+        `from_snapshot`: the loaders are running already (a successor Planner's), so the shadows start from
+        their snapshot rather than from their next delta."""
         self.shadows = [[start_shadow(self.config, k, self.names[k]) for _ in range(self.shadow_count(k))]
                         for k in range(len(self.handles))]
+        for k, group in enumerate(self.shadows if from_snapshot else []):
+            for sh in group:
+                sh.sync.remote(self.handles[k].checkpoint_snapshot.remote(self.now()))
 
     def shadow_count(self, k: int) -> int:
         return max((self.spec.sources[s].shadows for s, _ in self.config.layout.owned[k]), default=0)
