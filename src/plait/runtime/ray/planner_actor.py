@@ -93,7 +93,8 @@ class PlannerActor:
         from plait.roles.planner import Planner
 
         self.planner = Planner(self.spec, LoaderMetadata(self.loaders, self.pmap, first), dp=options.get("dp"))
-        self.loaders.start_shadows(from_snapshot="takeover" in options)
+        if "takeover" not in options:  # a successor's start later (plait.runtime.ray.standby_planner)
+            self.loaders.start_shadows()
         self.gen = 0
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.base_state = self.planner.state_dict()

@@ -76,15 +76,16 @@ class LoaderFleet:
         self._respawn: list[tuple[int, int]] = []  # (loader index, step at which a new shadow starts)
         self._follows: dict[int, list] = {}  # loader index -> [(shadow, ref of one of its follow calls)]
 
-    def start_shadows(self, from_snapshot: bool = False) -> None:
+    def start_shadows(self, after_step: int | None = None) -> None:
         """Each loader's standbys: as many as the most demanding of its sources asks for (`shadows`).
-        `from_snapshot`: the loaders are running already (a successor Planner's), so the shadows start from
-        their snapshot rather than from their next delta."""
+        `after_step`: the loaders run already (a successor Planner's): the shadows start `respawn_delay`
+        steps after that step, from a snapshot, like replacements (not while the job recovers)."""
+        if after_step is not None:
+            self._respawn += [(k, after_step + self.respawn_delay) for k in range(len(self.handles))
+                              for _ in range(self.shadow_count(k))]
+            return
         self.shadows = [[start_shadow(self.config, k, self.names[k]) for _ in range(self.shadow_count(k))]
                         for k in range(len(self.handles))]
-        for k, group in enumerate(self.shadows if from_snapshot else []):
-            for sh in group:
-                sh.sync.remote(self.handles[k].checkpoint_snapshot.remote(self.now()))
 
     def shadow_count(self, k: int) -> int:
         return max((self.spec.sources[s].shadows for s, _ in self.config.layout.owned[k]), default=0)

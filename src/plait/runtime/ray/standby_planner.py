@@ -128,7 +128,7 @@ class StandbyPlannerActor:
         if dead != self.active or _answers(self.active):  # already replaced (every later caller), or alive
             return {"planner": self.active, "event": self._event_of(dead)}
         if self.base is None:
-            return None  # its successor died before sending its state: nothing to take over from
+            return None  # a new standby that has not heard from the Planner yet: nothing to take over from
             return {"planner": self.active, "event": self._event_of(dead)}
         at = time.time()
         package = {"gen": self.gen, "base": self.base, "states": dict(self.states), "low": self.low,
@@ -138,8 +138,9 @@ class StandbyPlannerActor:
         wait_name_free(self.recipe.name)
         options = {**self.recipe.options, "takeover": package,
                    "loader_generations": self.meta.get("loader_generations")}
+        # The log stays until the successor's full state replaces it: should the successor die first, it
+        # is still the state to take over from (the successor re-plans the very same steps).
         self.active = dataclasses.replace(self.recipe, options=options).start()
-        self.base = None  # until the successor's full state arrives
         event = {"role": "planner", "how": "standby", "step": max(package["states"]), "from_step": package["low"],
                  "at": at, "logged_steps": len(package["states"]), "started_s": time.time() - at}
         self.takeovers.append({**event, "dead": dead})
@@ -224,6 +225,7 @@ class StandbyLink:
         actor.started = float(meta.get("started", actor.started))
         actor.planner.load_state_dict(self.replay.states[self.replay.start])
         actor.built = {s: set(range(actor.planner.ranks)) for s in self.replay.states if s < package["low"]}
+        actor.loaders.start_shadows(after_step=max(self.replay.states))  # the loaders' shadows died with it
         actor.metrics.telemetry.observe_recovery("planner")
         took = time.time() - package["at"]
         actor.loaders.events.append({"role": "planner", "how": "standby", "step": max(self.replay.states),
