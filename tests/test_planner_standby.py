@@ -190,3 +190,16 @@ def test_exactly_one_successor_however_many_notice(ray_address, spec):
             assert np.array_equal(p.rank, q.rank) and np.array_equal(p.micro, q.micro)
     finally:
         local.close()
+
+
+def test_bench_recovery_planner_measures_a_takeover(ray_address, spec):
+    """`plait bench recovery --planner`: one takeover, nothing lost or repeated, and the standby receives
+    state diffs of well under a few kilobytes per step (never plans)."""
+    from plait.cli.bench import planner_takeover
+
+    result = planner_takeover.measure(spec, steps=10, kill_at=5)
+    reference, observed = result.pop("streams")
+    assert compare_streams(reference, observed) == {"delivered": sum(map(len, reference)), "lost": 0,
+                                                    "duplicated": 0, "same_order": True}
+    assert result["takeovers"] == 1 and result["takeover_s"] > 0 and result["kill_to_serving_s"] > 0
+    assert 0 < result["standby_bytes_per_step"] < 4096

@@ -136,6 +136,7 @@ def _run_planner(spec, args, console, tmp) -> int:
     from plait.cli.bench import planner_takeover
 
     result = planner_takeover.measure(spec, steps=args.steps, kill_at=args.kill_at or args.steps // 2)
+    result.update(compare_streams(*result.pop("streams")))
     planner_takeover.report(result, console)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
