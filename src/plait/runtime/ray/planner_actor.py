@@ -185,7 +185,7 @@ class PlannerActor:
         if step < self.planner.step and not self.standby.rewind(self, step):
             raise PlaitError(f"step {step} left the Planner's window; resume from a saved state")
         while self.planner.step <= step:
-            self.standby.align(self.planner)
+            self.standby.align(self)
             with Stopwatch() as t:
                 plan = self.planner.plan_step()
             self.metrics.telemetry.observe_plan(plan, t.seconds)

@@ -10,9 +10,11 @@ repeating a sample, because everything an actor serves is a pure function of the
     replacement `respawn_delay` steps later.
   * a Constructor dies (found by the driver waiting for a build) -> `replace_dead_constructors`: a new one
     rebuilds the step (the Planner keeps a window of plans; loaders re-read what was released).
-  * the Planner dies (found by the driver; its loaders and shadows die with it unless detached) ->
-    `recreate_planner`: a new Planner from the last data state this process saw, which plans the same
-    steps again, exactly, and starts loaders that re-read what is needed.
+  * the Planner dies (found by the driver; its loaders and shadows die with it unless detached) -> in a
+    shared job, its standby makes the successor (plait.runtime.ray.standby_planner: one for every process
+    of the job, the same stream); without a standby, `recreate_planner`: a new Planner from the last data
+    state this process saw, which plans the same steps again, exactly, and starts loaders that re-read
+    what is needed.
 
 `wait_name_free` is the one wait for a dead actor's name (released asynchronously by Ray). Every
 recovery is logged on the `plait.recovery` logger ("failure: ..." then "recovery: ...") and recorded as

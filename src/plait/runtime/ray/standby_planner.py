@@ -36,8 +36,7 @@ from plait.runtime.ray.common import NAMESPACE, actor_options, dead_errors, get,
 from plait.runtime.ray.recovery import wait_name_free
 
 log = logging.getLogger("plait.recovery")
-TAKEOVER_TIMEOUT_S = 300.0  # a successor waits this long for the new Planner (its process start included)
-MAX_EARLY_MESSAGES = 16  # follow messages held while waiting for a missing one, then a full resend is asked
+TAKEOVER_TIMEOUT_S = 300.0  # how long a caller of `successor` waits for the standby's answer
 FOLLOWS_KEPT = 32  # follow calls the active Planner keeps an eye on (to find a dead standby without extra calls)
 
 
@@ -233,14 +232,20 @@ class StandbyLink:
         log.warning("recovery: a new Planner took over from the standby's log in %.3f s; it re-plans from step %d",
                     took, self.replay.start)
 
-    def align(self, planner) -> None:
+    def align(self, actor) -> None:
         """Before planning a step the dead Planner logged: plan it from the logged state."""
-        if self.replay is not None:
-            self.replay.align(planner)
+        if self._replaying(actor):
+            self.replay.align(actor.planner)
 
     def rewind(self, actor, step: int, state: dict | None = None) -> bool:
         """Serve an older logged step again (re-planned identically): True when done."""
-        return self.replay is not None and self.replay.rewind(actor, step, state)
+        return self._replaying(actor) and self.replay.rewind(actor, step, state)
+
+    def _replaying(self, actor) -> bool:
+        """The dead Planner's log applies while the stream is its stream (a seek to another state ends it)."""
+        if self.replay is not None and actor.gen != self.replay.package["gen"]:
+            self.replay = None
+        return self.replay is not None
 
     # ----- following --------------------------------------------------------------------------------------
     def sync(self, actor, wait: bool = False) -> None:
