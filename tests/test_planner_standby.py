@@ -142,7 +142,7 @@ def test_four_trainers_continue_the_same_stream_when_the_planner_dies(ray_addres
 def test_exactly_one_successor_however_many_notice(ray_address, spec):
     """A dead standby is replaced by its Planner; then many callers report the same dead Planner at
     once: one takeover, one new Planner for all; the standby then follows the successor (the job has a
-    standby again), whose stream is unchanged."""
+    standby again), whose stream is unchanged, run-time weights set before the death included."""
     from plait.runtime.ray import RayRuntime
     from plait.runtime.ray.standby_planner import successor
 
@@ -165,6 +165,9 @@ def test_exactly_one_successor_however_many_notice(ray_address, spec):
             return standby != first_standby and ray.get(standby.standby_stats.remote())["logged_steps"] > 0
 
         wait_for(new_standby_follows, 60, "a new standby")
+        # A change planning cannot reproduce, for a step not planned yet: the successor must know it.
+        at = ray.get(rt.planner.stats.remote())["step"] + 1
+        rt.set_weights({"long": 0.7}, at)
         dead = rt.planner
         ray.kill(dead, no_restart=True)
         callers = ray.remote(num_cpus=0)(successor)
@@ -176,18 +179,21 @@ def test_exactly_one_successor_however_many_notice(ray_address, spec):
         stats = standby_stats(job)
         assert len(stats["takeovers"]) == 1 and stats["takeovers"][0]["step"] > plans[-1].step  # knew it all
         assert len([n for n in job_actors(job) if n in (planner_name(job), standby_name(job))]) == 2
-        more = [rt.plan() for _ in range(3)]  # the driver's own requests reach the successor too
+        more = [rt.plan() for _ in range(at + 2 - len(plans))]  # the driver's requests reach the successor
         wait_for(lambda: standby_stats(job)["steps_followed"] > stats["steps_followed"], 30,
                  "the standby to follow the successor")
     finally:
         rt.close()
-    assert [p.step for p in plans + more] == list(range(7))
+    assert [p.step for p in plans + more] == list(range(at + 2))
     local = LocalRuntime(spec)
+    local.set_weights({"long": 0.7}, at)
     try:
         for p in plans + more:  # the successor's plans are the ones a run without failure makes
             q = local.plan()
             assert np.array_equal(p.items.sample_ids(), q.items.sample_ids())
             assert np.array_equal(p.rank, q.rank) and np.array_equal(p.micro, q.micro)
+            assert np.array_equal(p.weights, q.weights)
+        assert q.weights[2] == pytest.approx(0.7)  # the weights changed within the run
     finally:
         local.close()
 
@@ -203,3 +209,43 @@ def test_bench_recovery_planner_measures_a_takeover(ray_address, spec):
                                                     "duplicated": 0, "same_order": True}
     assert result["takeovers"] == 1 and result["takeover_s"] > 0 and result["kill_to_serving_s"] > 0
     assert 0 < result["standby_bytes_per_step"] < 4096
+
+
+def test_a_successor_plans_each_logged_step_from_the_state_it_was_planned_from(spec):
+    """The successor's replay (no Ray): started from an older logged step, it plans the very same steps,
+    including those after a run-time change its start state did not have yet; it rewinds to a logged step
+    asked again."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from plait.runtime.ray.standby_planner import Replay
+
+    dead, successor = LocalRuntime(spec), LocalRuntime(spec)
+    try:
+        states, planned = {}, []
+        for _ in range(3):
+            planned.append(dead.planner.plan_step())
+            states[planned[-1].step] = planned[-1].state_before
+        dead.set_weights({"long": 0.7}, 3)  # after step 2 was planned: step 1's state does not know it
+        states[3] = dead.planner.state_dict()
+        planned += [dead.planner.plan_step() for _ in range(2)]
+        replay = Replay({"gen": 0, "states": states, "low": 1, "meta": {}, "window": 64, "at": 0.0})
+        assert replay.start == 1
+        successor.planner.load_state_dict(states[replay.start])
+        window = OrderedDict()
+        for want in planned[1:]:
+            replay.align(successor.planner)
+            got = successor.planner.plan_step()
+            window[got.step] = got
+            assert np.array_equal(got.items.sample_ids(), want.items.sample_ids())
+            assert np.array_equal(got.weights, want.weights)
+        assert planned[-1].weights[2] == pytest.approx(0.7)
+        actor = SimpleNamespace(planner=successor.planner, window=window)
+        assert replay.rewind(actor, 2, states[2]) and successor.planner.step == 2 and list(window) == [1]
+        assert not replay.rewind(actor, 1, states[2])  # another state than the logged one: a new stream
+        assert not replay.rewind(actor, 7, None)  # never logged
+        replay.align(successor.planner)
+        assert np.array_equal(successor.planner.plan_step().items.sample_ids(), planned[2].items.sample_ids())
+    finally:
+        dead.close()
+        successor.close()
