@@ -249,3 +249,36 @@ def test_a_successor_plans_each_logged_step_from_the_state_it_was_planned_from(s
     finally:
         dead.close()
         successor.close()
+
+
+def test_the_planner_can_build_in_its_own_process(ray_address, spec):
+    """constructors="planner" (a one-node job): no Constructor actor, the Planner's process builds every
+    rank's micro-batches, the stream is unchanged, a trainer that attaches is served by it too, and its
+    successor (after a death) builds as well."""
+    from plait.runtime.ray import RayRuntime
+
+    job, steps = "planner-builds", 6
+    rt = RayRuntime(spec, job=job, loaders=2, constructors="planner", address=ray_address)
+    try:
+        ids = []
+        for step in range(steps):
+            plan = rt.plan()
+            for r in range(plan.ranks):
+                ids.extend(mb.sample_ids for mb in rt.build(plan, r))
+            if step == 2:
+                assert not [n for n in job_actors(job) if "/constructor" in n]  # one process fewer
+                builds = ray.get(rt.planner.stats.remote())  # the Planner's figures and its Constructor's
+                assert builds["requests"] >= 3 * RANKS and builds["planned"] >= 3
+                wait_for(lambda: (standby_stats(job) or {}).get("steps_followed", 0) >= 3, 60, "the standby")
+                ray.kill(rt.planner, no_restart=True)
+        attached = plait.Loader(spec, dp_rank=1, runtime="ray", job=job, attach=True, steps=steps)
+        rank1 = [mb.sample_ids for mb in attached]
+        attached.close()
+        assert len(standby_stats(job)["takeovers"]) == 1
+        assert ray.get(rt.planner.stats.remote())["requests"] > 0  # the successor builds too
+    finally:
+        rt.close()
+    expected = {r: [mb.sample_ids for mb in plait.Loader(spec, dp_rank=r, steps=steps)] for r in range(RANKS)}
+    in_build_order = [mb for s in range(steps) for r in range(RANKS) for mb in expected[r][2 * s:2 * s + 2]]
+    assert compare_streams(in_build_order, ids)["same_order"]
+    assert compare_streams(expected[1], rank1)["same_order"]

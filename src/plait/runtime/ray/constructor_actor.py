@@ -103,11 +103,12 @@ class RayPayloads:
 class ConstructorActor:
     """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead."""
 
-    def __init__(self, job: str, prefetch: int, threads: int = 2):
+    def __init__(self, job: str, prefetch: int, threads: int = 2, planner=None):
         use_numpy_kernels()
         ray = ray_module()
         self.job = job
-        self.planner = ray.get_actor(planner_name(job), namespace=NAMESPACE)
+        # `planner`: the Planner's own process hosts this Constructor (plait.runtime.ray.planner_host)
+        self.planner = planner if planner is not None else ray.get_actor(planner_name(job), namespace=NAMESPACE)
         info = get(self.planner.info.remote())
         loaders = get(self.planner.get_loaders.remote())
         pmap = PartitionMap(**info["pmap"])
@@ -196,7 +197,7 @@ class ConstructorPool:
 
     def __init__(self, job: str, mode: str, prefetch: int, dp: int, lifetime: str | None = None):
         self.job = job
-        self.mode = mode  # "node" or "replica"
+        self.mode = mode  # "node", "replica", or "planner" (the Planner's process builds: planner_host)
         self.prefetch = prefetch
         self.dp = dp
         self.lifetime = lifetime
@@ -213,6 +214,8 @@ class ConstructorPool:
 
     def for_rank(self, dp_rank: int, planner):
         """The handle serving `dp_rank`, started (and registered with `planner`) when this process has none."""
+        if self.mode == "planner":
+            return planner
         key = self.key(dp_rank)
         handle = self.handles.get(key)
         if handle is None:

@@ -113,7 +113,8 @@ class PlannerActor:
             IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
         # A shared job's standby follows this Planner's per-step state and makes its successor, should it
         # die; a successor continues the dead one's stream (plait.runtime.ray.standby_planner).
-        recipe = PlannerRecipe(spec_dict, job, {**options, "layout": self.layout.to_dict()}, self.spec.data_fingerprint())
+        recipe = PlannerRecipe(spec_dict, job, {**options, "layout": self.layout.to_dict()}, self.spec.data_fingerprint(),
+                               type(self))
         self.standby = StandbyLink.for_planner(recipe, PLAN_WINDOW)
         self.standby.adopt(self)
         self.standby.sync(self)
@@ -404,6 +405,7 @@ class PlannerRecipe:
     job: str
     options: dict  # loaders, partitions, dp, lifetime, ...; `layout` once decided (a new Planner keeps it)
     fingerprint: str
+    actor: type | None = None  # the actor class (default PlannerActor; plait.runtime.ray.planner_host's)
 
     @property
     def name(self) -> str:
@@ -421,8 +423,9 @@ class PlannerRecipe:
     def start(self):
         """Start the job's Planner actor, or find it by name when another client already did."""
         ray = ray_module()
-        opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0)
-        return ray.remote(PlannerActor).options(**opts).remote(self.spec_dict, self.job, self.options)
+        cls = self.actor or PlannerActor
+        opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0, **getattr(cls, "ACTOR_OPTIONS", {}))
+        return ray.remote(cls).options(**opts).remote(self.spec_dict, self.job, self.options)
 
 
 # ----- the layout decision, with the cost probe in a process of its own -------------------------------

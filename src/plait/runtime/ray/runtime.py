@@ -30,6 +30,7 @@ from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.planner_actor import PlannerRecipe
+from plait.runtime.ray.planner_host import PlannerHostActor
 from plait.runtime.scaling import describe
 from plait.spec import Spec, load_spec
 from plait.telemetry import Telemetry
@@ -75,7 +76,9 @@ class RayOptions:
                     each loader is sized to be busy at most half of it
       on_layout     called with the layout, one row per loader (plait.runtime.scaling.describe), once
       prefetch      steps each Constructor builds ahead (default 2)
-      constructors  "node" (one per node, default) or "replica" (one per DP replica)
+      constructors  "node" (one per node, default) or "replica" (one per DP replica), or "planner": the
+                    Planner's process builds every rank's batches (a one-node job: one process fewer;
+                    plait.runtime.ray.planner_host)
       dp            override the topology's DP size
       loader_cpus   CPUs each loader actor reserves (default 0: placement by spreading only)
       max_cached_blocks  decoded blocks a loader keeps (LRU; plus what plans still need)
@@ -117,8 +120,8 @@ class RayOptions:
         step_time = self.step_time
         if not (isinstance(step_time, (int, float)) and step_time > 0 and math.isfinite(step_time)):
             raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
-        if self.constructors not in ("node", "replica"):
-            raise PlaitError(f"constructors must be 'node' or 'replica', not {self.constructors!r}")
+        if self.constructors not in ("node", "replica", "planner"):
+            raise PlaitError(f"constructors must be 'node', 'replica' or 'planner', not {self.constructors!r}")
         if self.attach and not self.job:
             raise PlaitError("attach=True joins a job by name: pass job=NAME too")
         idle = self.job_idle_timeout
@@ -131,7 +134,7 @@ class RayOptions:
                 "max_cached_blocks": self.max_cached_blocks, "lifetime": "detached" if self.job else None,
                 "checkpoint_interval": self.checkpoint_interval, "respawn_delay": self.respawn_delay,
                 "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout,
-                "planner_standby": self.planner_standby}
+                "planner_standby": self.planner_standby, "constructors": self.constructors, "prefetch": self.prefetch}
 
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
@@ -291,8 +294,9 @@ class RayRuntime:
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         planner_options = opts.planner_options(self.dp, cpus)
         planner_options["creator"] = uuid.uuid4().hex  # tells this client's start from another's
+        host = PlannerHostActor if opts.constructors == "planner" else None
         recipe = PlannerRecipe(self.spec.model_dump(mode="json"), self.job, planner_options,
-                               self.spec.data_fingerprint())
+                               self.spec.data_fingerprint(), host)
         self.planner = jobs.find_planner(self.job) if opts.attach else recipe.start()
         # Refused (nothing attached) for another spec or layout, or for a live job's name without attach.
         get(self.planner.attach.remote(recipe.fingerprint, self.dp, planner_options["creator"], opts.attach))
@@ -308,8 +312,10 @@ class RayRuntime:
         self.layout = Layout.from_dict(self.info["layout"])
         if opts.on_layout is not None:
             opts.on_layout(describe(self.layout, self.spec.source_names))
-        self._constructors = ConstructorPool(self.job, opts.constructors, self.prefetch, self.dp,
-                                             planner_options["lifetime"])
+        # Where the job builds is the job's choice (its creator's): a Planner that builds is everyone's Constructor.
+        hosted = self.info.get("constructors") == "planner"
+        mode = "planner" if hosted else ("node" if opts.constructors == "planner" else opts.constructors)
+        self._constructors = ConstructorPool(self.job, mode, self.prefetch, self.dp, planner_options["lifetime"])
         self._gen, base = get(self.planner.base.remote())
         self._next_step = int(base["step"])
         self._plan_refs: dict[int, Any] = {}
