@@ -84,6 +84,10 @@ def add_arguments(p) -> None:
                    help="ray: steps after a takeover before a replacement shadow starts (large: never)")
     p.add_argument("--runtime", choices=["ray", "local"], default="ray",
                    help="ray: kill actors with ray.kill; local: in-process loaders with simulated deaths")
+    p.add_argument("--planner", action="store_true",
+                   help="ray: kill the Planner of a named job instead (its standby makes the successor): takeover "
+                        "time, bytes per step the standby receives (plait.cli.bench.planner_takeover)")
+    p.add_argument("--kill-at", type=int, default=None, help="--planner: the step after which it dies (default: middle)")
     p.add_argument("--data", metavar="DIR", help="where to write the dataset (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
@@ -97,6 +101,8 @@ def run(args) -> int:
     tmp = None
     root = Path(args.data) if args.data else Path(tmp := tempfile.mkdtemp(prefix="plait-bench-recovery-"))
     spec = make_spec(root, dp=args.dp, shadows=args.shadows)
+    if getattr(args, "planner", False):
+        return _run_planner(spec, args, console, tmp)
     if args.runtime == "ray":
         result = _run_ray(spec, args)
     else:
@@ -123,6 +129,22 @@ def run(args) -> int:
 
         shutil.rmtree(tmp, ignore_errors=True)
     ok = result["lost"] == 0 and result["duplicated"] == 0 and result["same_order"]
+    return 0 if ok else 1
+
+
+def _run_planner(spec, args, console, tmp) -> int:
+    from plait.cli.bench import planner_takeover
+
+    result = planner_takeover.measure(spec, steps=args.steps, kill_at=args.kill_at or args.steps // 2)
+    result.update(compare_streams(*result.pop("streams")))
+    planner_takeover.report(result, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if tmp:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    ok = result["lost"] == 0 and result["duplicated"] == 0 and result["same_order"] and result["takeovers"] == 1
     return 0 if ok else 1
 
 

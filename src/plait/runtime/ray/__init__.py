@@ -11,6 +11,8 @@ One module each:
   constructor_actor  builds (step, dp_rank) once for every TP/PP/CP rank of a replica, from payloads
                      pulled straight from the loaders (RayPayloads); serves each CP rank its shard
   recovery           what happens when a loader, a shadow, a Constructor or the Planner dies
+  standby_planner    a shared job's standby Planner: follows the Planner's per-step state, makes its
+                     successor (exactly one, same stream) when it dies
   jobs               a job's lifecycle: attach=True, heartbeats, close at exit, `plait jobs` list/stop
   job_metrics        the job's Prometheus endpoint, served by the Planner (per-loader and delivered counts
                      collected from the actors at scrape time)

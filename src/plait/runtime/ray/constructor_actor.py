@@ -22,6 +22,7 @@ from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
 from plait.roles.constructor import Constructor
 from plait.runtime.placement import PartitionMap
+from plait.runtime.ray import standby_planner
 from plait.runtime.ray.routing import Route
 from plait.runtime.ray.common import (
     NAMESPACE,
@@ -113,13 +114,16 @@ class RayPayloads:
 class ConstructorActor:
     """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead."""
 
-    def __init__(self, job: str, prefetch: int, threads: int = 2):
+    def __init__(self, job: str, prefetch: int, threads: int = 2, planner=None):
         use_numpy_kernels()
         ray = ray_module()
-        self.planner = ray.get_actor(planner_name(job), namespace=NAMESPACE)
+        self.job = job
+        # `planner`: the Planner's own process hosts this Constructor (plait.runtime.ray.planner_host)
+        self.planner = planner if planner is not None else ray.get_actor(planner_name(job), namespace=NAMESPACE)
         info = get(self.planner.info.remote())
         self.route = Route(get(self.planner.routing.remote()))
-        self.constructor = Constructor(RayPayloads(self.route, planner=self.planner))
+        self.payloads = RayPayloads(self.route, planner=self.planner)
+        self.constructor = Constructor(self.payloads)
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
@@ -131,7 +135,16 @@ class ConstructorActor:
         self.wait_seconds: dict[int, float] = {}  # DP rank -> seconds its requests waited for a build
 
     def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
-        plan, state, routing = get(self.planner.build_order.remote(gen, step, dp_rank, self.route.version))
+        while True:
+            planner = self.planner
+            try:
+                plan, state, routing = get(planner.build_order.remote(gen, step, dp_rank, self.route.version))
+                break
+            except dead_errors():  # the job's standby makes the Planner's successor (once, whoever asks)
+                successor = standby_planner.successor(self.job, planner)
+                if successor is None:
+                    raise
+                self.planner = self.payloads.planner = successor[0]
         self.route.update(routing)
         with Stopwatch() as t:
             batches = self.constructor.build(plan)
@@ -205,7 +218,7 @@ class ConstructorPool:
 
     def __init__(self, job: str, mode: str, prefetch: int, dp: int, lifetime: str | None = None):
         self.job = job
-        self.mode = mode  # "node" or "replica"
+        self.mode = mode  # "node", "replica", or "planner" (the Planner's process builds: planner_host)
         self.prefetch = prefetch
         self.dp = dp
         self.lifetime = lifetime
@@ -222,6 +235,8 @@ class ConstructorPool:
 
     def for_rank(self, dp_rank: int, planner):
         """The handle serving `dp_rank`, started (and registered with `planner`) when this process has none."""
+        if self.mode == "planner":
+            return planner
         key = self.key(dp_rank)
         handle = self.handles.get(key)
         if handle is None:

@@ -57,10 +57,15 @@ class Heartbeat(threading.Thread):
             runtime = self.runtime()
             if runtime is None:
                 return
-            planner, runtime = runtime.planner, None
+            planner, job, runtime = runtime.planner, runtime.job, None
             try:
                 get(planner.touch.remote(), timeout=max(self.period, 5.0))
-            except Exception:  # noqa: BLE001 - a dead or busy Planner: the driver's calls find out
+            except dead_errors():  # a successor (plait.runtime.ray.standby_planner) is found by the job's name
+                try:
+                    get(find_planner(job, wait=0).touch.remote(), timeout=max(self.period, 5.0))
+                except Exception:  # noqa: BLE001 - none yet: the driver's calls find out
+                    pass
+            except Exception:  # noqa: BLE001 - a busy Planner: the driver's calls find out
                 pass
 
     def stop(self) -> None:

@@ -37,6 +37,7 @@ from plait.runtime.ray.job_metrics import JobMetrics
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.recovery import LoaderFleet
 from plait.runtime.ray.routing import Routing, RoutingTable, check_layout
+from plait.runtime.ray.standby_planner import StandbyLink
 from plait.runtime.scaling import format_layout, probe_costs
 from plait.spec import Spec, load_spec
 from plait.telemetry import Stopwatch
@@ -81,15 +82,19 @@ class PlannerActor:
         self.job = job
         self.options = options
         layout = layout_for(self.spec, options)
-        fleet = self._fleet(LoaderConfig.from_options(job, spec_dict, layout, options))
+        # A successor (plait.runtime.ray.standby_planner) continues the dead Planner's layout version: its
+        # loaders, found by their versioned names, and the routing version the Constructors hold.
+        version = int(options.get("layout_version") or 0)
+        fleet = self._fleet(replace(LoaderConfig.from_options(job, spec_dict, layout, options), version=version),
+                            options)
         self.num_files: dict[int, int] = {}
         for counts in get([ld.num_files.remote() for ld in fleet.handles]):
             self.num_files.update({int(s): n for s, n in counts.items()})
         owner = layout.owner()
         pmap = PartitionMap(self.spec.seed, self.num_files, layout.num_partitions, owner)
-        self.routes = RoutingTable(Routing(0, layout, pmap, fleet))
+        self.routes = RoutingTable(Routing(version, layout, pmap, fleet))
         self.prepared: dict[int, Routing] = {}  # layouts started, not yet switched to (prepare_layout)
-        self.version_lock, self.last_version = threading.Lock(), 0
+        self.version_lock, self.last_version = threading.Lock(), version
         by_loader: dict[int, list[int]] = {}
         for s in range(len(self.spec.sources)):
             by_loader.setdefault(owner[(s, 0)], []).append(s)
@@ -100,7 +105,8 @@ class PlannerActor:
 
         self.metadata = LoaderMetadata(fleet, pmap, first)
         self.planner = Planner(self.spec, self.metadata, dp=options.get("dp"))
-        fleet.start_shadows()
+        if "takeover" not in options:  # a successor's start later (plait.runtime.ray.standby_planner)
+            fleet.start_shadows()
         self.gen = 0
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.base_state = self.planner.state_dict()
@@ -122,6 +128,13 @@ class PlannerActor:
             self._start_autoscaling(options["autoscale"])
         if self.idle_timeout:
             IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
+        # A shared job's standby follows this Planner's per-step state and makes its successor, should it
+        # die; a successor continues the dead one's stream (plait.runtime.ray.standby_planner).
+        recipe = PlannerRecipe(spec_dict, job, {**options, "layout": self.layout.to_dict()}, self.spec.data_fingerprint(),
+                               type(self))
+        self.standby = StandbyLink.for_planner(recipe, PLAN_WINDOW)
+        self.standby.adopt(self)
+        self.standby.sync(self)
 
     # ----- the current layout, and changing it while the job runs (plait.runtime.ray.routing) ------
     @property
@@ -136,8 +149,11 @@ class PlannerActor:
     def pmap(self) -> PartitionMap:
         return self.routes.current.pmap
 
-    def _fleet(self, config: LoaderConfig) -> LoaderFleet:
-        return LoaderFleet(config, self.spec, self.options, now=lambda: self.planner.step, on_replaced=self._release)
+    def _fleet(self, config: LoaderConfig, options: dict | None = None) -> LoaderFleet:
+        """The loaders of `config`'s layout. Only the first fleet takes `loader_generations` (a successor's
+        view of the dead Planner's replacements); a new layout's loaders start at generation 0."""
+        options = options if options is not None else {k: v for k, v in self.options.items() if k != "loader_generations"}
+        return LoaderFleet(config, self.spec, options, now=lambda: self.planner.step, on_replaced=self._release)
 
     def routing(self) -> dict:
         """The current routing (version, PartitionMap, loader handles), as a Constructor starts with it."""
@@ -238,12 +254,15 @@ class PlannerActor:
             return self.gen
         if plan is None and self.planner.step == step and self.planner.state_dict() == state:
             return self.gen
+        if self.standby.rewind(self, step, state):  # a successor serving a step its predecessor planned
+            return self.gen
         self.planner.load_state_dict(state)  # validates version and fingerprint
         self.window.clear()
         self.built.clear()
         self.base_state = self.planner.state_dict()
         self.gen += 1
         self.routes.forget(lambda gen, _: gen == self.gen)
+        self.standby.sync(self, wait=True)
         return self.gen
 
     def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
@@ -255,12 +274,14 @@ class PlannerActor:
         self.built.clear()
         self.base_state = self.planner.state_dict()
         self.gen += 1
+        self.standby.sync(self, wait=True)
         return self.gen, list(changes)
 
     def set_weights(self, weights: dict, at_step: int) -> None:
         """Run-time reweighting, applied once for the whole job (the Planner refuses a planned step)."""
         self._seen()
         self.planner.set_weights(weights, at_step)
+        self.standby.sync(self, wait=True)
 
     def weight_overrides(self) -> list[dict]:
         """The weight changes recorded so far (`plait mix JOB --show`)."""
@@ -269,15 +290,17 @@ class PlannerActor:
     def report(self, step: int, losses: dict) -> None:
         self._seen()
         self.planner.report(step, losses)
+        self.standby.sync(self, wait=True)
 
     def _plan(self, gen: int, step: int) -> StepPlan:
         if gen != self.gen:
             raise StaleGeneration(f"the plan stream was reset (generation {self.gen}, asked {gen})")
         if step in self.window:
             return self.window[step]
-        if step < self.planner.step:
+        if step < self.planner.step and not self.standby.rewind(self, step):
             raise PlaitError(f"step {step} left the Planner's window; resume from a saved state")
         while self.planner.step <= step:
+            self.standby.align(self)
             with Stopwatch() as t:
                 plan = self.planner.plan_step()
             self.metrics.telemetry.observe_plan(plan, t.seconds)
@@ -290,6 +313,7 @@ class PlannerActor:
         self.routes.retire_due()
         self._release()
         self.loaders.after_planning(self.planner.step)
+        self.standby.sync(self)
         return self.window[step]
 
     def step_plan(self, gen: int, step: int) -> StepPlan:
@@ -322,6 +346,7 @@ class PlannerActor:
         done.add(dp_rank)
         if len(done) == self.planner.ranks:
             self._release()
+            self.standby.sync(self)  # the oldest step still needed moved
 
     def _release(self) -> None:
         """Tell loaders which blocks are still live: the Planner's own, and those of unbuilt steps."""
@@ -355,6 +380,7 @@ class PlannerActor:
                              f"{ranks}: every trainer process of a job must use the same spec and layout")
         self._seen()
         self.clients += 1
+        self.standby.sync(self)
         return self.clients
 
     def touch(self) -> None:
@@ -363,6 +389,7 @@ class PlannerActor:
 
     def register_constructor(self, name: str) -> None:
         self.constructors.add(name)
+        self.standby.sync(self)
 
     def base(self) -> tuple[int, dict]:
         """The current generation and the data state it started from."""
@@ -372,11 +399,13 @@ class PlannerActor:
     def detach(self) -> int:
         self._seen()
         self.clients -= 1
+        self.standby.sync(self)
         return self.clients
 
     def shutdown(self) -> None:
         """End the job's Constructors, loaders and shadows (the caller then ends this actor)."""
         ray = ray_module()
+        self.standby.close()  # first: nobody must take over from a Planner that ends
         if self.control is not None:
             self.control.stop()
         for name in self.constructors:
@@ -408,6 +437,7 @@ class PlannerActor:
         """Resident memory of the job's actors (each measures itself), in bytes, and how many answered."""
         ray = ray_module()
         handles = list(self.loaders.handles) + [sh for group in self.loaders.shadows for sh in group]
+        handles += self.standby.handles()
         for name in self.constructors:
             try:
                 handles.append(ray.get_actor(name, namespace=NAMESPACE))
@@ -505,6 +535,7 @@ class PlannerRecipe:
     job: str
     options: dict  # loaders, partitions, dp, lifetime, ...; `layout` once decided (a new Planner keeps it)
     fingerprint: str
+    actor: type | None = None  # the actor class (default PlannerActor; plait.runtime.ray.planner_host's)
 
     @property
     def name(self) -> str:
@@ -522,8 +553,9 @@ class PlannerRecipe:
     def start(self):
         """Start the job's Planner actor, or find it by name when another client already did."""
         ray = ray_module()
-        opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0)
-        return ray.remote(PlannerActor).options(**opts).remote(self.spec_dict, self.job, self.options)
+        cls = self.actor or PlannerActor
+        opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0, **getattr(cls, "ACTOR_OPTIONS", {}))
+        return ray.remote(cls).options(**opts).remote(self.spec_dict, self.job, self.options)
 
 
 # ----- the layout decision, with the cost probe in a process of its own -------------------------------

@@ -10,9 +10,11 @@ repeating a sample, because everything an actor serves is a pure function of the
     replacement `respawn_delay` steps later.
   * a Constructor dies (found by the driver waiting for a build) -> `replace_dead_constructors`: a new one
     rebuilds the step (the Planner keeps a window of plans; loaders re-read what was released).
-  * the Planner dies (found by the driver; its loaders and shadows die with it unless detached) ->
-    `recreate_planner`: a new Planner from the last data state this process saw, which plans the same
-    steps again, exactly, and starts loaders that re-read what is needed.
+  * the Planner dies (found by the driver; its loaders and shadows die with it unless detached) -> in a
+    shared job, its standby makes the successor (plait.runtime.ray.standby_planner: one for every process
+    of the job, the same stream); without a standby, `recreate_planner`: a new Planner from the last data
+    state this process saw, which plans the same steps again, exactly, and starts loaders that re-read
+    what is needed.
 
 `wait_name_free` is the one wait for a dead actor's name (released asynchronously by Ray). Every
 recovery is logged on the `plait.recovery` logger ("failure: ..." then "recovery: ...") and recorded as
@@ -63,9 +65,10 @@ class LoaderFleet:
         self.now = now
         self.on_replaced = on_replaced
         n = config.layout.loaders
-        self.handles = [config.start(k) for k in range(n)]
-        self.names = [config.name(k) for k in range(n)]
-        self.generation = [0] * n
+        # A successor Planner (plait.runtime.ray.standby_planner) finds its predecessor's loaders by name.
+        self.generation = list(options.get("loader_generations") or [0] * n)
+        self.handles = [config.start(k, self.generation[k]) for k in range(n)]
+        self.names = [config.name(k, self.generation[k]) for k in range(n)]
         self.shadows: list[list] = [[] for _ in range(n)]
         self.events: list[dict] = []
         self.on_event: Callable[[dict], None] | None = None  # told of each event (the job's metrics)
@@ -75,8 +78,14 @@ class LoaderFleet:
         self._respawn: list[tuple[int, int]] = []  # (loader index, step at which a new shadow starts)
         self._follows: dict[int, list] = {}  # loader index -> [(shadow, ref of one of its follow calls)]
 
-    def start_shadows(self) -> None:
-        """Each loader's standbys: as many as the most demanding of its sources asks for (`shadows`)."""
+    def start_shadows(self, after_step: int | None = None) -> None:
+        """Each loader's standbys: as many as the most demanding of its sources asks for (`shadows`).
+        `after_step`: the loaders run already (a successor Planner's): the shadows start `respawn_delay`
+        steps after that step, from a snapshot, like replacements (not while the job recovers)."""
+        if after_step is not None:
+            self._respawn += [(k, after_step + self.respawn_delay) for k in range(len(self.handles))
+                              for _ in range(self.shadow_count(k))]
+            return
         self.shadows = [[start_shadow(self.config, k, self.names[k]) for _ in range(self.shadow_count(k))]
                         for k in range(len(self.handles))]
 

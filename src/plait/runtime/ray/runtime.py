@@ -26,10 +26,11 @@ from plait.errors import PlaitError
 from plait.plan import StepPlan
 from plait.roles.state_log import PlannerLog
 from plait.runtime.placement import Layout
-from plait.runtime.ray import jobs, recovery
+from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.planner_actor import PlannerRecipe
+from plait.runtime.ray.planner_host import PlannerHostActor
 from plait.runtime.scaling import describe
 from plait.spec import Spec, load_spec
 from plait.telemetry import Telemetry
@@ -75,7 +76,9 @@ class RayOptions:
                     each loader is sized to be busy at most half of it
       on_layout     called with the layout, one row per loader (plait.runtime.scaling.describe), once
       prefetch      steps each Constructor builds ahead (default 2)
-      constructors  "node" (one per node, default) or "replica" (one per DP replica)
+      constructors  "node" (one per node, default) or "replica" (one per DP replica), or "planner": the
+                    Planner's process builds every rank's batches (a one-node job: one process fewer;
+                    plait.runtime.ray.planner_host)
       dp            override the topology's DP size
       loader_cpus   CPUs each loader actor reserves (default 0: placement by spreading only)
       max_cached_blocks  decoded blocks a loader keeps (LRU; plus what plans still need)
@@ -83,6 +86,10 @@ class RayOptions:
       checkpoint_interval  steps between loader deltas to their shadows (`shadows` per source in the spec)
       respawn_delay  steps after a takeover before a new shadow starts (a worker process start-up costs
                     about a second of CPU; it should not land on the failure step)
+      planner_standby  a named job's Planner has a standby that follows its per-step state and makes its
+                    successor when it dies, so every trainer process continues the same stream (default
+                    True; plait.runtime.ray.standby_planner). Off, or in a private job, a trainer process
+                    recreates a dead Planner from the data state it last saw
       metrics_port  serve this process's own Prometheus metrics there (0: any free port; the time its ranks
                     waited for data), on the spec's `metrics.address`; off by default. The job's endpoint
                     (planning, loaders, delivered tokens, recoveries) is the Planner's, from the spec's
@@ -110,6 +117,7 @@ class RayOptions:
     init_options: dict | None = None
     checkpoint_interval: int = 1
     respawn_delay: int = 4
+    planner_standby: bool = True
     metrics_port: int | None = None
     autoscale: bool | dict | None = None
 
@@ -122,8 +130,8 @@ class RayOptions:
         step_time = self.step_time
         if not (isinstance(step_time, (int, float)) and step_time > 0 and math.isfinite(step_time)):
             raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
-        if self.constructors not in ("node", "replica"):
-            raise PlaitError(f"constructors must be 'node' or 'replica', not {self.constructors!r}")
+        if self.constructors not in ("node", "replica", "planner"):
+            raise PlaitError(f"constructors must be 'node', 'replica' or 'planner', not {self.constructors!r}")
         if self.attach and not self.job:
             raise PlaitError("attach=True joins a job by name: pass job=NAME too")
         idle = self.job_idle_timeout
@@ -136,7 +144,8 @@ class RayOptions:
                 "max_cached_blocks": self.max_cached_blocks, "lifetime": "detached" if self.job else None,
                 "checkpoint_interval": self.checkpoint_interval, "respawn_delay": self.respawn_delay,
                 "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout,
-                "autoscale": self.autoscale or None}
+                "autoscale": self.autoscale or None, "planner_standby": self.planner_standby,
+                "constructors": self.constructors, "prefetch": self.prefetch}
 
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
@@ -296,8 +305,9 @@ class RayRuntime:
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         planner_options = opts.planner_options(self.dp, cpus)
         planner_options["creator"] = uuid.uuid4().hex  # tells this client's start from another's
+        host = PlannerHostActor if opts.constructors == "planner" else None
         recipe = PlannerRecipe(self.spec.model_dump(mode="json"), self.job, planner_options,
-                               self.spec.data_fingerprint())
+                               self.spec.data_fingerprint(), host)
         self.planner = jobs.find_planner(self.job) if opts.attach else recipe.start()
         # Refused (nothing attached) for another spec or layout, or for a live job's name without attach.
         get(self.planner.attach.remote(recipe.fingerprint, self.dp, planner_options["creator"], opts.attach))
@@ -313,8 +323,10 @@ class RayRuntime:
         self.layout = Layout.from_dict(self.info["layout"])
         if opts.on_layout is not None:
             opts.on_layout(describe(self.layout, self.spec.source_names))
-        self._constructors = ConstructorPool(self.job, opts.constructors, self.prefetch, self.dp,
-                                             planner_options["lifetime"])
+        # Where the job builds is the job's choice (its creator's): a Planner that builds is everyone's Constructor.
+        hosted = self.info.get("constructors") == "planner"
+        mode = "planner" if hosted else ("node" if opts.constructors == "planner" else opts.constructors)
+        self._constructors = ConstructorPool(self.job, mode, self.prefetch, self.dp, planner_options["lifetime"])
         self._gen, base = get(self.planner.base.remote())
         self._next_step = int(base["step"])
         self._plan_refs: dict[int, Any] = {}
@@ -397,6 +409,11 @@ class RayRuntime:
                 ref = self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, *extra)
 
     def _planner_died(self, step: int) -> None:
+        # A shared job's standby makes the successor (once for all processes; same generation, same stream).
+        successor = standby_planner.successor(self.job, self.planner) if self.shared else None
+        if successor is not None:
+            self._took_over(successor)
+            return
         self.planner, self._gen, event = recovery.recreate_planner(
             self._recipe, self._planner_log.latest(), self._constructors, step)
         self.info = get(self.planner.info.remote())
@@ -409,6 +426,30 @@ class RayRuntime:
         self._build_refs = {}
         self._recovered(event)
 
+    def _took_over(self, successor: tuple) -> None:
+        """Continue with the Planner the standby made: same generation; the Constructors' builds stand."""
+        self.planner, event = successor
+        self.info = get(self.planner.info.remote())
+        for ref in self._plan_refs.values():
+            try:  # collect the errors of requests to the dead Planner (else Ray reports them as unhandled)
+                get(ref, timeout=0.5)
+            except Exception:  # noqa: BLE001
+                pass
+        self._plan_refs.clear()
+        self.recovery_log.append(event)  # counted once on the job's endpoint, by the successor
+
+    def _ask_planner(self, method: str, *args, timeout: float | None = None):
+        """`method(*args)` of the job's Planner; if it died, of the successor its standby made (without
+        a standby the error stands)."""
+        try:
+            return get(getattr(self.planner, method).remote(*args), timeout=timeout)
+        except dead_errors():
+            successor = standby_planner.successor(self.job, self.planner) if self.shared else None
+            if successor is None:
+                raise
+            self._took_over(successor)
+        return get(getattr(self.planner, method).remote(*args), timeout=timeout)
+
     def _constructor_died(self, dp_rank: int, step: int) -> None:
         event = recovery.replace_dead_constructors(self._constructors, self.planner, step, dp_rank)
         if event is not None:
@@ -420,14 +461,14 @@ class RayRuntime:
         self.planner.record_recovery.remote(event["role"])
 
     def _seek(self, state: dict) -> None:
-        gen = get(self.planner.seek.remote(state))
+        gen = self._ask_planner("seek", state)
         if gen != self._gen:
             self._plan_refs.clear()
         self._gen = gen
         self._next_step = int(state["step"])
 
     def state_dict(self) -> dict:
-        return get(self.planner.state_at.remote(self._gen, self._next_step))
+        return self._ask_planner("state_at", self._gen, self._next_step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:
@@ -441,10 +482,10 @@ class RayRuntime:
 
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """Ray: the job's one Planner applies it, so call it from one rank (any); a planned step is refused."""
-        get(self.planner.set_weights.remote(weights, at_step))
+        self._ask_planner("set_weights", weights, at_step)
 
     def report(self, step: int, losses: dict[str, float]) -> None:
-        get(self.planner.report.remote(step, losses))
+        self._ask_planner("report", step, losses)
 
     def error_report(self) -> dict:
         return get(self.planner.error_report.remote())
@@ -492,7 +533,7 @@ class RayRuntime:
                 LocalInstance.detach()
             return
         try:
-            left = get(self.planner.detach.remote(), timeout=30)
+            left = self._ask_planner("detach", timeout=30)
             if left <= 0:
                 get(self.planner.shutdown.remote(), timeout=60)
                 for _, c in self._constructors.items():
