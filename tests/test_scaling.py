@@ -169,3 +169,24 @@ def test_step_time_and_partition_names_validated(tmp_path):
     assert fixed_partitions(spec, None) == {}
     with pytest.raises(plait.PlaitError, match="unknown sources"):
         fixed_partitions(spec, {"nope": 2})
+
+
+def test_probe_times_decoding_an_image_sources_pixels(tmp_path, monkeypatch):
+    """Planning reads image sizes from headers only, but a loader decodes every delivered image: the probe
+    must time that decoding, or the auto layout sizes a photo source like text (one loader, starved)."""
+    from mm_data import mm_spec, webdataset
+
+    from plait.sources import Source
+
+    spec = plait.load_spec(mm_spec([webdataset(tmp_path / "wds", shards=2, per_shard=12)]))
+    decoded = []
+    real = Source.image_pixels
+
+    def counting(self, block, image):
+        decoded.append(image)
+        return real(self, block, image)
+
+    monkeypatch.setattr(Source, "image_pixels", counting)
+    cost, files = probe_costs(spec)
+    assert files == [2] and cost[0] > 0
+    assert decoded, "the probe decoded no image"

@@ -20,7 +20,6 @@ import warnings
 from typing import Iterator
 
 from plait.errors import PlaitError
-from plait.roles.elastic import advance
 from plait.roles.spec_change import warn_changes
 from plait.roles.state_log import apply_state_diff, diff_state
 from plait.roles.weights import merge_pending
@@ -324,6 +323,7 @@ class Loader:
                                                    "tokens_per_rank": None},
         )
         _note_layout_change(changed)
+        from plait.roles.elastic import advance  # the Planner (and numba): only when re-planning
         return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:

@@ -257,11 +257,16 @@ class SourceLoader:
                 "skipped": {s.name: s.errors.get("skipped", 0) for s in self.sources.values()},
                 "produced": {int(s): list(map(float, v)) for s, v in self.__dict__.get("produced", {}).items()}}
 
-    def error_report(self) -> dict[str, dict]:
-        return {
-            s.name: {"skipped": s.errors.get("skipped", 0), "messages": list(s.error_log)}
-            for s in self.sources.values()
-        }
+    def error_report(self, records: bool = False) -> dict[str, dict]:
+        """{source: {"skipped", "messages"}}; with `records`, also where each skip was ([file, record]), so
+        the reports of several processes that read the same block (a replaced or re-partitioned loader
+        decodes it again) can count every bad record once."""
+        out = {s.name: {"skipped": s.errors.get("skipped", 0), "messages": list(s.error_log)}
+               for s in self.sources.values()}
+        if records:
+            for s in self.sources.values():
+                out[s.name]["records"] = [list(w) for w in s.bad_records]
+        return out
 
     def close(self) -> None:
         for s in self.sources.values():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 from collections.abc import Sequence
 
 from plait.runtime.placement import Layout
@@ -21,7 +23,9 @@ from plait.spec import Spec
 
 def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens: int = 16384,
                 max_blocks: int = 4, budget_s: float = 2.0) -> tuple[list[float], list[int]]:
-    """(seconds per token, number of files) per source, from reading its first blocks.
+    """(seconds per token, number of files) per source, from reading its first blocks (and, for an image
+    source, decoding every image they hold: what its loader does for each delivered sample; the block read
+    alone takes image sizes from headers and would make a photo source look as cheap as text).
 
     Each source reads at least two blocks (the first one warms the reader and tokenizer up and is not
     timed unless it is the only one), then more until `min_tokens` tokens were timed, `max_blocks`
@@ -45,7 +49,7 @@ def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens:
             while blocks < max_blocks:
                 t0 = time.perf_counter()
                 block = src.read_block(key)
-                dt = time.perf_counter() - t0
+                dt = time.perf_counter() - t0 + image_seconds(src, block)
                 tok = int(block.lengths.sum()) or max(1, int(block.num_positions))
                 if blocks == 0:
                     first_s, first_tok = dt, tok
@@ -70,6 +74,23 @@ def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens:
     gc.collect()
     pa.default_memory_pool().release_unused()
     return costs, files
+
+
+PROBE_IMAGES = 16  # images decoded per probed block (evenly spaced); the rest are extrapolated
+
+
+def image_seconds(src, block) -> float:
+    """Seconds to decode every image of a block, as a loader's gather does for delivered documents:
+    measured on up to PROBE_IMAGES of them (evenly spaced), scaled to all. 0.0 for text."""
+    table = getattr(block, "images", None)
+    count = 0 if table is None or src.images is None else len(table.grid)
+    if count == 0:
+        return 0.0
+    sample = np.unique(np.linspace(0, count - 1, min(count, PROBE_IMAGES)).astype(np.int64))
+    t0 = time.perf_counter()
+    for j in sample:
+        src.image_pixels(block, int(j))
+    return (time.perf_counter() - t0) * count / len(sample)
 
 
 def describe(layout: Layout, names: Sequence[str], limit: int = 6) -> list[dict]:

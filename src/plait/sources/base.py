@@ -425,6 +425,11 @@ class Source:
         if len(self._bad_files) == len(self.files):
             raise SourceError(self.name, None, None, "no readable file" + self._skipped_hint())
 
+    @property
+    def bad_records(self) -> list[tuple[str, str | None]]:
+        """(file, record) of every bad record (or shard: record None) this process met, each once."""
+        return sorted(self._seen_bad, key=lambda w: (w[0], str(w[1])))
+
     def _bad(self, path: str, record: str | None, reason: str) -> None:
         err = SourceError(self.name, path, record, reason)
         if self.spec.on_error == "raise":

@@ -79,7 +79,7 @@ class LoaderActor:
 
     def error_report(self) -> dict:
         with self.lock:
-            return self.loader.error_report()
+            return self.loader.error_report(records=True)
 
     def close(self) -> None:
         with self.lock:

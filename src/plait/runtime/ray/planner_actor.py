@@ -456,13 +456,11 @@ class PlannerActor:
 
     # ----- reports, and what the loaders' recovery needs from the outside -------------------------
     def error_report(self) -> dict:
-        out: dict[str, dict] = {}
-        for rep in self.loaders.each("error_report"):
-            for name, r in rep.items():
-                agg = out.setdefault(name, {"skipped": 0, "messages": []})
-                agg["skipped"] += r["skipped"]
-                agg["messages"].extend(m for m in r["messages"] if m not in agg["messages"])
-        return out
+        """Records skipped, over the current loaders and those of retired layouts; a bad record that
+        several loaders met (a block decoded again after a replacement or a rescale) counts once."""
+        reports = self.loaders.each("error_report") + [
+            rep for routing in self.routes.retired for rep in routing.fleet.final_errors]
+        return merge_error_reports(reports)
 
     def loader_stats(self) -> list[dict]:
         return self.loaders.each("stats")
@@ -495,6 +493,24 @@ class PlannerActor:
 
     def shadow_stats(self) -> list[list[dict]]:
         return self.loaders.shadow_stats()
+
+
+def merge_error_reports(reports: list[dict]) -> dict:
+    """{source: {"skipped", "messages"}} of several loaders' reports: messages once each; skipped is the
+    number of distinct bad records when the reports name them (else the sum)."""
+    out: dict[str, dict] = {}
+    where: dict[str, set] = {}
+    for rep in reports:
+        for name, r in rep.items():
+            agg = out.setdefault(name, {"skipped": 0, "messages": []})
+            agg["messages"].extend(m for m in r["messages"] if m not in agg["messages"])
+            if "records" in r:
+                where.setdefault(name, set()).update(tuple(w) for w in r["records"])
+            else:
+                agg["skipped"] += r["skipped"]
+    for name, records in where.items():
+        out[name]["skipped"] += len(records)
+    return out
 
 
 def format_age(seconds: float) -> str:

@@ -74,6 +74,7 @@ class LoaderFleet:
         self.on_event: Callable[[dict], None] | None = None  # told of each event (the job's metrics)
         self.checkpoint_interval = max(1, int(options.get("checkpoint_interval") or 1))
         self.respawn_delay = int(options.get("respawn_delay", 4))
+        self.final_errors: list[dict] = []  # the loaders' error reports when the fleet was retired
         self._last_delta_step = -1
         self._respawn: list[tuple[int, int]] = []  # (loader index, step at which a new shadow starts)
         self._follows: dict[int, list] = {}  # loader index -> [(shadow, ref of one of its follow calls)]
@@ -221,6 +222,14 @@ class LoaderFleet:
         not run on closed readers."""
         ray = ray_module()
         self._respawn = []
+        # What they skipped stays in the job's error report (plait.runtime.ray.planner_actor.error_report)
+        refs = [ld.error_report.remote() for ld in self.handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        for ref in ready:
+            try:
+                self.final_errors.append(ray.get(ref))
+            except Exception:  # noqa: BLE001 - a dead loader: its replacement's report is lost with it
+                pass
         for ld in self.handles + [sh for group in self.shadows for sh in group]:
             try:
                 ray.kill(ld)

@@ -53,6 +53,7 @@ class RoutingTable:
         self.current = current
         self.retiring: list[tuple[Routing, float]] = []  # (old routing, time it ends at the latest)
         self.orders: dict[tuple[int, int, int], int] = {}  # (gen, step, dp rank) -> version it was built with
+        self.retired: list[Routing] = []  # ended versions (their loaders' final error reports)
 
     @property
     def version(self) -> int:
@@ -94,6 +95,7 @@ class RoutingTable:
             why = "its builds are done" if now < deadline else f"grace period of {RETIRE_GRACE_S:.0f} s over"
             log.info("layout v%d retired: %d loader(s) end (%s)", routing.version, routing.layout.loaders, why)
             routing.fleet.retire()
+            self.retired.append(routing)
         self.retiring = keep
 
     def close(self) -> None:
