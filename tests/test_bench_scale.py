@@ -4,7 +4,6 @@ sane scaling figures (plan time, bytes between roles, actors, memory, connection
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 
@@ -34,14 +33,14 @@ def test_synthetic_metadata_is_deterministic_and_walks_every_block():
 
 def test_bench_scale_reduced_size(tmp_path):
     out = tmp_path / "scale.json"
-    t0 = time.perf_counter()
     rc = main(["bench", "scale", "--dp", str(DP), "--sources", str(SOURCES), "--steps", str(STEPS),
                "--step-time", "0.05", "--quiet", "--json", str(out)])
     assert rc == 0
-    assert time.perf_counter() - t0 < 20
     data = json.loads(out.read_text())
     fig = {r["figure"].strip(): r for r in data["rows"]}
     per = data["per_step"]
+    # the standby receives a diff of each step's state: never more than the state itself, and not nothing
+    assert 0 < fig["Planner -> standby: state diff"]["value"] <= max(per["state_bytes"])
     for r in data["rows"]:
         assert r["how"] in ("given", "measured", "computed") and r["unit"] and r["note"]
 
@@ -65,7 +64,7 @@ def test_bench_scale_reduced_size(tmp_path):
     assert fig["data state (JSON)"]["value"] < 50_000
     # actors: one Planner, loaders from the measured demand, one Constructor per node (8 GPUs, TP 8)
     loaders = fig["SourceLoaders"]["value"]
-    assert 1 <= loaders <= SOURCES * 16 and fig["Planner"]["value"] == 1
+    assert 1 <= loaders <= SOURCES * 16 and fig["Planner"]["value"] == 2
     assert fig["Constructors"]["value"] == DP and fig["shadows"]["value"] == 0
     assert data["sources_per_loader"] == SOURCES / loaders
     # memory: measured Planner growth holds the block metadata; loaders hold live blocks

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from plait.cli.bench.synthetic import KINDS, SyntheticMetadata, SyntheticSources
+from plait.roles.state_log import diff_state, nbytes
 
 HELP = "scaling figures of a 10k-GPU job on paper: real Planner + placement on synthetic metadata"
 DESCRIPTION = __doc__
@@ -162,8 +163,9 @@ def plan_steps(planner, provider: SyntheticMetadata, ctx: dict, progress=None) -
     per: dict[str, list] = {k: [] for k in ("plan_cpu_ms", "plan_wall_ms", "draw_cpu_ms", "meta_bytes", "meta_blocks",
                                            "state_bytes", "cursor_state_bytes", "rank_plan_bytes", "retain_bytes", "items", "tokens",
                                            "max_over_lb", "conn_mean", "conn_max", "loader_nodes_max",
-                                           "live_blocks_max", "plan_bytes", "rss")}
+                                           "live_blocks_max", "plan_bytes", "rss", "standby_bytes")}
     window: list = []
+    previous = None
     for _ in range(args.steps):
         provider.reset_counters()
         planner.draw_cpu = 0.0
@@ -176,6 +178,9 @@ def plan_steps(planner, provider: SyntheticMetadata, ctx: dict, progress=None) -
         per["meta_bytes"].append(provider.bytes)
         per["meta_blocks"].append(provider.blocks)
         state = planner.state_dict()
+        # what the standby Planner receives per step (plait.runtime.ray.standby_planner): the state's diff
+        per["standby_bytes"].append(nbytes(diff_state(previous, state)) if previous is not None else nbytes(state))
+        previous = state
         per["state_bytes"].append(len(json.dumps(state)))
         per["cursor_state_bytes"].append(len(json.dumps({**state, "carry": []})))
         per["rank_plan_bytes"].append(int(rank_plan_bytes(plan).sum()))
@@ -251,8 +256,11 @@ def figures(args, m: dict) -> list[dict]:
     # actors
     split = sum(1 for n in layout.num_partitions.values() if n > 1)
     total_demand = float(sum(layout.demand))
-    figure(rows, "actors", "Planner", 1, "actors", "given",
-           "one per job; recreated from its recipe + data state on failure (no standby process)")
+    figure(rows, "actors", "Planner", 2, "actors", "given",
+           "one active per job and its standby, which follows the per-step state and starts a successor if it dies")
+    follow = per["standby_bytes"][1:] or per["standby_bytes"]
+    figure(rows, "bytes/step", "Planner -> standby: state diff", int(np.median(follow)), "B/step", "measured",
+           f"median over steps 2..{args.steps} (the first sends the whole state, {per['standby_bytes'][0] / 1e3:.1f} kB)")
     figure(rows, "actors", "SourceLoaders", loaders, "actors", "computed",
            f"plan_layout: demand {total_demand:.1f} cores at step time {args.step_time:g} s / {layout_util()} utilisation; "
            f"{sum(layout.num_partitions.values())} partitions, {split} sources split; "
