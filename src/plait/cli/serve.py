@@ -1,4 +1,5 @@
-"""`plait serve SPEC --job NAME`: run a job on Ray for thin trainer clients (no Ray in the trainers)."""
+"""`plait serve SPEC --job NAME`: run a job for thin trainer clients (no Ray in the trainers): on Ray
+(default), or all of it in this one process (`--runtime local`, no Ray at all)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 from pathlib import Path
 
 from plait.cli.common import console, loaders_arg, positive_int
+from plait.errors import PlaitError
 from plait.spec import load_spec
 
 HELP = "run a job on Ray and serve its batches to thin trainer clients over Arrow Flight"
@@ -15,7 +17,9 @@ DESCRIPTION = (
     "Arrow Flight: each Constructor serves its ranks' builds, and one rendezvous address (--address, loopback "
     "by default) tells each trainer where. Prints PLAIT_ADDRESS and PLAIT_TOKEN (a fresh per-job token, or "
     "PLAIT_TOKEN from the environment) for the trainer processes, which use "
-    "plait.Loader(spec, dp_rank, runtime=\"flight\"). Runs until stopped (Ctrl-C or SIGTERM), then ends the job."
+    "plait.Loader(spec, dp_rank, runtime=\"flight\"). Runs until stopped (Ctrl-C or SIGTERM), then ends the job. "
+    "--runtime local: no Ray; this one process plans, loads every source and builds every rank's batches "
+    "(plait.runtime.serve_local), the least memory for a one-node job."
 )
 
 
@@ -24,6 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--job", required=True, help="the job's name")
     p.add_argument("--address", default="127.0.0.1:0",
                    help="where the rendezvous listens, host:port (default 127.0.0.1 on a free port)")
+    p.add_argument("--runtime", choices=["ray", "local"], default="ray",
+                   help="ray (default): the job's roles are Ray actors; local: all in this process, no Ray")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (auto, host:port); default: start a local one")
     p.add_argument("--dp", type=positive_int, default=None, help="override topology.dp")
     p.add_argument("--loaders", type=loaders_arg, default="auto", help="SourceLoader actors: auto or a number")
@@ -33,18 +39,29 @@ def add_arguments(p) -> None:
     p.add_argument("--token-file", metavar="PATH", help="also write the token to PATH (mode 0600) for PLAIT_TOKEN_FILE")
 
 
-def run(args) -> int:
+def _server(args, spec):
+    token = os.environ.get("PLAIT_TOKEN") or None
+    if args.runtime == "local":
+        if args.ray_address:
+            raise PlaitError("--ray-address: --runtime local uses no Ray (drop one of them)")
+        from plait.runtime.serve_local import LocalJobServer
+
+        return LocalJobServer(spec, args.job, args.address, token=token, prefetch=args.prefetch)
     from plait.runtime.ray.serving import JobServer
 
-    spec = load_spec(args.spec)
-    if args.dp:
-        spec = spec.with_overrides(topology={"dp": args.dp})
     options = {"loaders": args.loaders, "prefetch": args.prefetch, "constructors": args.constructors}
     if args.ray_address:
         options["address"] = args.ray_address
-    server = JobServer(spec, args.job, args.address, token=os.environ.get("PLAIT_TOKEN") or None, **options)
+    return JobServer(spec, args.job, args.address, token=token, **options)
+
+
+def run(args) -> int:
+    spec = load_spec(args.spec)
+    if args.dp:
+        spec = spec.with_overrides(topology={"dp": args.dp})
+    server = _server(args, spec)
     try:
-        # After Ray started (it installs its own handlers): SIGTERM and SIGINT, even where the launcher
+        # After Ray started, if it did (it installs its own handlers): SIGTERM and SIGINT, even where the launcher
         # left SIGINT ignored (a background job of a script), end the job cleanly.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _interrupt)
@@ -55,7 +72,8 @@ def run(args) -> int:
             path.write_text(server.token + "\n")
         print(f"PLAIT_ADDRESS={server.address}", flush=True)
         print(f"PLAIT_TOKEN={server.token}", flush=True)
-        console.print(f"serving job {args.job!r} ({server.runtime.dp} DP ranks) at {server.address}; "
+        console.print(f"serving job {args.job!r} ({spec.topology.dp} DP ranks, {args.runtime} runtime) at "
+                      f"{server.address}; "
                       "trainers: plait.Loader(spec, dp_rank, runtime=\"flight\") with PLAIT_ADDRESS and "
                       "PLAIT_TOKEN set; Ctrl-C ends the job", highlight=False)
         server.wait()

@@ -49,9 +49,10 @@ def add_arguments(p) -> None:
                         "every source's state and serves every W-th step)")
     p.add_argument("--loaders", type=int, default=None, help="ray: SourceLoader actors (default: the runtime's)")
     p.add_argument("--only", choices=["per-rank", "plait"], default=None, help="measure one setup only")
-    p.add_argument("--client", choices=["ray", "flight"], default="ray",
+    p.add_argument("--client", choices=["ray", "flight", "flight-local"], default="ray",
                    help="plait's trainers: Ray drivers (plait.Loader runtime=ray) or thin clients over Arrow Flight "
-                        "(runtime=flight, served by `plait serve`, no Ray in the trainers)")
+                        "(runtime=flight, served by `plait serve`, no Ray in the trainers); flight-local: the thin "
+                        "clients served by one `plait serve --runtime local` process (no Ray at all)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     memory_realistic.add_arguments(p)
 
@@ -196,15 +197,18 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
     """`client` ray: trainers are Ray drivers; flight: a `plait serve` process (counted as plait's) serves
     thin trainers over Arrow Flight."""
     import psutil
-    import ray
 
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
-             log_to_driver=False, configure_logging=False)
+    ray = None
+    if client != "flight-local":  # flight-local: one `plait serve --runtime local` process, no Ray at all
+        import ray
+
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
+                 log_to_driver=False, configure_logging=False)
     job = f"bench-memory-{os.getpid()}"
     serve = None
     try:
-        address = ray.get_runtime_context().gcs_address
-        if client == "flight":
+        address = None if ray is None else ray.get_runtime_context().gcs_address
+        if client in ("flight", "flight-local"):
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(spec_dict, f)
             serve, flight_address, token = start_serve(Path(f.name), job, address, loaders,
@@ -260,7 +264,8 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
         if serve is not None:
             stop_serve(serve)
             os.unlink(f.name)
-        ray.shutdown()
+        if ray is not None:
+            ray.shutdown()
 
 
 def run(args) -> int:
@@ -308,7 +313,9 @@ def run(args) -> int:
         b = result["plait"]
         roles = ", ".join(f"{v['count']} {k.replace('Actor', '')} {v['rss'] / mb:.0f} MiB"
                           for k, v in sorted(b["actors"].items()))
-        table.add_row(f"plait (ray runtime, {args.client} client)", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
+        setup = "one-process server, flight client" if args.client == "flight-local" else \
+            f"ray runtime, {args.client} client"
+        table.add_row(f"plait ({setup})", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
                       f"{roles}; client {b['client_rss_per_rank'] / mb:.0f} MiB/rank")
         table.add_row("Ray daemons (separate)", f"{b['daemons_rss'] / mb:,.0f}", f"{b['daemons_pss'] / mb:,.0f}",
                       ", ".join(f"{v['count']} {k}" for k, v in b["daemons"].items()))

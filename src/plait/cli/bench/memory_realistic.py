@@ -7,6 +7,7 @@ micro-batches of `--seq-len` tokens (default 200 of 8,192). Measured per runtime
   local   each trainer runs plait.Loader(spec, rank) (every rank plans the step and buffers its sources)
   flight  one `plait serve` job on Ray (Planner, SourceLoaders, a Constructor) serves the trainers, which
           use plait.Loader(spec, rank, runtime="flight") and never import Ray
+  flight-local  the same thin trainers, served by one `plait serve --runtime local` process (no Ray at all)
 
 What plait adds = sum over trainers of (RSS after the run - RSS of the same process idle with torch
 imported, before plait is imported) + every plait process (the serve driver and the job's actors);
@@ -41,10 +42,13 @@ def add_arguments(p) -> None:
     g.add_argument("--trainers", type=int, default=8, help="trainer processes (DP ranks)")
     g.add_argument("--source-counts", default="4,64", help="comma-separated numbers of sources")
     g.add_argument("--microbatches", type=int, default=200, help="micro-batches each trainer consumes")
-    g.add_argument("--runtimes", default="local,flight", help="comma-separated: local, flight")
+    g.add_argument("--runtimes", default="local,flight",
+                   help="comma-separated: local, flight (served on Ray), flight-local (`plait serve --runtime local`)")
     g.add_argument("--row-group-mb", default="16,64", help="decoded row-group sizes: smallest,largest (MiB)")
     g.add_argument("--distinct", type=int, default=6, help="distinct Parquet files written (disk use)")
     g.add_argument("--buffer-mb", type=float, default=None, help="every source's buffer_mb (default: the spec's)")
+    g.add_argument("--max-buffer-mb", type=float, default=None,
+                   help="the job-wide cap loading.max_buffer_mb (default: the spec's)")
 
 
 def quick(args) -> None:
@@ -82,7 +86,7 @@ def write_files(root: Path, distinct: int, smallest: float, largest: float, seed
 
 
 def make_spec(root: Path, files: list[Path], sources: int, trainers: int, seq_len: int, microbatches: int,
-              buffer_mb: float | None) -> dict:
+              buffer_mb: float | None, max_buffer_mb: float | None = None) -> dict:
     entries = []
     for s in range(sources):
         folder = root / f"s{sources}" / f"src{s:03d}"
@@ -94,7 +98,8 @@ def make_spec(root: Path, files: list[Path], sources: int, trainers: int, seq_le
         entries.append({"name": f"src{s:03d}", "path": str(folder / "*.parquet"), "tokens_field": "input_ids",
                         "eos": 1, "weight": 1.0, **({} if buffer_mb is None else {"buffer_mb": buffer_mb})})
     return {"sources": entries, "packing": {"seq_len": seq_len, "microbatches": 1}, "topology": {"dp": trainers},
-            "cost": {"hidden": 2048, "layers": 16, "ffn": 5632, "heads": 16}, "seed": 0, "steps": microbatches}
+            "cost": {"hidden": 2048, "layers": 16, "ffn": 5632, "heads": 16}, "seed": 0, "steps": microbatches,
+            **({} if max_buffer_mb is None else {"loading": {"max_buffer_mb": max_buffer_mb}})}
 
 
 # ----- processes -------------------------------------------------------------------------------------
@@ -107,10 +112,11 @@ def process_memory(pid: int) -> int:
         return 0
 
 
-def start_serve(spec_path: Path, job: str, ray_address: str, loaders: int | None, env: dict) -> tuple:
-    """`plait serve SPEC --job JOB` on an existing Ray instance; returns (process, PLAIT_ADDRESS, PLAIT_TOKEN)."""
-    cmd = [str(Path(sys.executable).parent / "plait"), "serve", str(spec_path), "--job", job, "--ray-address", ray_address,
-           "--loaders", str(loaders or 1)]
+def start_serve(spec_path: Path, job: str, ray_address: str | None, loaders: int | None, env: dict) -> tuple:
+    """`plait serve SPEC --job JOB` on an existing Ray instance, or with `ray_address` None the one-process
+    server (`--runtime local`, no Ray); returns (process, PLAIT_ADDRESS, PLAIT_TOKEN)."""
+    cmd = [str(Path(sys.executable).parent / "plait"), "serve", str(spec_path), "--job", job]
+    cmd += ["--runtime", "local"] if ray_address is None else ["--ray-address", ray_address, "--loaders", str(loaders or 1)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     printed: dict[str, str] = {}
     while "PLAIT_TOKEN" not in printed:
@@ -200,7 +206,7 @@ def _trainer() -> None:
     idle = psutil.Process().memory_info().rss
     import plait
 
-    if cfg["runtime"] == "flight":
+    if cfg["runtime"] in ("flight", "flight-local"):
         loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"], runtime="flight", job=cfg["job"],
                               address=cfg["address"], token=cfg["token"])
     else:
@@ -227,16 +233,19 @@ def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: i
             return _summary(reports, {}, {})
         finally:
             finish(procs)
-    import ray
+    ray = None
+    if runtime == "flight":
+        import ray
 
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
-             log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
+                 log_to_driver=False, configure_logging=False)
     serve = None
     try:
         spec_path = root / f"spec-{len(spec_dict['sources'])}.json"
         spec_path.write_text(json.dumps(spec_dict))
         job = f"bench-memory-{os.getpid()}-{len(spec_dict['sources'])}"
-        serve, address, token = start_serve(spec_path, job, ray.get_runtime_context().gcs_address, loaders, env)
+        ray_address = None if ray is None else ray.get_runtime_context().gcs_address
+        serve, address, token = start_serve(spec_path, job, ray_address, loaders, env)
         procs, reports = run_trainers({"runtime": "flight", "spec": spec_dict, "job": job, "address": address,
                                        "token": token}, trainers, env)
         try:
@@ -247,7 +256,8 @@ def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: i
     finally:
         if serve is not None:
             stop_serve(serve)
-        ray.shutdown()
+        if ray is not None:
+            ray.shutdown()
 
 
 def _summary(reports: list[dict], roles: dict, daemons: dict) -> dict:
@@ -284,7 +294,8 @@ def run(args) -> int:
         result["disk_bytes"] = disk
         for runtime in runtimes:
             for n in counts:
-                spec = make_spec(Path(tmp), files, n, args.trainers, args.seq_len, args.microbatches, args.buffer_mb)
+                spec = make_spec(Path(tmp), files, n, args.trainers, args.seq_len, args.microbatches, args.buffer_mb,
+                                 args.max_buffer_mb)
                 t1 = time.perf_counter()
                 got = measure(spec, Path(tmp), runtime, args.trainers, args.loaders)
                 got["seconds"] = time.perf_counter() - t1

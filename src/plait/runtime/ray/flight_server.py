@@ -8,43 +8,22 @@ describes the protocol).
     `hello` tells a client its job and each DP rank's Constructor location; the other actions forward
     to the job's Planner.
 
-Both refuse a call without the job's token (`TokenCheck`).
+Both refuse a call without the job's token (`TokenCheck`, plait.runtime.flight_serving: Ray-free pieces
+shared with the one-process server, plait.runtime.serve_local).
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any, Callable
 
 import pyarrow.flight as flight
 
 from plait.errors import PlaitError
-from plait.runtime.flight import ERROR_MARK, PROTOCOL, dumps, encode_batch, loads, step_schema
+from plait.runtime.flight import PROTOCOL, dumps, loads
+from plait.runtime.flight_serving import TokenCheck, as_flight_error, grpc_location, step_stream
 from plait.runtime.ray.common import get
 
-
-class TokenCheck(flight.ServerMiddlewareFactory):
-    """Refuses (UNAUTHENTICATED) every call whose `authorization` header is not `Bearer <token>`."""
-
-    def __init__(self, token: str):
-        super().__init__()
-        self.expected = b"Bearer " + token.encode()
-
-    def start_call(self, info, headers):
-        values = headers.get("authorization") or [b""]
-        given = values[0] if isinstance(values[0], bytes) else str(values[0]).encode()
-        if not hmac.compare_digest(given, self.expected):
-            raise flight.FlightUnauthenticatedError("plait: this job's token was not given")
-        return None
-
-
-def grpc_location(host: str, port: int) -> str:
-    return f"grpc+tcp://[{host}]:{port}" if ":" in host else f"grpc+tcp://{host}:{port}"
-
-
-def as_flight_error(e: PlaitError) -> flight.FlightServerError:
-    """A plait error as the client will read it (plait.runtime.flight.plait_error)."""
-    return flight.FlightServerError(ERROR_MARK + str(e).replace("\n", " "))
+__all__ = ["ConstructorFlight", "RendezvousFlight", "TokenCheck", "as_flight_error", "grpc_location"]
 
 
 class ConstructorFlight(flight.FlightServerBase):
@@ -64,9 +43,8 @@ class ConstructorFlight(flight.FlightServerBase):
                                         tuple(int(c) for c in t["cp"]))
         except PlaitError as e:
             raise as_flight_error(e) from None
-        schema = step_schema(state, batches)
         self.streams += 1
-        return flight.GeneratorStream(schema, (encode_batch(schema, mb) for mb in batches))
+        return step_stream(state, batches)
 
 
 class RendezvousFlight(flight.FlightServerBase):

@@ -199,6 +199,9 @@ class PlannerActor:
         self.metadata.fleet, self.metadata.pmap = new.fleet, new.pmap
         self._release()
         self.scaling.event(kind, reason, self.planner.step, new.layout)
+        # the standby must know the layout in use before anyone can need a successor (planning does not
+        # reproduce it; a successor with the old layout would start the retired loaders again)
+        self.standby.sync(self, wait=True)
         return version
 
     def scaling_report(self) -> dict:

@@ -12,21 +12,13 @@ from __future__ import annotations
 import secrets
 import threading
 
-from plait.errors import PlaitError
 from plait.runtime.flight import location_of
+from plait.runtime.flight_serving import split_address
 from plait.runtime.ray.common import get
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.flight_server import RendezvousFlight, grpc_location
 from plait.runtime.ray.runtime import RayRuntime
 from plait.spec import Spec, load_spec
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit():
-        raise PlaitError(f"--address {address!r} is not host:port (e.g. 127.0.0.1:8815; port 0: a free one)")
-    return host, int(port)
 
 
 class JobServer:

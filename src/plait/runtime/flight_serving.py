@@ -1,0 +1,51 @@
+"""Ray-free pieces every plait Flight server shares (the Ray-served job's, plait.runtime.ray.flight_server,
+and the one-process server, plait.runtime.serve_local): the token check, locations, errors as the client
+reads them, and one step as a Flight stream (plait.runtime.flight describes the protocol)."""
+
+from __future__ import annotations
+
+import hmac
+
+import pyarrow.flight as flight
+
+from plait.batch import MicroBatch
+from plait.errors import PlaitError
+from plait.runtime.flight import ERROR_MARK, encode_batch, step_schema
+
+
+class TokenCheck(flight.ServerMiddlewareFactory):
+    """Refuses (UNAUTHENTICATED) every call whose `authorization` header is not `Bearer <token>`."""
+
+    def __init__(self, token: str):
+        super().__init__()
+        self.expected = b"Bearer " + token.encode()
+
+    def start_call(self, info, headers):
+        values = headers.get("authorization") or [b""]
+        given = values[0] if isinstance(values[0], bytes) else str(values[0]).encode()
+        if not hmac.compare_digest(given, self.expected):
+            raise flight.FlightUnauthenticatedError("plait: this job's token was not given")
+        return None
+
+
+def grpc_location(host: str, port: int) -> str:
+    return f"grpc+tcp://[{host}]:{port}" if ":" in host else f"grpc+tcp://{host}:{port}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise PlaitError(f"--address {address!r} is not host:port (e.g. 127.0.0.1:8815; port 0: a free one)")
+    return host, int(port)
+
+
+def as_flight_error(e: PlaitError) -> flight.FlightServerError:
+    """A plait error as the client will read it (plait.runtime.flight.plait_error)."""
+    return flight.FlightServerError(ERROR_MARK + str(e).replace("\n", " "))
+
+
+def step_stream(state: dict, batches: list[MicroBatch]) -> flight.GeneratorStream:
+    """One step of one rank as do_get's answer: one record batch per micro-batch, zero-copy over its arrays."""
+    schema = step_schema(state, batches)
+    return flight.GeneratorStream(schema, (encode_batch(schema, mb) for mb in batches))

@@ -1,0 +1,169 @@
+"""The one-process job server (`plait serve --runtime local`, plait.runtime.serve_local): thin clients
+(runtime="flight") get the local runtime's stream from one process that runs no Ray at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+flight = pytest.importorskip("pyarrow.flight")
+
+from helpers import make_spec, token_parquet  # noqa: E402
+
+import plait  # noqa: E402
+from plait.runtime.serve_local import LocalJobServer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+JOB = "serve-local-test"
+
+
+# The same helpers as tests/test_flight.py's, here so that this Ray-free test runs where Ray is not installed.
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int | None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None
+
+
+def local_streams(spec) -> dict:
+    return {r: list(plait.Loader(spec, dp_rank=r, prefetch=0)) for r in range(spec.topology.dp)}
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    ds = token_parquet(tmp_path_factory.mktemp("serve-local"), files=2, docs_per_file=40, row_group_size=5,
+                       lo=4, hi=40)
+    return plait.load_spec(make_spec([ds], seq_len=64, microbatches=2, dp=2, steps=5))
+
+
+def ids(batches) -> list:
+    return [mb.sample_ids.tolist() for mb in batches]
+
+
+def thin(spec, server, dp_rank=0, **kw):
+    return plait.Loader(spec, dp_rank=dp_rank, runtime="flight", address=server.address, token=server.token,
+                        job=JOB, **kw)
+
+
+def test_thin_clients_get_every_ranks_local_stream_from_one_process(spec):
+    """Both ranks consumed side by side (one shared plan stream: neither rank's start resets the other's),
+    the same micro-batches as the local runtime, bit for bit."""
+    local = local_streams(spec)
+    with LocalJobServer(spec, JOB) as server:
+        a, b = thin(spec, server, 0), thin(spec, server, 1)
+        got = {0: [], 1: []}
+        for mb0, mb1 in zip(a, b):
+            got[0].append(mb0)
+            got[1].append(mb1)
+        a.close()
+        b.close()
+        assert server.local.gen == 0  # the second rank's seek found the stream already there
+        assert server.local.runtime.planner.step == 5  # each step planned once, for both ranks
+    for r in (0, 1):
+        assert ids(got[r]) == ids(local[r]) and len(got[r]) == 10
+        for x, y in zip(got[r], local[r]):
+            assert (x.input_ids == y.input_ids).all() and (x.labels == y.labels).all()
+            assert (x.position_ids == y.position_ids).all() and (x.cu_seqlens == y.cu_seqlens).all()
+
+
+def test_context_parallel_shards_are_cut_by_the_server(spec):
+    cp_spec = spec.with_overrides(topology={"dp": 2, "cp": 2})
+    whole = local_streams(spec)
+    with LocalJobServer(cp_spec, JOB) as server:
+        for r in (0, 1):
+            for c in (0, 1):
+                want = list(plait.Loader(cp_spec, dp_rank=r, cp_rank=c, prefetch=0))
+                with thin(cp_spec, server, r, cp_rank=c) as loader:
+                    got = list(loader)
+                assert [mb.input_ids.tolist() for mb in got] == [mb.input_ids.tolist() for mb in want], (r, c)
+                assert len(got[0].input_ids) < len(whole[r][0].input_ids)  # the shard travelled, not the batch
+
+
+def test_a_thin_clients_state_resumes_exactly(spec):
+    expected = ids(local_streams(spec)[1])
+    with LocalJobServer(spec, JOB) as server:
+        for stop_at in (3, 4):  # mid-step and at a step boundary
+            with thin(spec, server, 1) as first:
+                it = iter(first)
+                head = [next(it).sample_ids.tolist() for _ in range(stop_at)]
+                state = json.loads(json.dumps(first.state_dict()))
+            with thin(spec, server, 1) as second:
+                second.load_state_dict(state)
+                assert head + ids(second) == expected, stop_at
+
+
+def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
+    monkeypatch.delenv("PLAIT_TOKEN", raising=False)
+    monkeypatch.delenv("PLAIT_TOKEN_FILE", raising=False)
+    with LocalJobServer(spec, JOB) as server:
+        with pytest.raises(plait.PlaitError, match=r"refused this client's token \(PLAIT_TOKEN must be"):
+            plait.Loader(spec, runtime="flight", address=server.address, token="not-the-token")
+        with pytest.raises(plait.PlaitError, match="runs a different spec"):
+            thin(spec.with_overrides(seed=7), server)
+        with pytest.raises(plait.PlaitError, match=f"is '{JOB}', not 'other'"):
+            plait.Loader(spec, runtime="flight", address=server.address, token=server.token, job="other")
+        with thin(spec, server) as loader:
+            assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}
+            loader.set_weights({"tok": 1.0}, at_step=4)
+            assert server.local.runtime.state_dict()["overrides"]  # applied by the server's one Planner
+
+
+SERVER_IMPORTS = "import sys, plait.runtime.serve_local; print(json.dumps(sorted(m for m in ('ray', 'torch') if m in sys.modules)))"
+
+
+def test_plait_serve_runtime_local_serves_without_ray(spec, tmp_path):
+    out = subprocess.run([sys.executable, "-c", "import json; " + SERVER_IMPORTS], capture_output=True, text=True,
+                         timeout=60)
+    assert json.loads(out.stdout) == [], out.stderr[-2000:]
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec.model_dump(mode="json")))
+    plait_bin = Path(sys.executable).parent / "plait"
+    server = subprocess.Popen([str(plait_bin), "serve", str(spec_path), "--job", JOB, "--runtime", "local",
+                               "--address", f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        printed = {}
+        while "PLAIT_TOKEN" not in printed:
+            line = server.stdout.readline()
+            assert line, f"plait serve ended: {server.stderr.read()[-3000:]}"
+            key, _, value = line.strip().partition("=")
+            printed[key] = value
+        with plait.Loader(spec, dp_rank=0, runtime="flight", address=printed["PLAIT_ADDRESS"],
+                          token=printed["PLAIT_TOKEN"]) as loader:
+            assert ids(loader) == ids(local_streams(spec)[0])
+        assert stop(server) == 0, server.stderr.read()[-3000:]  # Ctrl-C ends the job cleanly
+    finally:
+        stop(server)
+
+
+def test_realistic_quick_bench_on_the_one_process_server(tmp_path):
+    """`plait bench memory --realistic --runtimes flight-local`: the serve process is measured as plait's
+    one process, no Ray anywhere (no daemons), every trainer got its micro-batches."""
+    out = tmp_path / "memory.json"
+    plait_bin = Path(sys.executable).parent / "plait"
+    done = subprocess.run([str(plait_bin), "bench", "memory", "--realistic", "--quick", "--runtimes", "flight-local",
+                           "--buffer-mb", "4", "--max-buffer-mb", "16", "--json", str(out)], capture_output=True,
+                          text=True, timeout=110, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for key, run in result["runs"].items():
+        assert run["batches"] == result["trainers"] * result["microbatches"], key
+        assert run["ray_imported"] is False and run["ray_daemons"] == 0, key
+        assert list(run["roles"]) == ["serve"] and run["roles"]["serve"]["count"] == 1, key
+        assert run["total"] == run["trainer_added"] + run["roles"]["serve"]["rss"], key
