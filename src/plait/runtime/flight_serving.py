@@ -10,7 +10,7 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
-from plait.runtime.flight import ERROR_MARK, encode_batch, step_schema
+from plait.runtime.flight import ERROR_MARK, PROTOCOL, dumps, encode_batch, loads, step_schema
 
 
 class TokenCheck(flight.ServerMiddlewareFactory):
@@ -49,3 +49,33 @@ def step_stream(state: dict, batches: list[MicroBatch]) -> flight.GeneratorStrea
     """One step of one rank as do_get's answer: one record batch per micro-batch, zero-copy over its arrays."""
     schema = step_schema(state, batches)
     return flight.GeneratorStream(schema, (encode_batch(schema, mb) for mb in batches))
+
+
+ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its start state"),
+           ("seek", "continue from a data state"), ("seek_with_changes", "continue under a changed spec"),
+           ("state_at", "data state at a step"), ("set_weights", "run-time mixture weights"),
+           ("report", "per-source losses"), ("error_report", "records skipped")]
+
+
+class ActionServer(flight.FlightServerBase):
+    """A job's Flight front door (the Ray-served rendezvous and the one-process server): refuses calls
+    without the job's token and answers the plait actions (ACTIONS) through `answer(name, body)`, a
+    PlaitError becoming the error the client reads. `info` is what `hello` returns."""
+
+    def __init__(self, location: str, token: str, info: dict):
+        super().__init__(location, middleware={"token": TokenCheck(token)})
+        self.info = {**info, "protocol": PROTOCOL}
+
+    def do_action(self, context, action):
+        body = loads(action.body.to_pybytes()) or {}
+        try:
+            result = self.answer(action.type, body)
+        except PlaitError as e:
+            raise as_flight_error(e) from None
+        return [dumps(result)]
+
+    def list_actions(self, context):
+        return ACTIONS
+
+    def answer(self, name: str, body: dict):
+        raise NotImplementedError

@@ -25,7 +25,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
@@ -33,7 +32,7 @@ from plait.errors import PlaitError
 from plait.plan import StepPlan
 from plait.runtime.flight import PROTOCOL, dumps, loads, location_of
 from plait.runtime.flight_serving import (
-    TokenCheck,
+    ActionServer,
     as_flight_error,
     grpc_location,
     split_address,
@@ -43,12 +42,6 @@ from plait.runtime.local import LocalRuntime
 from plait.spec import Spec, load_spec
 
 PLAN_WINDOW = 64  # planned steps kept (the ranks of one job are at most `prefetch` steps apart)
-ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its start state"),
-           ("seek", "continue from a data state"), ("seek_with_changes", "continue under a changed spec"),
-           ("state_at", "data state at a step"), ("set_weights", "run-time mixture weights"),
-           ("report", "per-source losses"), ("error_report", "records skipped")]
-
-
 def _same_state(a: dict, b: dict) -> bool:
     """Equal as the client sees them (a state that went through JSON has lists for tuples)."""
     return loads(dumps(a)) == loads(dumps(b))
@@ -186,24 +179,12 @@ class LocalJob:
         self.runtime.close()
 
 
-class LocalFlight(flight.FlightServerBase):
+class LocalFlight(ActionServer):
     """The job's one Flight server: rendezvous actions and every rank's `do_get`."""
 
     def __init__(self, job: LocalJob, info: dict, location: str, token: str):
-        super().__init__(location, middleware={"token": TokenCheck(token)})
+        super().__init__(location, token, info)
         self.job = job
-        self.info = {**info, "protocol": PROTOCOL}
-
-    def do_action(self, context, action):
-        body = loads(action.body.to_pybytes()) or {}
-        try:
-            result = self.answer(action.type, body)
-        except PlaitError as e:
-            raise as_flight_error(e) from None
-        return [dumps(result)]
-
-    def list_actions(self, context):
-        return ACTIONS
 
     def answer(self, name: str, body: dict) -> Any:
         job = self.job

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import pyarrow.flight as flight
 
 from plait.errors import PlaitError
-from plait.runtime.flight import PROTOCOL, dumps, loads
-from plait.runtime.flight_serving import TokenCheck, as_flight_error, grpc_location, step_stream
+from plait.runtime.flight import PROTOCOL, loads
+from plait.runtime.flight_serving import ActionServer, TokenCheck, as_flight_error, grpc_location, step_stream
 from plait.runtime.ray.common import get
 
 __all__ = ["ConstructorFlight", "RendezvousFlight", "TokenCheck", "as_flight_error", "grpc_location"]
@@ -47,29 +47,14 @@ class ConstructorFlight(flight.FlightServerBase):
         return step_stream(state, batches)
 
 
-class RendezvousFlight(flight.FlightServerBase):
+class RendezvousFlight(ActionServer):
     """The job's front door: `hello` (job, fingerprint, DP ranks, Constructor location per DP rank) and the
     Planner's `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`, `error_report`.
     `planner()` returns the current Planner handle (it changes if a dead Planner is recreated)."""
 
     def __init__(self, planner: Callable[[], Any], info: dict, location: str, token: str):
-        super().__init__(location, middleware={"token": TokenCheck(token)})
+        super().__init__(location, token, info)
         self.planner = planner
-        self.info = {**info, "protocol": PROTOCOL}
-
-    def do_action(self, context, action):
-        body = loads(action.body.to_pybytes()) or {}
-        try:
-            result = self.answer(action.type, body)
-        except PlaitError as e:
-            raise as_flight_error(e) from None
-        return [dumps(result)]
-
-    def list_actions(self, context):
-        return [("hello", "the job and its Constructors"), ("base", "generation and its start state"),
-                ("seek", "continue from a data state"), ("seek_with_changes", "continue under a changed spec"),
-                ("state_at", "data state at a step"), ("set_weights", "run-time mixture weights"),
-                ("report", "per-source losses"), ("error_report", "records skipped")]
 
     def answer(self, name: str, body: dict) -> Any:
         if name == "hello":
