@@ -45,6 +45,11 @@ def test_bench_scale_reduced_size(tmp_path):
         assert r["how"] in ("given", "measured", "computed") and r["unit"] and r["note"]
 
     assert fig["GPUs"]["value"] == DP * 8 and fig["sources"]["value"] == SOURCES
+    # thin clients fetch the state at a checkpoint (every process once); Ray-attached trainers every step
+    state = fig["data state (JSON)"]["value"]
+    assert fig["Planner -> trainers: data state"]["unit"] == "B/checkpoint"
+    assert fig["Planner -> trainers: data state"]["value"] == state * DP * 8
+    assert fig["Ray-attached trainers instead"]["value"] == state * DP
     assert fig["tokens per step"]["value"] == DP * 8 * 8192
     # the real Planner planned every step: nearly full steps, balanced, in measurable time
     assert len(per["plan_cpu_ms"]) == STEPS and min(per["plan_cpu_ms"]) > 0

@@ -215,3 +215,50 @@ def test_a_wrong_token_or_address_is_refused_in_one_sentence(served, spec, monke
         assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}  # forwarded to the Planner
         with pytest.raises(plait.PlaitError, match="not available on the thin client"):
             loader.runtime.plan()
+
+
+def test_a_thin_client_survives_its_constructors_death(served, spec):
+    """The Constructor process serving a thin client is killed mid-stream: the client asks the rendezvous
+    again (`reconnect`), which starts a new Constructor; the step is rebuilt from the Planner's window, and
+    the rank's stream is the local runtime's, no sample lost or repeated (sample ids). Runs last: the job
+    goes on with the new Constructor."""
+    import psutil
+
+    expected = [mb.sample_ids.tolist() for mb in local_streams(spec)[0]]
+    got = []
+    with plait.Loader(spec, dp_rank=0, runtime="flight", address=served["address"], token=served["token"],
+                      prefetch=0) as loader:
+        it = iter(loader)
+        got += [next(it).sample_ids.tolist() for _ in range(4)]  # steps 0 and 1
+        victims = [p for p in psutil.process_iter(["cmdline"]) if "ray::ConstructorActor" in " ".join(p.info["cmdline"] or [])]
+        assert victims, "no Constructor process found"
+        for p in victims:
+            p.kill()
+        psutil.wait_procs(victims, timeout=30)
+        got += [mb.sample_ids.tolist() for mb in it]
+        assert loader.runtime.reconnects >= 1
+    assert got == expected
+    flat = [tuple(row) for mb in got for row in mb]
+    assert len(flat) == len(set(flat))  # each sample (document chunk) once
+
+
+def test_a_thin_client_survives_the_planners_death(served, spec):
+    """The job's Planner is killed while a thin client reads: the standby's successor takes over (the
+    Constructors and the rendezvous follow it); the stream and a checkpoint taken after it are exact."""
+    import psutil
+
+    expected = [mb.sample_ids.tolist() for mb in local_streams(spec)[1]]
+    with plait.Loader(spec, dp_rank=1, runtime="flight", address=served["address"], token=served["token"],
+                      prefetch=0) as loader:
+        it = iter(loader)
+        got = [next(it).sample_ids.tolist() for _ in range(2)]  # step 0
+        victims = [p for p in psutil.process_iter(["cmdline"]) if "ray::PlannerActor" in " ".join(p.info["cmdline"] or [])]
+        assert len(victims) == 1
+        victims[0].kill()
+        psutil.wait_procs(victims, timeout=30)
+        got += [next(it).sample_ids.tolist() for _ in range(3)]  # into step 2, planned by the successor
+        state = json.loads(json.dumps(loader.state_dict()))  # asked of the successor, through the rendezvous
+    with plait.Loader(spec, dp_rank=1, runtime="flight", address=served["address"], token=served["token"]) as again:
+        again.load_state_dict(state)
+        got += [mb.sample_ids.tolist() for mb in again]
+    assert got == expected

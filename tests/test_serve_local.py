@@ -108,6 +108,36 @@ def test_a_thin_clients_state_resumes_exactly(spec):
                 assert head + ids(second) == expected, stop_at
 
 
+def test_steps_carry_no_data_state_a_checkpoint_fetches_it(spec, monkeypatch):
+    """A thin client's step streams hold tokens, not the state of every source (StateRef); state_dict()
+    fetches the state of the step in progress once, and it equals the local runtime's at that point."""
+    from plait.runtime.flight import STATE_KEY, Channel, location_of
+
+    local = plait.Loader(spec, dp_rank=0, prefetch=0)
+    local_it = iter(local)
+    for _ in range(3):
+        next(local_it)
+    with LocalJobServer(spec, JOB) as server:
+        asked = []
+        real = server.local.state_at
+        monkeypatch.setattr(server.local, "state_at", lambda gen, step: asked.append(step) or real(gen, step))
+        with thin(spec, server, 0) as loader:
+            it = iter(loader)
+            for _ in range(3):
+                next(it)
+            assert asked == []  # three micro-batches (two steps) delivered, no state sent or asked for
+            state = loader.state_dict()
+            assert asked == [1]  # the step in progress, once
+            assert json.loads(json.dumps(state)) == json.loads(json.dumps(local.state_dict()))
+        channel = Channel(location_of(server.address), server.token, 30)
+        ticket = {"gen": server.local.gen, "step": 0, "dp_rank": 1, "limit": 5, "cp": [1, 0]}
+        with_state, _ = channel.step(ticket)  # a ticket without "state" (protocol 1's) still gets it
+        without, batches = channel.step({**ticket, "state": False})
+        channel.close()
+        assert with_state == json.loads(json.dumps(server.local.state_at(server.local.gen, 0)))
+        assert without is None and len(batches) == 2 and STATE_KEY == b"plait.state"
+
+
 def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
     monkeypatch.delenv("PLAIT_TOKEN", raising=False)
     monkeypatch.delenv("PLAIT_TOKEN_FILE", raising=False)

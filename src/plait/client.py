@@ -21,7 +21,7 @@ from typing import Iterator
 
 from plait.errors import PlaitError
 from plait.roles.spec_change import warn_changes
-from plait.roles.state_log import apply_state_diff, diff_state
+from plait.roles.state_log import apply_state_diff, diff_state, resolved
 from plait.roles.weights import merge_pending
 from plait.roles.state_schema import CLIENT_STATE_VERSION, check_client_state
 from plait.runtime import make_runtime
@@ -184,6 +184,7 @@ class Loader:
         the whole job's tokens and samples (document chunks) of the completed steps, for schedules that
         key on tokens rather than steps (after an elastic resume a step holds a different number).
         """
+        self._resume_state = resolved(self._resume_state)  # a thin client's steps carry a reference only
         delivered = self._resume_state.get("delivered") or {"tokens": 0, "samples": 0}
         tokens, samples = int(delivered["tokens"]), int(delivered["samples"])
         micro = self._resume_micro
@@ -207,6 +208,7 @@ class Loader:
     def _data_state(self) -> dict:
         """The data state of the step in progress, with the run-time mixing calls made since it was
         planned (set_weights, report): a resume replays them exactly."""
+        self._resume_state = resolved(self._resume_state)
         step = int(self._resume_state["step"])
         self._overrides = [o for o in self._overrides if o["at_step"] >= step]  # older ones are in the snapshot
         online = self.spec.mixture.online

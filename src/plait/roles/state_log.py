@@ -10,11 +10,34 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass, field
+from typing import Callable
 
 
 def nbytes(obj) -> int:
     """Size of an object serialised as compact JSON: what a checkpoint or a delta costs to ship."""
     return len(json.dumps(obj, separators=(",", ":")).encode())
+
+
+@dataclass
+class StateRef:
+    """The data state at the start of `step`, fetched from the job only when asked for (`resolve()`).
+
+    A thin client's steps carry no state: the state of 1,000 sources is ~176 kB, and sending it to every
+    rank with every step would cost more than the step's tokens at scale. A trainer needs it only for a
+    checkpoint, so `plait.Loader.state_dict()` resolves the reference of the step in progress (the job
+    keeps the states of its plan window, which always holds the steps trainers are consuming)."""
+
+    step: int
+    fetch: Callable[[], dict] = field(repr=False)
+
+    def resolve(self) -> dict:
+        return self.fetch()
+
+
+def resolved(state: "dict | StateRef") -> dict:
+    """A data state, fetching a `StateRef`'s."""
+    return state.resolve() if isinstance(state, StateRef) else state
 
 
 def diff_state(old: dict, new: dict) -> dict:

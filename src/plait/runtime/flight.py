@@ -11,11 +11,17 @@ Protocol (version `PROTOCOL`; requests and replies of actions are JSON):
   rendezvous  action `hello`    -> {protocol, job, fingerprint, ranks, cp, endpoints: {dp_rank: location}}
               actions `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`,
               `error_report`: the job's Planner's methods of the same name
-  constructor do_get(ticket)    ticket = JSON {gen, step, dp_rank, limit, cp: [size, rank]}: one step's
+              action `reconnect` {dp_rank, step} -> endpoints: asked by a client whose Constructor
+              stopped answering; the server replaces it if it died (it rebuilds the step from the
+              Planner's window), and the client repeats the step (at most RECONNECTS times)
+  constructor do_get(ticket)    ticket = JSON {gen, step, dp_rank, limit, cp: [size, rank], state}: one step's
               micro-batches of that rank, one record batch (one row) per micro-batch. Columns: each
               array field of `plait.Batch` as list<T> (1-D) or list<fixed_size_list<T, k>> (2-D:
               sample_ids [docs, 5]); null where the field is None. Schema metadata `plait.state`: the
-              data state at the step's start (for checkpoints). Each record batch's app_metadata:
+              data state at the step's start, only when the ticket's `state` is true (its default);
+              this client asks without it and fetches it with `state_at` when the trainer checkpoints
+              (StateRef): a step then carries tokens, not the state of every source. Each record
+              batch's app_metadata:
               JSON {step, microbatch, num_microbatches, dp_rank, stats, shapes, dtypes}.
 
 The client hands numpy views of the received Arrow buffers (`to_numpy(zero_copy_only=True)`): no copy
@@ -25,6 +31,7 @@ after the wire; they are read-only (`Batch.to_torch()` copies them, as it does R
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -36,10 +43,12 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
+from plait.roles.state_log import StateRef
 from plait.spec import Spec, load_spec
 
 PROTOCOL = 1
 STATE_KEY = b"plait.state"
+RECONNECTS = 3  # a step whose Constructor is lost is asked again this many times (each after `reconnect`)
 ERROR_MARK = "PlaitError: "  # a server-side PlaitError travels as a FlightServerError with this prefix
 SCALARS = ("step", "microbatch", "num_microbatches", "dp_rank")
 
@@ -86,8 +95,9 @@ def _column_type(a: np.ndarray) -> pa.DataType:
     return pa.list_(t)
 
 
-def step_schema(state: dict, batches: list[MicroBatch]) -> pa.Schema:
-    """One list column per array field present in the step (the first batch with it gives its type)."""
+def step_schema(state: dict | None, batches: list[MicroBatch]) -> pa.Schema:
+    """One list column per array field present in the step (the first batch with it gives its type); the
+    data state, when asked for, in the schema's metadata."""
     cols = {}
     for name in array_fields():
         for mb in batches:
@@ -95,7 +105,8 @@ def step_schema(state: dict, batches: list[MicroBatch]) -> pa.Schema:
             if isinstance(a, np.ndarray):
                 cols[name] = _column_type(a)
                 break
-    return pa.schema([pa.field(n, t) for n, t in cols.items()], metadata={STATE_KEY: dumps(state)})
+    return pa.schema([pa.field(n, t) for n, t in cols.items()],
+                     metadata=None if state is None else {STATE_KEY: dumps(state)})
 
 
 def encode_batch(schema: pa.Schema, mb: MicroBatch) -> tuple[pa.RecordBatch, pa.Buffer]:
@@ -170,6 +181,11 @@ def read_token(token: str | None) -> str:
     return token
 
 
+class EndpointLost(PlaitError):
+    """A Constructor's Flight server stopped answering (its process died, or the network dropped): the
+    client asks the rendezvous for the rank's endpoint again (`reconnect`) and repeats the step."""
+
+
 def plait_error(e: Exception, where: str) -> PlaitError:
     """A Flight failure as one sentence."""
     text = str(e)
@@ -206,11 +222,13 @@ class Channel:
             raise plait_error(e, self.location) from None
         return loads(memoryview(results[0].body)) if results else None
 
-    def step(self, ticket: dict) -> tuple[dict, list[MicroBatch]]:
-        """(state at the step's start, the step's micro-batches) for a do_get ticket."""
+    def step(self, ticket: dict) -> tuple[dict | None, list[MicroBatch]]:
+        """(state at the step's start, or None when the ticket did not ask for it; the step's micro-batches)
+        for a do_get ticket."""
         try:
             reader = self.client.do_get(flight.Ticket(dumps(ticket)), options=self.stream_options)
-            state = loads(reader.schema.metadata[STATE_KEY])
+            metadata = reader.schema.metadata or {}
+            state = loads(metadata[STATE_KEY]) if STATE_KEY in metadata else None
             batches = []
             while True:
                 try:
@@ -218,6 +236,8 @@ class Channel:
                 except StopIteration:
                     break
                 batches.append(decode_batch(chunk.data, chunk.app_metadata))
+        except flight.FlightUnavailableError as e:  # nobody answers there (any more)
+            raise EndpointLost(str(plait_error(e, self.location))) from None
         except (flight.FlightError, pa.ArrowException) as e:
             raise plait_error(e, self.location) from None
         return state, batches
@@ -250,6 +270,7 @@ class FlightRuntime:
         self._token = read_token(token)
         self._timeout = timeout
         self._closed = False
+        self.reconnects = 0  # steps asked again after their Constructor was lost
         self._data: dict[str, Channel] = {}
         self.control = Channel(location_of(address), self._token, timeout)
         try:
@@ -261,6 +282,7 @@ class FlightRuntime:
             raise
         self.job = self.info["job"]
         self._next_step = int(base["step"])
+        self._base = (self._gen, self._next_step, base)  # the start state, known without asking again
 
     def _check(self, job: str | None) -> None:
         info = self.info
@@ -293,8 +315,10 @@ class FlightRuntime:
         channel = self._channel(dp_rank)
         while max_steps is None or step < max_steps:
             ticket = {"gen": self._gen, "step": step, "dp_rank": dp_rank, "limit": max_steps,
-                      "cp": [self.spec.topology.cp, cp_rank]}
-            state, batches = channel.step(ticket)
+                      "cp": [self.spec.topology.cp, cp_rank], "state": False}
+            state, batches, channel = self._fetch_step(channel, ticket)
+            if state is None:  # fetched only if the trainer checkpoints during this step
+                state = StateRef(step, functools.partial(self.state_at, self._gen, step))
             self._next_step = step + 1
             for mb in batches:
                 if mb.microbatch >= skip:
@@ -302,12 +326,37 @@ class FlightRuntime:
             skip = 0
             step += 1
 
+    def _fetch_step(self, channel: Channel, ticket: dict) -> tuple[dict | None, list[MicroBatch], Channel]:
+        """A step from the rank's Constructor; if it is lost, the rendezvous replaces a dead one (which
+        rebuilds the step from the Planner's window: the same micro-batches, none lost or repeated)."""
+        for attempt in range(RECONNECTS + 1):
+            try:
+                state, batches = channel.step(ticket)
+                return state, batches, channel
+            except EndpointLost:
+                if attempt == RECONNECTS:
+                    raise
+                self._data.pop(channel.location, None)
+                channel.close()
+                self.info["endpoints"] = self.control.action(
+                    "reconnect", {"dp_rank": ticket["dp_rank"], "step": ticket["step"]})
+                self.reconnects += 1
+                channel = self._channel(int(ticket["dp_rank"]))
+        raise AssertionError("unreachable")
+
     def _seek(self, state: dict) -> None:
         self._gen = self.control.action("seek", {"state": state})
         self._next_step = int(state["step"])
 
     def state_dict(self) -> dict:
-        return self.control.action("state_at", {"gen": self._gen, "step": self._next_step})
+        return self.state_at(self._gen, self._next_step)
+
+    def state_at(self, gen: int, step: int) -> dict:
+        """The data state at the start of `step` of plan generation `gen`: one control call (the job keeps
+        the states of its plan window)."""
+        if self._base[:2] == (gen, step):
+            return self._base[2]
+        return self.control.action("state_at", {"gen": gen, "step": step})
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:

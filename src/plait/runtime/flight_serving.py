@@ -45,16 +45,23 @@ def as_flight_error(e: PlaitError) -> flight.FlightServerError:
     return flight.FlightServerError(ERROR_MARK + str(e).replace("\n", " "))
 
 
-def step_stream(state: dict, batches: list[MicroBatch]) -> flight.GeneratorStream:
-    """One step of one rank as do_get's answer: one record batch per micro-batch, zero-copy over its arrays."""
+def step_stream(state: dict | None, batches: list[MicroBatch]) -> flight.GeneratorStream:
+    """One step of one rank as do_get's answer: one record batch per micro-batch, zero-copy over its arrays
+    (and the data state at the step's start, unless None: the ticket did not ask for it)."""
     schema = step_schema(state, batches)
     return flight.GeneratorStream(schema, (encode_batch(schema, mb) for mb in batches))
+
+
+def wants_state(ticket: dict) -> bool:
+    """Whether a do_get ticket asks for the data state with the step (absent: yes, as protocol 1 began)."""
+    return bool(ticket.get("state", True))
 
 
 ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its start state"),
            ("seek", "continue from a data state"), ("seek_with_changes", "continue under a changed spec"),
            ("state_at", "data state at a step"), ("set_weights", "run-time mixture weights"),
-           ("report", "per-source losses"), ("error_report", "records skipped")]
+           ("report", "per-source losses"), ("error_report", "records skipped"),
+           ("reconnect", "the DP ranks' Constructor endpoints, a dead Constructor replaced")]
 
 
 class ActionServer(flight.FlightServerBase):

@@ -37,6 +37,7 @@ from plait.runtime.flight_serving import (
     grpc_location,
     split_address,
     step_stream,
+    wants_state,
 )
 from plait.runtime.local import LocalRuntime
 from plait.spec import Spec, load_spec
@@ -153,9 +154,9 @@ class LocalJob:
         return self.builds[key]
 
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
-            cp: tuple[int, int] = (1, 0)) -> tuple[dict, list[MicroBatch]]:
-        """(state at the start of `step`, the rank's micro-batches of `step` cut to CP rank cp[1] of cp[0]);
-        the next `prefetch` steps of the rank are queued behind it."""
+            cp: tuple[int, int] = (1, 0), with_state: bool = True) -> tuple[dict | None, list[MicroBatch]]:
+        """(state at the start of `step` or None without `with_state`, the rank's micro-batches of `step` cut
+        to CP rank cp[1] of cp[0]); the next `prefetch` steps of the rank are queued behind it."""
         if not 0 <= dp_rank < self.ranks:
             raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.ranks} DP ranks")
         with self.lock:
@@ -172,7 +173,7 @@ class LocalJob:
             with self.lock:
                 self.builds.pop((gen, step, dp_rank), None)
             raise
-        return state, shard_for_rank(batches, *cp)
+        return state if with_state else None, shard_for_rank(batches, *cp)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -197,6 +198,7 @@ class LocalFlight(ActionServer):
             "set_weights": lambda: job.set_weights(body["weights"], int(body["at_step"])),
             "report": lambda: job.report(int(body["step"]), body["losses"]),
             "error_report": job.error_report,
+            "reconnect": lambda: self.info["endpoints"],  # one process: nothing to replace
         }
         if name not in calls:
             raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
@@ -206,7 +208,7 @@ class LocalFlight(ActionServer):
         t = loads(ticket.ticket)
         try:
             state, batches = self.job.get(int(t["gen"]), int(t["step"]), int(t["dp_rank"]), t.get("limit"),
-                                          tuple(int(c) for c in t["cp"]))
+                                          tuple(int(c) for c in t["cp"]), wants_state(t))
         except PlaitError as e:
             raise as_flight_error(e) from None
         return step_stream(state, batches)

@@ -241,8 +241,13 @@ def figures(args, m: dict) -> list[dict]:
     figure(rows, "bytes/step", "Planner -> Constructors: rank plans", int(rp), "B/step", "measured",
            f"pickled RankPlan of all {dp} ranks ({rp / dp / 1e3:.1f} kB per rank)")
     state = med["state_bytes"]
-    figure(rows, "bytes/step", "Planner -> Constructors: data state", int(state * dp), "B/step", "computed",
-           f"state_at once per (step, rank): {state / 1e3:.1f} kB (measured, JSON) x {dp} ranks")
+    gpus = dp * args.tp * args.pp * args.cp
+    figure(rows, "bytes/step", "Planner -> trainers: data state", int(state * gpus), "B/checkpoint", "computed",
+           f"thin (Flight) clients: a step carries none; state_dict() fetches it, {state / 1e3:.1f} kB (measured, "
+           f"JSON) x {gpus} processes per checkpoint")
+    figure(rows, "bytes/step", "  Ray-attached trainers instead", int(state * dp), "B/step", "computed",
+           f"state_at once per (step, rank): {state / 1e3:.1f} kB x {dp} ranks (each logs it to rebuild a "
+           "private job's Planner)")
     figure(rows, "bytes/step", "Planner -> loaders: retain (live blocks)", int(med["retain_bytes"] * loaders), "B/step",
            "computed", f"live set {med['retain_bytes'] / 1e3:.1f} kB (measured, pickled) x {loaders} loaders, >= once per step")
     figure(rows, "bytes/step", "loaders -> Constructors: payloads", step_tokens * TOKEN_BYTES, "B/step", "computed",
@@ -329,10 +334,11 @@ def measure(args, progress=None) -> dict:
 
 
 def human(value, unit: str) -> str:
-    if unit in ("B", "B/step"):
+    if unit == "B" or unit.startswith("B/"):
+        per = unit[1:]  # "", "/step", "/checkpoint"
         for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
             if abs(value) >= scale:
-                return f"{value / scale:,.2f} {name}" + ("/step" if unit == "B/step" else "")
+                return f"{value / scale:,.2f} {name}{per}"
         return f"{value:,.0f} {unit}"
     if isinstance(value, float):
         return f"{value:,.1f} {unit}" if unit != "ms CPU" else f"{value:,.1f} ms"

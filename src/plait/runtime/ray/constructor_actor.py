@@ -134,11 +134,12 @@ class ConstructorActor:
         self.consumed: dict[int, int] = {}  # DP rank -> steps its trainer asked for (last step + 1)
         self.wait_seconds: dict[int, float] = {}  # DP rank -> seconds its requests waited for a build
 
-    def _build(self, gen: int, step: int, dp_rank: int) -> tuple[dict, list[MicroBatch]]:
+    def _build(self, gen: int, step: int, dp_rank: int, with_state: bool) -> tuple[dict | None, list[MicroBatch]]:
         while True:
             planner = self.planner
             try:
-                plan, state, routing = get(planner.build_order.remote(gen, step, dp_rank, self.route.version))
+                plan, state, routing = get(planner.build_order.remote(gen, step, dp_rank, self.route.version,
+                                                                      with_state))
                 break
             except dead_errors():  # the job's standby makes the Planner's successor (once, whoever asks)
                 successor = standby_planner.successor(self.job, planner)
@@ -152,23 +153,26 @@ class ConstructorActor:
         self.planner.mark_built.remote(gen, step, dp_rank)
         return state, batches
 
-    def _ensure(self, gen: int, step: int, dp_rank: int) -> Future:
+    def _ensure(self, gen: int, step: int, dp_rank: int, with_state: bool) -> Future:
         key = (gen, step, dp_rank)
         fut = self.builds.get(key)
         if fut is None:
-            fut = self.pool.submit(self._build, gen, step, dp_rank)
+            fut = self.pool.submit(self._build, gen, step, dp_rank, with_state)
             self.builds[key] = fut
         return fut
 
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
-            cp: tuple[int, int] = (1, 0)) -> tuple[dict, list[MicroBatch]]:
+            cp: tuple[int, int] = (1, 0), with_state: bool = True) -> tuple[dict | None, list[MicroBatch]]:
         """(state at the start of `step`, the rank's micro-batches of `step`), each cut to CP rank cp[1]
-        of cp[0] (the build is shared by the replica's ranks; only the shard travels to the trainer)."""
+        of cp[0] (the build is shared by the replica's ranks; only the shard travels to the trainer).
+        Without `with_state` the state is None and the Planner sends none for the build: a thin client
+        fetches it only for a checkpoint (the Planner -> Constructors traffic per step is then the rank's
+        plan alone)."""
         with self.lock:
-            fut = self._ensure(gen, step, dp_rank)
+            fut = self._ensure(gen, step, dp_rank, with_state)
             for k in range(1, self.prefetch + 1):
                 if limit is None or step + k < limit:
-                    self._ensure(gen, step + k, dp_rank)
+                    self._ensure(gen, step + k, dp_rank, with_state)
             # Keep a little history: other TP/PP/CP ranks of the replica may still ask for it.
             for key in [k for k in self.builds if k[2] == dp_rank and (k[0] != gen or k[1] < step - self.prefetch - 1)]:
                 self.builds.pop(key).cancel()
@@ -188,7 +192,9 @@ class ConstructorActor:
             if waited:
                 with self.lock:
                     self.wait_seconds[dp_rank] = self.wait_seconds.get(dp_rank, 0.0) + time.perf_counter() - t0
-        return state, shard_for_rank(batches, *cp)
+        if with_state and state is None:  # built for a client that did not ask for it
+            state = get(self.planner.state_at.remote(gen, step))
+        return state if with_state else None, shard_for_rank(batches, *cp)
 
     def stats(self) -> dict:
         return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds),

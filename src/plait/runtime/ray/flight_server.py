@@ -20,8 +20,15 @@ import pyarrow.flight as flight
 
 from plait.errors import PlaitError
 from plait.runtime.flight import PROTOCOL, loads
-from plait.runtime.flight_serving import ActionServer, TokenCheck, as_flight_error, grpc_location, step_stream
-from plait.runtime.ray.common import get
+from plait.runtime.ray.common import ray_module
+from plait.runtime.flight_serving import (
+    ActionServer,
+    TokenCheck,
+    as_flight_error,
+    grpc_location,
+    step_stream,
+    wants_state,
+)
 
 __all__ = ["ConstructorFlight", "RendezvousFlight", "TokenCheck", "as_flight_error", "grpc_location"]
 
@@ -33,14 +40,16 @@ class ConstructorFlight(flight.FlightServerBase):
     def __init__(self, build: Callable, host: str, token: str):
         super().__init__(grpc_location(host, 0), middleware={"token": TokenCheck(token)})
         self.build = build
-        self.location = grpc_location(host, self.port)
+        # Bound to every interface: tell clients this node's address (trainers on other nodes connect).
+        advertised = ray_module().util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+        self.location = grpc_location(advertised, self.port)
         self.streams = 0
 
     def do_get(self, context, ticket):
         t = loads(ticket.ticket)
         try:
             state, batches = self.build(int(t["gen"]), int(t["step"]), int(t["dp_rank"]), t.get("limit"),
-                                        tuple(int(c) for c in t["cp"]))
+                                        tuple(int(c) for c in t["cp"]), wants_state(t))
         except PlaitError as e:
             raise as_flight_error(e) from None
         self.streams += 1
@@ -50,25 +59,32 @@ class ConstructorFlight(flight.FlightServerBase):
 class RendezvousFlight(ActionServer):
     """The job's front door: `hello` (job, fingerprint, DP ranks, Constructor location per DP rank) and the
     Planner's `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`, `error_report`.
-    `planner()` returns the current Planner handle (it changes if a dead Planner is recreated)."""
+    `ask(method, *args)` calls the job's Planner (its standby's successor if it died: RayRuntime.ask_planner);
+    `reconnect(dp_rank, step)` replaces the Constructor of a rank whose client lost it, if it died, and
+    returns every rank's endpoint (`reconnect` action)."""
 
-    def __init__(self, planner: Callable[[], Any], info: dict, location: str, token: str):
+    def __init__(self, ask: Callable[..., Any], info: dict, location: str, token: str,
+                 reconnect: Callable[[int, int], dict] | None = None):
         super().__init__(location, token, info)
-        self.planner = planner
+        self.ask = ask
+        self.reconnect = reconnect
 
     def answer(self, name: str, body: dict) -> Any:
         if name == "hello":
             return self.info
-        p = self.planner()
+        if name == "reconnect":
+            if self.reconnect is not None:
+                self.info["endpoints"] = self.reconnect(int(body["dp_rank"]), int(body["step"]))
+            return self.info["endpoints"]
         calls = {
-            "base": lambda: p.base.remote(),
-            "seek": lambda: p.seek.remote(body["state"]),
-            "seek_with_changes": lambda: p.seek_with_changes.remote(body["state"]),
-            "state_at": lambda: p.state_at.remote(int(body["gen"]), int(body["step"])),
-            "set_weights": lambda: p.set_weights.remote(body["weights"], int(body["at_step"])),
-            "report": lambda: p.report.remote(int(body["step"]), body["losses"]),
-            "error_report": lambda: p.error_report.remote(),
+            "base": lambda: (),
+            "seek": lambda: (body["state"],),
+            "seek_with_changes": lambda: (body["state"],),
+            "state_at": lambda: (int(body["gen"]), int(body["step"])),
+            "set_weights": lambda: (body["weights"], int(body["at_step"])),
+            "report": lambda: (int(body["step"]), body["losses"]),
+            "error_report": lambda: (),
         }
         if name not in calls:
             raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
-        return get(calls[name]())
+        return self.ask(name, *calls[name]())

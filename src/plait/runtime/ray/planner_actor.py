@@ -326,11 +326,12 @@ class PlannerActor:
     def rank_plan(self, gen: int, step: int, dp_rank: int) -> RankPlan:
         return self._plan(gen, step).for_rank(dp_rank)
 
-    def build_order(self, gen: int, step: int, dp_rank: int, routing_version: int | None
-                    ) -> tuple[RankPlan, dict, dict | None]:
-        """A Constructor's one call per build: the rank's plan, the state before the step, and the current
-        routing when the Constructor's (`routing_version`) is not it (else None)."""
-        plan, state = self.rank_plan(gen, step, dp_rank), self.state_at(gen, step)
+    def build_order(self, gen: int, step: int, dp_rank: int, routing_version: int | None,
+                    with_state: bool = True) -> tuple[RankPlan, dict | None, dict | None]:
+        """A Constructor's one call per build: the rank's plan, the state before the step (None without
+        `with_state`), and the current routing when the Constructor's (`routing_version`) is not it."""
+        plan = self.rank_plan(gen, step, dp_rank)
+        state = self.state_at(gen, step) if with_state else None
         return plan, state, self.routes.order(gen, step, dp_rank, routing_version)
 
     def state_at(self, gen: int, step: int) -> dict:

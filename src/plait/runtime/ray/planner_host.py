@@ -62,8 +62,9 @@ class PlannerHostActor(PlannerActor):
         self.metrics.constructor_names = lambda: list(names()) + [planner_name(job)]
 
     # ----- the Constructor's side (not under the lock: a build waits for the Planner's side) ------------
-    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0)):
-        return self.builder.get(gen, step, dp_rank, limit, cp)
+    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0),
+            with_state: bool = True):
+        return self.builder.get(gen, step, dp_rank, limit, cp, with_state)
 
     def telemetry(self) -> dict:
         return self.builder.telemetry()

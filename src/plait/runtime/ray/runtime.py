@@ -438,7 +438,7 @@ class RayRuntime:
         self._plan_refs.clear()
         self.recovery_log.append(event)  # counted once on the job's endpoint, by the successor
 
-    def _ask_planner(self, method: str, *args, timeout: float | None = None):
+    def ask_planner(self, method: str, *args, timeout: float | None = None):
         """`method(*args)` of the job's Planner; if it died, of the successor its standby made (without
         a standby the error stands)."""
         try:
@@ -461,14 +461,14 @@ class RayRuntime:
         self.planner.record_recovery.remote(event["role"])
 
     def _seek(self, state: dict) -> None:
-        gen = self._ask_planner("seek", state)
+        gen = self.ask_planner("seek", state)
         if gen != self._gen:
             self._plan_refs.clear()
         self._gen = gen
         self._next_step = int(state["step"])
 
     def state_dict(self) -> dict:
-        return self._ask_planner("state_at", self._gen, self._next_step)
+        return self.ask_planner("state_at", self._gen, self._next_step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:
@@ -482,10 +482,10 @@ class RayRuntime:
 
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """Ray: the job's one Planner applies it, so call it from one rank (any); a planned step is refused."""
-        self._ask_planner("set_weights", weights, at_step)
+        self.ask_planner("set_weights", weights, at_step)
 
     def report(self, step: int, losses: dict[str, float]) -> None:
-        self._ask_planner("report", step, losses)
+        self.ask_planner("report", step, losses)
 
     def error_report(self) -> dict:
         return get(self.planner.error_report.remote())
@@ -533,7 +533,7 @@ class RayRuntime:
                 LocalInstance.detach()
             return
         try:
-            left = self._ask_planner("detach", timeout=30)
+            left = self.ask_planner("detach", timeout=30)
             if left <= 0:
                 get(self.planner.shutdown.remote(), timeout=60)
                 for _, c in self._constructors.items():

@@ -14,6 +14,7 @@ import threading
 
 from plait.runtime.flight import location_of
 from plait.runtime.flight_serving import split_address
+from plait.runtime.ray import recovery
 from plait.runtime.ray.common import get
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.flight_server import RendezvousFlight, grpc_location
@@ -39,29 +40,45 @@ class JobServer:
         self.stopped = threading.Event()
         self.runtime = RayRuntime(self.spec, job=job, **ray_options)
         self.rendezvous = None
+        self.lock = threading.Lock()
+        self.recoveries: list[dict] = []  # Constructors replaced for thin clients that lost theirs
+        rt = self.runtime
+        self.pool = ConstructorPool(rt.job, ray_options.get("constructors", "node"), rt.prefetch, rt.dp, "detached")
+        self.constructor_host = constructor_host or host
         try:
-            self.endpoints = self._serve_constructors(constructor_host or host, ray_options.get("constructors", "node"))
+            self.endpoints = self._serve_constructors()
             info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
-                    "cp": self.spec.topology.cp, "endpoints": {str(r): loc for r, loc in self.endpoints.items()}}
-            self.rendezvous = RendezvousFlight(lambda: self.runtime.planner, info, grpc_location(host, port),
-                                               self.token)
+                    "cp": self.spec.topology.cp, "endpoints": self.endpoints}
+            self.rendezvous = RendezvousFlight(self.runtime.ask_planner, info, grpc_location(host, port),
+                                               self.token, reconnect=self.reconnect)
         except BaseException:
             self.close()
             raise
         self.job = job
         self.address = f"[{host}]:{self.rendezvous.port}" if ":" in host else f"{host}:{self.rendezvous.port}"
 
-    def _serve_constructors(self, host: str, mode: str) -> dict[int, str]:
+    def _serve_constructors(self) -> dict[str, str]:
         """Each DP rank's Constructor, its Flight server started (once per actor): {dp_rank: location}."""
-        rt = self.runtime
-        pool = ConstructorPool(rt.job, mode, rt.prefetch, rt.dp, "detached")
+        rt, pool = self.runtime, self.pool
         locations: dict[str, object] = {}
         for r in range(rt.dp):
             key = pool.key(r)
             if key not in locations:
-                locations[key] = pool.for_rank(r, rt.planner).serve_flight.remote(host, self.token)
+                locations[key] = pool.for_rank(r, rt.planner).serve_flight.remote(self.constructor_host, self.token)
         found = dict(zip(locations, get(list(locations.values()))))
-        return {r: found[pool.key(r)] for r in range(rt.dp)}
+        return {str(r): found[pool.key(r)] for r in range(rt.dp)}
+
+    def reconnect(self, dp_rank: int, step: int) -> dict[str, str]:
+        """A thin client lost its Constructor at `step`: if it died, a new one is started (it rebuilds the
+        step from the Planner's window: the same micro-batches) and serves Flight; every rank's endpoint.
+        A live one (a network blip) is kept: the client just asks again."""
+        with self.lock:
+            event = recovery.replace_dead_constructors(self.pool, self.runtime.planner, step, dp_rank)
+            if event is not None:
+                self.endpoints = self._serve_constructors()
+                self.recoveries.append(event)
+                self.runtime.planner.record_recovery.remote("constructor")
+            return dict(self.endpoints)
 
     @property
     def location(self) -> str:
