@@ -61,6 +61,7 @@ for stop in (3, 4):  # mid-step (micro-batch 1 of step 1 next) and at a step bou
         second.load_state_dict(state)
         out[f"resumed_{stop}"] = head + [mb.sample_ids.tolist() for mb in second]
 out["ray_imported"] = "ray" in sys.modules
+out["compute_imported"] = "pyarrow.compute" in sys.modules  # ~10 MiB a thin trainer does not need
 print(json.dumps(out))
 """
 
@@ -182,7 +183,7 @@ def test_thin_client_delivers_the_local_stream_and_never_imports_ray(served, spe
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["ray_imported"] is False
+    assert got["ray_imported"] is False and got["compute_imported"] is False
     assert got["read_only_views"] is True
 
     local = local_streams(spec)

@@ -131,6 +131,19 @@ def encode_batch(schema: pa.Schema, mb: MicroBatch) -> tuple[pa.RecordBatch, pa.
     return pa.RecordBatch.from_arrays(arrays, schema=schema), pa.py_buffer(dumps(meta))
 
 
+def _row_values(col: pa.Array) -> pa.Array:
+    """The values of a one-row list column (list<T> or list<fixed_size_list<T, k>>) as a flat array view.
+    Read through offsets and `.values`: `Array.flatten()` would import pyarrow.compute, ~10 MiB in every
+    trainer process for nothing."""
+    offsets = col.offsets
+    start, end = offsets[0].as_py(), offsets[len(offsets) - 1].as_py()
+    values = col.values.slice(start, end - start)
+    if pa.types.is_fixed_size_list(values.type):
+        width = values.type.list_size
+        values = values.values.slice(values.offset * width, len(values) * width)
+    return values
+
+
 def decode_batch(rb: pa.RecordBatch, app_metadata) -> MicroBatch:
     """A received record batch as a `plait.Batch` whose arrays are views of the Arrow buffers."""
     meta = loads(memoryview(app_metadata))
@@ -143,10 +156,7 @@ def decode_batch(rb: pa.RecordBatch, app_metadata) -> MicroBatch:
         if col.null_count:
             kwargs[name] = None
             continue
-        flat = col.flatten()
-        if pa.types.is_fixed_size_list(flat.type):
-            flat = flat.flatten()
-        a = flat.to_numpy(zero_copy_only=True)
+        a = _row_values(col).to_numpy(zero_copy_only=True)
         dtype = np.dtype(meta["dtypes"][name])
         if a.dtype != dtype:
             a = a.view(dtype)
@@ -301,6 +311,8 @@ class FlightRuntime:
         location = self.info["endpoints"].get(str(dp_rank))
         if location is None:
             raise PlaitError(f"job {self.job!r} serves no Constructor for DP rank {dp_rank}")
+        if location == self.control.location:  # one server for both (`plait serve --runtime local`)
+            return self.control
         if location not in self._data:
             self._data[location] = Channel(location, self._token, self._timeout)
         return self._data[location]
@@ -336,8 +348,9 @@ class FlightRuntime:
             except EndpointLost:
                 if attempt == RECONNECTS:
                     raise
-                self._data.pop(channel.location, None)
-                channel.close()
+                if channel is not self.control:
+                    self._data.pop(channel.location, None)
+                    channel.close()
                 self.info["endpoints"] = self.control.action(
                     "reconnect", {"dp_rank": ticket["dp_rank"], "step": ticket["step"]})
                 self.reconnects += 1
