@@ -129,3 +129,31 @@ def test_s3_corrupt_object_skipped(s3):
     assert set(shards.tolist()) == {1}
     report = loader.error_report()["tok"]
     assert report["skipped"] == 1 and "part-000.parquet" in report["messages"][0]
+
+
+def test_s3_read_ahead_is_bounded_by_the_sources_buffer(s3, tmp_path):
+    """s3fs reads ahead in 50 MiB blocks per open file by default: 64 sources would hold GiBs. A source
+    streaming a large row group in pieces keeps its remote handle's read-ahead within STREAM_BLOCK."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from plait.sources import Source
+    from plait.sources.reader import STREAM_BLOCK
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(500, 3000, size=6000)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(2, 30000, offsets[-1], dtype=np.int32)))
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"input_ids": ids}), path, row_group_size=len(lengths), compression="none")  # ~40 MiB
+    s3["fs"].put(str(path), f"{BUCKET}/big/part-000.parquet")
+    spec = plait.load_spec(make_spec([{"name": "big", "path": f"s3://{BUCKET}/big/*.parquet", "tokens_field": "input_ids",
+                                        "buffer_mb": 2, "storage_options": s3["options"]}]))
+    src = Source(spec.sources[0], 0, 0)
+    key, held = src.first_key(), []
+    for _ in range(6):
+        block = src.read_block(key)
+        assert block.nbytes <= 2 << 20  # a piece, not the ~40 MiB row group
+        (entry,) = src.reader._open.values()
+        held.append(len(entry.handle.cache.cache))  # fsspec's ReadAheadCache: the bytes it holds
+        key = src.next_key(key)
+    assert 0 < max(held) <= STREAM_BLOCK[0] + (1 << 20), held  # a block plus one read, never s3fs's 50 MiB

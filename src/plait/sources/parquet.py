@@ -54,7 +54,7 @@ class ParquetReader(FormatReader):
     def _file(self, path: str) -> _OpenFile:
         entry = self._open.get(path)
         if entry is None:
-            handle = self.fs.open(path, "rb") if "://" in path else None
+            handle = self.open_stream(path) if "://" in path else None
             try:
                 pf = pq.ParquetFile(handle if handle is not None else path, buffer_size=READ_BUFFER, pre_buffer=False)
                 for column in (self.field, self.spec.length_field, self.spec.image_field):

@@ -15,6 +15,7 @@ import pyarrow as pa
 from plait.spec import SourceSpec
 
 EMPTY_FILE = "file holds no records (an empty file: remove it, or set on_error: skip)"
+STREAM_BLOCK = (1 << 20, 8 << 20)  # bounds of a remote handle's read-ahead block (a quarter of buffer_mb within them)
 
 
 @dataclass
@@ -60,6 +61,13 @@ class FormatReader:
         self.spec = spec
         self.fs = fs
         self.field = spec.text_field or spec.tokens_field
+
+    def open_stream(self, path: str):
+        """A handle for reading a file in pieces whose read-ahead is bounded by the source's buffer: a
+        remote filesystem's default is not (s3fs reads ahead in 50 MiB blocks, per open file)."""
+        low, high = STREAM_BLOCK
+        block = int(min(max(self.spec.buffer_bytes // 4, low), high))
+        return self.fs.open(path, "rb", block_size=block, cache_type="readahead")
 
     def num_blocks(self, path: str) -> int:
         raise NotImplementedError

@@ -98,7 +98,7 @@ class WebDatasetReader(FormatReader):
         if entry is None:
             samples: OrderedDict[str, dict] = OrderedDict()
             where: dict[str, tuple[int, int]] = {}
-            with self.fs.open(path, "rb") as f:
+            with self.open_stream(path) as f:
                 f.seek(0, 2)
                 total = f.tell()
                 f.seek(0)
@@ -126,7 +126,7 @@ class WebDatasetReader(FormatReader):
     def _handle(self, path: str):
         f = self._open.get(path)
         if f is None:
-            f = self._open[path] = self.fs.open(path, "rb")
+            f = self._open[path] = self.open_stream(path)
             while len(self._open) > self.MAX_OPEN:
                 self._open.popitem(last=False)[1].close()
         return f
