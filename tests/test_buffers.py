@@ -242,3 +242,20 @@ def test_text_row_groups_read_in_ranges_deliver_every_record_once(tmp_path):
             np.testing.assert_array_equal(got[doc], tokens, err_msg=str(doc))
     finally:
         loader.close()
+
+
+def test_dropped_blocks_trim_the_heap_once_enough_is_freed(big, monkeypatch):
+    """glibc keeps freed blocks resident: after TRIM_EVERY bytes of dropped blocks, a step's release
+    gives the heap back (trim_heap), and not on every step."""
+    import plait.roles.source_loader as loader_module
+
+    calls = []
+    monkeypatch.setattr(loader_module, "TRIM_EVERY", 100_000)
+    monkeypatch.setattr(loader_module, "trim_heap", lambda: calls.append(1))
+    dropped = []
+    _, rt = stream(spec_of(big, buffer_mb=0.25), steps=30, watch=lambda ld: dropped.append(ld.dropped_bytes))
+    assert calls  # blocks were dropped and the heap trimmed
+    assert len(calls) < 30  # only after enough was freed, not every step
+    assert max(dropped) > 0 and rt.loader.dropped_bytes < 100_000  # the count restarts after each trim
+    monkeypatch.undo()  # the real trim runs without error
+    loader_module.trim_heap()

@@ -28,7 +28,7 @@ from plait.sources.reader import (
 )
 
 PIECE_FRACTION = 4  # a block decodes to at most buffer_mb / PIECE_FRACTION (estimated)
-READ_BUFFER = 256 << 10  # streamed column-chunk reads (no pre-buffering): a row group is never held whole
+READ_BUFFER = 64 << 10  # streamed column-chunk reads (no pre-buffering): a row group is never held whole; held per open source
 ITER_BATCHES = 32  # a piece is read in this many batches: an open iterator holds about one batch and one page
 DOC_INDEX_BYTES = 32  # per document, a decoded block's index arrays (starts, lengths, rows, positions)
 
