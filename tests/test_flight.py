@@ -127,7 +127,8 @@ def served(spec, tmp_path_factory):
             printed[key] = value
         assert (tmp / "token").read_text().strip() == printed["PLAIT_TOKEN"]
         assert oct((tmp / "token").stat().st_mode & 0o777) == "0o600"
-        yield {"address": printed["PLAIT_ADDRESS"], "token": printed["PLAIT_TOKEN"], "spec_path": spec_path}
+        yield {"address": printed["PLAIT_ADDRESS"], "token": printed["PLAIT_TOKEN"], "spec_path": spec_path,
+               "ray_address": f"127.0.0.1:{port}", "env": env}
         assert stop(server) == 0, server.stderr.read()[-3000:]  # Ctrl-C ends the job cleanly
     finally:
         if server is not None:
@@ -146,6 +147,26 @@ def test_flight_runtime_keeps_the_runtime_contract():
         want = list(inspect.signature(getattr(Runtime, method)).parameters)
         have = list(inspect.signature(getattr(cls, method)).parameters)
         assert have[: len(want)] == want or "args" in have[-1:], f"flight.{method}{have} != contract {want}"
+
+
+def test_a_trainers_node_is_found_by_name_or_by_its_connections_address(monkeypatch):
+    from plait.errors import PlaitError
+    from plait.runtime.flight_serving import peer_host
+    from plait.runtime.ray import serving
+
+    nodes = [{"NodeID": "aaa", "NodeName": "head", "NodeManagerAddress": "10.0.0.1", "Alive": True},
+             {"NodeID": "bbb", "NodeName": "gpu-7", "NodeManagerAddress": "10.0.0.7", "Alive": True},
+             {"NodeID": "ccc", "NodeName": "gone", "NodeManagerAddress": "10.0.0.9", "Alive": False}]
+    monkeypatch.setattr(serving, "ray_module", lambda: type("FakeRay", (), {"nodes": staticmethod(lambda: nodes)}))
+    find = serving.trainer_node
+    assert find(None, peer_host("ipv4:10.0.0.7:51234"), "aaa") == "bbb"
+    assert find(None, peer_host("ipv6:[::ffff:10.0.0.7]:51234"), "aaa") == "bbb"  # dual-stack socket
+    assert find(None, peer_host("ipv4:127.0.0.1:5"), "aaa") == "aaa"  # on the serving node
+    assert find(None, "10.0.0.9", "aaa") == "aaa" and find(None, "192.168.1.5", "aaa") == "aaa"  # dead / outside
+    assert find(None, peer_host("unix:/tmp/sock"), "aaa") == "aaa"
+    assert find("gpu-7", None, "aaa") == find("bbb", None, "aaa") == find("10.0.0.7", "10.0.0.1", "aaa") == "bbb"
+    with pytest.raises(PlaitError, match="PLAIT_NODE='gone' names no live node.*gpu-7"):
+        find("gone", None, "aaa")
 
 
 def test_received_arrays_are_views_of_the_arrow_buffers():
@@ -263,3 +284,63 @@ def test_a_thin_client_survives_the_planners_death(served, spec):
         again.load_state_dict(state)
         got += [mb.sample_ids.tolist() for mb in again]
     assert got == expected
+
+
+# A thin trainer on its own node: one rank's digest and the rank's endpoint.
+NODE_TRAINER = r"""
+import hashlib, json, sys
+import plait
+from plait.metrics import batch_digest_update
+
+spec = plait.load_spec(sys.argv[1])
+h = hashlib.sha256()
+with plait.Loader(spec, dp_rank=1, runtime="flight", prefetch=0) as loader:
+    for mb in loader:
+        batch_digest_update(h, mb)
+    print(json.dumps({"digest": h.hexdigest(), "endpoint": loader.runtime.info["endpoints"]["1"]}), flush=True)
+    sys.stdin.readline()  # stay connected while the test looks at the Constructor's process
+"""
+
+
+def test_a_thin_trainer_is_served_by_a_constructor_on_its_own_node(served, spec):
+    """A second Ray node joins; a trainer there (PLAIT_NODE names it) is served by a Constructor started
+    on that node (a descendant of that node's raylet), with the same stream; a PLAIT_NODE naming no node
+    is refused in one sentence. Runs last: the node leaves at the end."""
+    import psutil
+
+    node = subprocess.Popen([str(BIN / "ray"), "start", "--address", served["ray_address"], "--block", "--num-cpus", "1",
+                             "--node-name", "plait-node-b", "--disable-usage-stats"], env=served["env"],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trainer = None
+    try:
+        env = {**os.environ, "PLAIT_ADDRESS": served["address"], "PLAIT_TOKEN": served["token"], "PLAIT_NODE": "nope"}
+        bad = subprocess.run([sys.executable, "-c", NODE_TRAINER, str(served["spec_path"])], env=env, input="",
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and "PLAIT_NODE='nope' names no live node" in bad.stderr
+        deadline = time.monotonic() + 60
+        while True:  # the node is up once the job's Ray cluster lists it (the error message names the nodes)
+            probe = subprocess.run([sys.executable, "-c", NODE_TRAINER, str(served["spec_path"])], env=env, input="",
+                                   capture_output=True, text=True, timeout=120)
+            if "plait-node-b" in probe.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert "plait-node-b" in probe.stderr, probe.stderr[-2000:]
+        trainer = subprocess.Popen([sys.executable, "-c", NODE_TRAINER, str(served["spec_path"])],
+                                   env={**env, "PLAIT_NODE": "plait-node-b"}, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = trainer.stdout.readline()
+        assert line, trainer.stderr.read()[-3000:]
+        got = json.loads(line)
+        h = hashlib.sha256()
+        for mb in local_streams(spec)[1]:
+            batch_digest_update(h, mb)
+        assert got["digest"] == h.hexdigest()
+        port = int(got["endpoint"].rsplit(":", 1)[1])
+        (server,) = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
+                     and c.status == psutil.CONN_LISTEN]
+        assert node.pid in [p.pid for p in psutil.Process(server).parents()], "not a process of node b"
+        assert "ConstructorActor" in " ".join(psutil.Process(server).cmdline())
+    finally:
+        if trainer is not None:
+            trainer.communicate(input="\n", timeout=60)
+        stop(node)

@@ -131,13 +131,17 @@ def test_s3_corrupt_object_skipped(s3):
     assert report["skipped"] == 1 and "part-000.parquet" in report["messages"][0]
 
 
-def test_s3_read_ahead_is_bounded_by_the_sources_buffer(s3, tmp_path):
+def test_s3_read_ahead_is_bounded_by_the_sources_buffer(s3, tmp_path, monkeypatch):
     """s3fs reads ahead in 50 MiB blocks per open file by default: 64 sources would hold GiBs. A source
     streaming a large row group in pieces keeps its remote handle's read-ahead within STREAM_BLOCK."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from plait.sources import Source
-    from plait.sources.reader import STREAM_BLOCK
+    from plait.sources.reader import STREAM_BLOCK, FormatReader
+
+    handles = []
+    real_open = FormatReader.open_stream
+    monkeypatch.setattr(FormatReader, "open_stream", lambda self, path: handles.append(real_open(self, path)) or handles[-1])
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(500, 3000, size=6000)
@@ -153,7 +157,7 @@ def test_s3_read_ahead_is_bounded_by_the_sources_buffer(s3, tmp_path):
     for _ in range(6):
         block = src.read_block(key)
         assert block.nbytes <= 2 << 20  # a piece, not the ~40 MiB row group
-        (entry,) = src.reader._open.values()
-        held.append(len(entry.handle.cache.cache))  # fsspec's ReadAheadCache: the bytes it holds
+        (handle,) = handles  # the remote file, opened once
+        held.append(len(handle.cache.cache))  # fsspec's ReadAheadCache: the bytes it holds
         key = src.next_key(key)
     assert 0 < max(held) <= STREAM_BLOCK[0] + (1 << 20), held  # a block plus one read, never s3fs's 50 MiB

@@ -11,6 +11,8 @@ Protocol (version `PROTOCOL`; requests and replies of actions are JSON):
   rendezvous  action `hello`    -> {protocol, job, fingerprint, ranks, cp, endpoints: {dp_rank: location}}
               actions `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`,
               `error_report`: the job's Planner's methods of the same name
+              action `attach` {dp_rank, node} -> location: the rank's Constructor on the asking trainer's
+              node (`node`: PLAIT_NODE, a Ray node's id, name or IP; else the connection's address)
               action `reconnect` {dp_rank, step} -> endpoints: asked by a client whose Constructor
               stopped answering; the server replaces it if it died (it rebuilds the step from the
               Planner's window), and the client repeats the step (at most RECONNECTS times)
@@ -281,6 +283,7 @@ class FlightRuntime:
         self._timeout = timeout
         self._closed = False
         self.reconnects = 0  # steps asked again after their Constructor was lost
+        self._attached: set[int] = set()  # DP ranks whose endpoint was asked for this trainer's node
         self._data: dict[str, Channel] = {}
         self.control = Channel(location_of(address), self._token, timeout)
         try:
@@ -307,7 +310,17 @@ class FlightRuntime:
             raise PlaitError(f"job {info['job']!r} plans for {info['ranks']} DP ranks, this client's topology has "
                              f"{self.spec.topology.dp}: every trainer process of a job must use the same spec and layout")
 
+    def _attach(self, dp_rank: int) -> None:
+        """Ask for the rank's Constructor on this trainer's node (PLAIT_NODE, else the address this
+        connection comes from); the job moves the rank there on its first trainer's request."""
+        if dp_rank in self._attached:
+            return
+        body = {"dp_rank": dp_rank, "node": os.environ.get("PLAIT_NODE") or None}
+        self.info["endpoints"][str(dp_rank)] = self.control.action("attach", body)
+        self._attached.add(dp_rank)
+
     def _channel(self, dp_rank: int) -> Channel:
+        self._attach(dp_rank)
         location = self.info["endpoints"].get(str(dp_rank))
         if location is None:
             raise PlaitError(f"job {self.job!r} serves no Constructor for DP rank {dp_rank}")

@@ -61,13 +61,15 @@ ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its 
            ("seek", "continue from a data state"), ("seek_with_changes", "continue under a changed spec"),
            ("state_at", "data state at a step"), ("set_weights", "run-time mixture weights"),
            ("report", "per-source losses"), ("error_report", "records skipped"),
-           ("reconnect", "the DP ranks' Constructor endpoints, a dead Constructor replaced")]
+           ("reconnect", "the DP ranks' Constructor endpoints, a dead Constructor replaced"),
+           ("attach", "a DP rank's Constructor endpoint, on the asking trainer's node")]
 
 
 class ActionServer(flight.FlightServerBase):
     """A job's Flight front door (the Ray-served rendezvous and the one-process server): refuses calls
-    without the job's token and answers the plait actions (ACTIONS) through `answer(name, body)`, a
-    PlaitError becoming the error the client reads. `info` is what `hello` returns."""
+    without the job's token and answers the plait actions (ACTIONS) through `answer(name, body, peer)`
+    (`peer`: the caller's gRPC address, e.g. "ipv4:10.0.0.7:51234"), a PlaitError becoming the error the
+    client reads. `info` is what `hello` returns."""
 
     def __init__(self, location: str, token: str, info: dict):
         super().__init__(location, middleware={"token": TokenCheck(token)})
@@ -76,7 +78,7 @@ class ActionServer(flight.FlightServerBase):
     def do_action(self, context, action):
         body = loads(action.body.to_pybytes()) or {}
         try:
-            result = self.answer(action.type, body)
+            result = self.answer(action.type, body, context.peer())
         except PlaitError as e:
             raise as_flight_error(e) from None
         return [dumps(result)]
@@ -84,5 +86,14 @@ class ActionServer(flight.FlightServerBase):
     def list_actions(self, context):
         return ACTIONS
 
-    def answer(self, name: str, body: dict):
+    def answer(self, name: str, body: dict, peer: str):
         raise NotImplementedError
+
+
+def peer_host(peer: str) -> str | None:
+    """The IP address in a gRPC peer string ("ipv4:10.0.0.7:51234", "ipv6:[::1]:51234"); None for others."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rpartition(":")[0]
+    return host.strip("[]") or None

@@ -187,7 +187,7 @@ class LocalFlight(ActionServer):
         super().__init__(location, token, info)
         self.job = job
 
-    def answer(self, name: str, body: dict) -> Any:
+    def answer(self, name: str, body: dict, peer: str) -> Any:
         job = self.job
         calls = {
             "hello": lambda: self.info,
@@ -199,6 +199,7 @@ class LocalFlight(ActionServer):
             "report": lambda: job.report(int(body["step"]), body["losses"]),
             "error_report": job.error_report,
             "reconnect": lambda: self.info["endpoints"],  # one process: nothing to replace
+            "attach": lambda: self.info["endpoints"][str(int(body["dp_rank"]))],  # every rank is served here
         }
         if name not in calls:
             raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")

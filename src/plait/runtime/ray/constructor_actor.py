@@ -220,7 +220,8 @@ class ConstructorActor:
 class ConstructorPool:
     """A driver process's Constructor actors, by key: `node-<node id>` (one per node, serving the DP
     replicas whose ranks run there) or `replica-<dp rank>`. A Constructor is found by name when another
-    process of the job started it already, else started on this node."""
+    process of the job started it already, else started on the rank's node: this process's, unless
+    `place` put the rank on another (a thin trainer's node: plait.runtime.ray.serving)."""
 
     def __init__(self, job: str, mode: str, prefetch: int, dp: int, lifetime: str | None = None):
         self.job = job
@@ -229,12 +230,21 @@ class ConstructorPool:
         self.dp = dp
         self.lifetime = lifetime
         self.handles: dict[str, object] = {}
+        self.rank_nodes: dict[int, str] = {}  # DP rank -> Ray node id, where not this process's node
+
+    def node_of(self, dp_rank: int) -> str:
+        """The Ray node whose Constructor serves `dp_rank`."""
+        return self.rank_nodes.get(dp_rank) or ray_module().get_runtime_context().get_node_id()
+
+    def place(self, dp_rank: int, node_id: str) -> None:
+        """Serve `dp_rank` from a Constructor on node `node_id` from now on (started by `for_rank`)."""
+        self.rank_nodes[dp_rank] = node_id
 
     def key(self, dp_rank: int) -> str:
         """The Constructor serving `dp_rank` from this process."""
         if self.mode == "replica":
             return f"replica-{dp_rank}"
-        return f"node-{ray_module().get_runtime_context().get_node_id()[:16]}"
+        return f"node-{self.node_of(dp_rank)[:16]}"
 
     def name(self, key: str) -> str:
         return constructor_name(self.job, key)
@@ -249,7 +259,7 @@ class ConstructorPool:
             ray = ray_module()
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            here = NodeAffinitySchedulingStrategy(self.node_of(dp_rank), soft=True)
             opts = actor_options(self.name(key), self.lifetime, num_cpus=0, max_concurrency=64,
                                  scheduling_strategy=here)
             handle = ray.remote(ConstructorActor).options(**opts).remote(self.job, self.prefetch)

@@ -26,6 +26,7 @@ from plait.runtime.flight_serving import (
     TokenCheck,
     as_flight_error,
     grpc_location,
+    peer_host,
     step_stream,
     wants_state,
 )
@@ -60,22 +61,28 @@ class RendezvousFlight(ActionServer):
     """The job's front door: `hello` (job, fingerprint, DP ranks, Constructor location per DP rank) and the
     Planner's `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`, `error_report`.
     `ask(method, *args)` calls the job's Planner (its standby's successor if it died: RayRuntime.ask_planner);
-    `reconnect(dp_rank, step)` replaces the Constructor of a rank whose client lost it, if it died, and
-    returns every rank's endpoint (`reconnect` action)."""
+    `serving` (a JobServer, optional): `reconnect(dp_rank, step)` replaces the Constructor of a rank whose
+    client lost it, if it died, and returns every rank's endpoint (`reconnect` action); `attach(dp_rank,
+    node, peer_ip)` returns the rank's endpoint on the trainer's node (`attach` action)."""
 
-    def __init__(self, ask: Callable[..., Any], info: dict, location: str, token: str,
-                 reconnect: Callable[[int, int], dict] | None = None):
+    def __init__(self, ask: Callable[..., Any], info: dict, location: str, token: str, serving=None):
         super().__init__(location, token, info)
         self.ask = ask
-        self.reconnect = reconnect
+        self.serving = serving
 
-    def answer(self, name: str, body: dict) -> Any:
+    def answer(self, name: str, body: dict, peer: str) -> Any:
         if name == "hello":
             return self.info
         if name == "reconnect":
-            if self.reconnect is not None:
-                self.info["endpoints"] = self.reconnect(int(body["dp_rank"]), int(body["step"]))
+            if self.serving is not None:
+                self.info["endpoints"] = self.serving.reconnect(int(body["dp_rank"]), int(body["step"]))
             return self.info["endpoints"]
+        if name == "attach":
+            rank = int(body["dp_rank"])
+            if self.serving is None:
+                return self.info["endpoints"][str(rank)]
+            location, self.info["endpoints"] = self.serving.attach(rank, body.get("node"), peer_host(peer))
+            return location
         calls = {
             "base": lambda: (),
             "seek": lambda: (body["state"],),

@@ -5,17 +5,28 @@ starts a Flight server in each Constructor actor that serves the job's DP ranks,
 server here, at the one address the trainers are given (`PLAIT_ADDRESS`), with a per-job token
 (`PLAIT_TOKEN`). Trainers then use `plait.Loader(spec, dp_rank, runtime="flight")` (plait.runtime.flight).
 Everything binds to loopback unless told otherwise.
+
+Node-local Constructors. A trainer's first request for its DP rank (`attach`) names its node: the
+`PLAIT_NODE` it was given (a Ray node's id, name or IP), else the IP its connection comes from. The rank
+is then served by a Constructor on that Ray node (started there, bound to that node's loopback unless
+Constructors bind every interface), so a step's tokens cross the network once, loader to Constructor,
+and never from one node's Constructor to another node's trainers. A trainer outside the Ray cluster, or
+on the serving node, keeps the serving node's Constructor. The latest trainer to attach a rank decides
+(a trainer restarted on another node moves its rank there; the ranks of one DP replica normally share a
+node, and one that does not keeps reading from the Constructor it attached to).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import threading
 
+from plait.errors import PlaitError
 from plait.runtime.flight import location_of
 from plait.runtime.flight_serving import split_address
 from plait.runtime.ray import recovery
-from plait.runtime.ray.common import get
+from plait.runtime.ray.common import get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.flight_server import RendezvousFlight, grpc_location
 from plait.runtime.ray.runtime import RayRuntime
@@ -45,12 +56,13 @@ class JobServer:
         rt = self.runtime
         self.pool = ConstructorPool(rt.job, ray_options.get("constructors", "node"), rt.prefetch, rt.dp, "detached")
         self.constructor_host = constructor_host or host
+        self.here = ray_module().get_runtime_context().get_node_id()  # the serving node
         try:
             self.endpoints = self._serve_constructors()
             info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
                     "cp": self.spec.topology.cp, "endpoints": self.endpoints}
             self.rendezvous = RendezvousFlight(self.runtime.ask_planner, info, grpc_location(host, port),
-                                               self.token, reconnect=self.reconnect)
+                                               self.token, serving=self)
         except BaseException:
             self.close()
             raise
@@ -64,7 +76,10 @@ class JobServer:
         for r in range(rt.dp):
             key = pool.key(r)
             if key not in locations:
-                locations[key] = pool.for_rank(r, rt.planner).serve_flight.remote(self.constructor_host, self.token)
+                host = self.constructor_host
+                if pool.mode != "planner" and pool.node_of(r) != self.here and host not in ("0.0.0.0", "::"):
+                    host = "127.0.0.1"  # another node's Constructor serves that node's trainers only
+                locations[key] = pool.for_rank(r, rt.planner).serve_flight.remote(host, self.token)
         found = dict(zip(locations, get(list(locations.values()))))
         return {str(r): found[pool.key(r)] for r in range(rt.dp)}
 
@@ -79,6 +94,18 @@ class JobServer:
                 self.recoveries.append(event)
                 self.runtime.planner.record_recovery.remote("constructor")
             return dict(self.endpoints)
+
+    def attach(self, dp_rank: int, node: str | None, peer_ip: str | None) -> tuple[str, dict[str, str]]:
+        """A trainer's first request for `dp_rank`: (the rank's endpoint, every rank's endpoint), the rank
+        moved to a Constructor on the trainer's node (`node`, else `peer_ip`) when it is another Ray node."""
+        if not 0 <= dp_rank < self.runtime.dp:
+            raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.runtime.dp} DP ranks")
+        with self.lock:
+            target = trainer_node(node, peer_ip, self.here)
+            if self.pool.mode != "planner" and target != self.pool.node_of(dp_rank):
+                self.pool.place(dp_rank, target)
+                self.endpoints = self._serve_constructors()
+            return self.endpoints[str(dp_rank)], dict(self.endpoints)
 
     @property
     def location(self) -> str:
@@ -101,3 +128,26 @@ class JobServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def trainer_node(node: str | None, peer_ip: str | None, here: str) -> str:
+    """The live Ray node a trainer runs on: the one `node` names (id, name or IP), else the one at
+    `peer_ip`; `here` (the serving node) for a loopback or unknown address, and among nodes that share
+    an address (several raylets on one host)."""
+    alive = [n for n in ray_module().nodes() if n.get("Alive")]
+    if node:
+        found = [n["NodeID"] for n in alive if node in (n["NodeID"], n.get("NodeName"), n.get("NodeManagerAddress"))]
+        if not found:
+            names = sorted({n.get("NodeName") or n["NodeID"] for n in alive})
+            raise PlaitError(f"PLAIT_NODE={node!r} names no live node of this job's Ray cluster (nodes: {names})")
+    else:
+        try:
+            address = ipaddress.ip_address(peer_ip or "")
+        except ValueError:
+            return here
+        address = getattr(address, "ipv4_mapped", None) or address  # "::ffff:10.0.0.7" from a dual-stack socket
+        if address.is_loopback:
+            return here
+        peer_ip = str(address)
+        found = [n["NodeID"] for n in alive if n.get("NodeManagerAddress") == peer_ip]
+    return here if here in found or not found else found[0]
