@@ -17,7 +17,9 @@ DESCRIPTION = (
     "Arrow Flight: each Constructor serves its ranks' builds, and one rendezvous address (--address, loopback "
     "by default) tells each trainer where. Prints PLAIT_ADDRESS and PLAIT_TOKEN (a fresh per-job token, or "
     "PLAIT_TOKEN from the environment) for the trainer processes, which use "
-    "plait.Loader(spec, dp_rank, runtime=\"flight\"). Runs until stopped (Ctrl-C or SIGTERM), then ends the job. "
+    "plait.Loader(spec, dp_rank, runtime=\"flight\"). A trainer on another node of the Ray cluster is served by a "
+    "Constructor on its own node (PLAIT_NODE: that node's Ray id, name or IP; else its connection's address). "
+    "Runs until stopped (Ctrl-C or SIGTERM), then ends the job. "
     "--runtime local: no Ray; this one process plans, loads every source and builds every rank's batches "
     "(plait.runtime.serve_local), the least memory for a one-node job."
 )
