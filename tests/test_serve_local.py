@@ -152,6 +152,8 @@ def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
             assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}
             loader.set_weights({"tok": 1.0}, at_step=4)
             assert server.local.runtime.state_dict()["overrides"]  # applied by the server's one Planner
+            with pytest.raises(plait.PlaitError, match="dp_rank 9 is not one of this job's 2 DP ranks"):
+                loader.runtime.control.action("attach", {"dp_rank": 9})
 
 
 SERVER_IMPORTS = "import sys, plait.runtime.serve_local; print(json.dumps(sorted(m for m in ('ray', 'torch') if m in sys.modules)))"

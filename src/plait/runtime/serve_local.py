@@ -199,11 +199,16 @@ class LocalFlight(ActionServer):
             "report": lambda: job.report(int(body["step"]), body["losses"]),
             "error_report": job.error_report,
             "reconnect": lambda: self.info["endpoints"],  # one process: nothing to replace
-            "attach": lambda: self.info["endpoints"][str(int(body["dp_rank"]))],  # every rank is served here
+            "attach": lambda: self.endpoint(int(body["dp_rank"])),  # every rank is served here
         }
         if name not in calls:
             raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
         return calls[name]()
+
+    def endpoint(self, dp_rank: int) -> str:
+        if str(dp_rank) not in self.info["endpoints"]:
+            raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.job.ranks} DP ranks")
+        return self.info["endpoints"][str(dp_rank)]
 
     def do_get(self, context, ticket):
         t = loads(ticket.ticket)
