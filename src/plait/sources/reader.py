@@ -67,7 +67,10 @@ class FormatReader:
         remote filesystem's default is not (s3fs reads ahead in 50 MiB blocks, per open file)."""
         low, high = STREAM_BLOCK
         block = int(min(max(self.spec.buffer_bytes // 4, low), high))
-        return self.fs.open(path, "rb", block_size=block, cache_type="readahead")
+        try:
+            return self.fs.open(path, "rb", block_size=block, cache_type="readahead")
+        except TypeError:  # a filesystem whose files take no block size or cache: its own default
+            return self.fs.open(path, "rb")
 
     def num_blocks(self, path: str) -> int:
         raise NotImplementedError
