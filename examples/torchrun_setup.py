@@ -52,6 +52,7 @@ def open_loader(spec, args: argparse.Namespace, name: str) -> plait.Loader:
 def finish(args: argparse.Namespace, loader: plait.Loader, losses: list[float], elapsed: float) -> None:
     """Close the Loader on every rank (the job ends with the last), then rank 0 reports the losses."""
     rank = dist.get_rank()
+    served_by = type(loader.runtime).__name__  # NodeRuntime: the node's processes shared one data plane
     dist.barrier()
     loader.close()
     if args.runtime == "ray" and rank != 0:
@@ -64,5 +65,5 @@ def finish(args: argparse.Namespace, loader: plait.Loader, losses: list[float], 
         print(f"{args.runtime}: {len(losses)} steps in {elapsed:.1f} s, loss {first:.3f} -> {last:.3f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"runtime": args.runtime, "losses": losses, "seconds": elapsed}, f)
+                json.dump({"runtime": args.runtime, "served_by": served_by, "losses": losses, "seconds": elapsed}, f)
     dist.destroy_process_group()

@@ -33,7 +33,9 @@ def test_torchrun_gpt_example_learns(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    losses = json.loads(out.read_text())["losses"]
+    result = json.loads(out.read_text())
+    assert result["served_by"] == "NodeRuntime"  # 2 processes on this node: LOCAL_RANK 0 hosted the data plane
+    losses = result["losses"]
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
@@ -51,7 +53,9 @@ def test_torchrun_vlm_example_learns(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    losses = json.loads(out.read_text())["losses"]
+    result = json.loads(out.read_text())
+    assert result["served_by"] == "NodeRuntime"  # image batches (pixels, grids) over the node's Flight server
+    losses = result["losses"]
     assert len(losses) == 15
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, (first, last)

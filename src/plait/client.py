@@ -38,6 +38,10 @@ class Loader:
     under torchrun prefer `Loader.from_torchrun(spec, tp=, pp=, cp=)`, which reads the ranks from the
     environment. Options a runtime does not take are an error naming them. Use it as a context manager
     (or call `close()`) so that what it started is released.
+
+    runtime="local" under torchrun with several processes on a node: the processes share one data plane,
+    hosted by LOCAL_RANK 0 (plait.runtime.node_share; the same stream, memory flat in ranks and sources);
+    `share="process"` (or PLAIT_LOCAL_SHARE=process) makes every process load alone.
     """
 
     def __init__(
@@ -135,8 +139,14 @@ class Loader:
         options = dict(options)
         if job is not None:
             options["job"] = job
+        if runtime == "local":  # several torchrun processes on this node share one data plane (node_share)
+            from plait.runtime.node_share import node_launch
+
+            share = options.pop("share", "auto")
+            if node_launch(share) is not None:
+                runtime, options["share"] = "node", share
         port = self.spec.metrics.port
-        if runtime == "local" and port:  # one endpoint per trainer process: the port plus its global rank
+        if runtime in ("local", "node") and port:  # one endpoint per trainer process: the port plus its global rank
             topo = self.spec.topology
             rank = Layout(dp=topo.dp, tp=topo.tp, pp=topo.pp, cp=topo.cp).global_rank(
                 ParallelRanks(dp=self.dp_rank, tp=self.tp_rank, pp=self.pp_rank, cp=self.cp_rank))

@@ -78,6 +78,9 @@ class RunWeights:
             raise PlaitError(f"set_weights: weights must be finite numbers >= 0 (got {bad})")
         if not weights:
             raise PlaitError("set_weights: name at least one source")
+        entry = {"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()}, "by": "user"}
+        if entry in self.overrides:  # the same call again (every rank of a node-shared job makes it): one entry
+            return
         if at_step < planned:
             raise PlaitError(
                 f"set_weights(at_step={at_step}): step {at_step} is already planned (the loader has planned up to "
@@ -85,7 +88,6 @@ class RunWeights:
             )
         if len(weights) == len(self.names) and sum(weights.values()) <= 0:
             raise PlaitError("set_weights: at least one weight must be positive")
-        entry = {"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()}, "by": "user"}
         self.overrides.append(entry)
         self.overrides.sort(key=lambda x: x["at_step"])  # stable: same-step entries keep their order
 

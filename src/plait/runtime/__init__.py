@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # types only: importing them at run time would load every rol
     from plait.plan import StepPlan
     from plait.spec import Spec
 
-RUNTIMES = ("local", "ray", "flight")
+RUNTIMES = ("local", "node", "ray", "flight")
 
 
 @runtime_checkable
@@ -79,6 +79,10 @@ def runtime_class(name: str) -> type:
         from plait.runtime.local import LocalRuntime
 
         return LocalRuntime
+    if name == "node":  # the local runtime's roles, one set per node (plait.runtime.node_share)
+        from plait.runtime.node_share import NodeRuntime
+
+        return NodeRuntime
     if name == "ray":
         try:
             from plait.runtime.ray import RayRuntime

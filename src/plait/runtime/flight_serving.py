@@ -62,7 +62,9 @@ ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its 
            ("state_at", "data state at a step"), ("set_weights", "run-time mixture weights"),
            ("report", "per-source losses"), ("error_report", "records skipped"),
            ("reconnect", "the DP ranks' Constructor endpoints, a dead Constructor replaced"),
-           ("attach", "a DP rank's Constructor endpoint, on the asking trainer's node")]
+           ("attach", "a DP rank's Constructor endpoint, on the asking trainer's node"),
+           ("join", "a trainer process starts reading (one-process server)"),
+           ("leave", "a trainer process is done (one-process server)")]
 
 
 class ActionServer(flight.FlightServerBase):

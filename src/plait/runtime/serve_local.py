@@ -18,11 +18,13 @@ Memory: one process, one buffer per source (its `buffer_mb`, capped job-wide by 
 
 from __future__ import annotations
 
+import os
+import queue
 import secrets
 import socket
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 
@@ -48,6 +50,47 @@ def _same_state(a: dict, b: dict) -> bool:
     return loads(dumps(a)) == loads(dumps(b))
 
 
+class BuildThread:
+    """One background thread that runs queued builds. Not a concurrent.futures pool: that one refuses new
+    work once the interpreter starts to exit, and a node's host (plait.runtime.node_share) must keep
+    building for the node's other processes while its own process is finishing."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, name="plait-build", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self.queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started, finish what has."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self.queue.put(None)
+        self.thread.join()
+
+
 class LocalJob:
     """A job's shared plan stream and builds over an in-process LocalRuntime (thread-safe).
 
@@ -63,7 +106,7 @@ class LocalJob:
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.built: dict[int, set[int]] = {}  # step -> DP ranks built (the step's blocks are released then)
         self.builds: dict[tuple[int, int, int], Future] = {}  # (gen, step, dp_rank) -> (state, batches)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-build")
+        self.pool = BuildThread()
 
     # ----- the plan stream (the Ray Planner actor's, in this process) -----------------------------------
     def base(self) -> tuple[int, dict]:
@@ -176,8 +219,50 @@ class LocalJob:
         return state if with_state else None, shard_for_rank(batches, *cp)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown()
         self.runtime.close()
+
+
+class Clients:
+    """The trainer processes that joined this server (`join` / `leave`, by client id and process id): a
+    node-shared local runtime (plait.runtime.node_share) serves until they are done. Same node only: a
+    client counts as gone when its process is."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pids: dict[str, int] = {}  # client id -> process id, while joined
+        self.seen: set[int] = set()  # every process that ever joined
+
+    def join(self, client: str, pid: int) -> None:
+        with self.lock:
+            self.pids[str(client)] = int(pid)
+            self.seen.add(int(pid))
+
+    def leave(self, client: str) -> None:
+        with self.lock:
+            self.pids.pop(str(client), None)
+
+    def live(self) -> int:
+        """Joined clients whose process still runs (the others are forgotten)."""
+        with self.lock:
+            for client, pid in list(self.pids.items()):
+                if not process_alive(pid):
+                    del self.pids[client]
+            return len(self.pids)
+
+    def joined_processes(self) -> int:
+        with self.lock:
+            return len(self.seen)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that id: alive
+        return True
+    return True
 
 
 class LocalFlight(ActionServer):
@@ -186,6 +271,7 @@ class LocalFlight(ActionServer):
     def __init__(self, job: LocalJob, info: dict, location: str, token: str):
         super().__init__(location, token, info)
         self.job = job
+        self.clients = Clients()
 
     def answer(self, name: str, body: dict, peer: str) -> Any:
         job = self.job
@@ -200,6 +286,8 @@ class LocalFlight(ActionServer):
             "error_report": job.error_report,
             "reconnect": lambda: self.info["endpoints"],  # one process: nothing to replace
             "attach": lambda: self.endpoint(int(body["dp_rank"])),  # every rank is served here
+            "join": lambda: self.clients.join(body["id"], int(body["pid"])),
+            "leave": lambda: self.clients.leave(body["id"]),
         }
         if name not in calls:
             raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
@@ -250,6 +338,11 @@ class LocalJobServer:
     @property
     def location(self) -> str:
         return location_of(self.address)
+
+    @property
+    def clients(self) -> Clients:
+        """The trainer processes that joined (plait.runtime.node_share)."""
+        return self.server.clients
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until `close()` (or `timeout` seconds); True when closed."""

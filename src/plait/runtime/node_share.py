@@ -1,0 +1,289 @@
+"""The local runtime on a node with several trainer processes: one data plane per node, not per process.
+
+Run alone, the local runtime makes every trainer process plan the step, read every source and hold
+every source's reader and buffer: under torchrun with 8 processes a node holds 8 copies of everything,
+and memory grows as sources x ranks. Here the node's first process (LOCAL_RANK 0) hosts the job's roles
+(plait.runtime.serve_local.LocalJobServer: one Planner, one SourceLoader over every source, the
+Constructor) in background threads, serving the node's ranks over Arrow Flight on loopback with a fresh
+per-job token; every local rank, the host's own too, reads its micro-batches as a thin client
+(plait.runtime.flight). Memory on a node then grows as sources + ranks.
+
+Every node plans the whole step itself from the same spec, seed and data, exactly as every process did
+before: nodes agree without talking, and the stream is the local runtime's bit for bit (same digest).
+
+Which launches share (`share=` of plait.Loader with runtime="local", or PLAIT_LOCAL_SHARE):
+  auto     (default) share when torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE say there are 2+ processes here
+  node     share (an error outside torchrun's environment)
+  process  every process is its own loader (the local runtime alone)
+
+Rendezvous: the host writes {address, token, pid} to a file named by a hash of the launch (torchrun's run
+id, master address and port, node rank and restart count), the job name and the spec's data fingerprint,
+in a folder only this user can read (PLAIT_NODE_DIR, default <tmp>/plait-<uid>, mode 0700). The other
+processes wait for it (`timeout`, default 300 s), check the served job's spec, and join. The host keeps
+serving after its own Loader closes until every process of the node that joined has left (or died), or
+until all LOCAL_WORLD_SIZE processes have had `DRAIN_GRACE` seconds to join: its process waits for that
+at exit, so a rank that finishes first does not cut the others off.
+
+The trade-off: one process builds the node's batches (one build thread, as `plait serve --runtime local`),
+where each process built its own before. For sources whose preprocessing is heavy (many images), use the
+ray runtime (loaders scaled per source) or share="process".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from plait.batch import MicroBatch
+from plait.errors import PlaitError
+from plait.spec import Spec
+
+SHARES = ("auto", "node", "process")
+SHARE_ENV = "PLAIT_LOCAL_SHARE"
+DIR_ENV = "PLAIT_NODE_DIR"
+JOIN_TIMEOUT = 300.0  # seconds a process waits for its node's host (the host's first plan reads every source)
+DRAIN_GRACE = 60.0  # seconds the host waits, at most, for node processes that never joined
+DRAIN_TIMEOUT = 3600.0  # seconds the host waits, at most, for joined processes to leave
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """Where this process sits in its launch: its rank on the node, how many processes the node has, and
+    what names the launch (torchrun's environment)."""
+
+    local_rank: int
+    local_world_size: int
+    launch: str
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "NodeLaunch | None":
+        env = os.environ if env is None else env
+        if "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
+            return None
+        try:
+            local_rank, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+        except ValueError:
+            raise PlaitError(f"LOCAL_RANK={env['LOCAL_RANK']!r} / LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']!r} "
+                             "are not integers") from None
+        if not 0 <= local_rank < size:
+            raise PlaitError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={size}")
+        parts = [env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                                           "TORCHELASTIC_RESTART_COUNT")]
+        return cls(local_rank, size, "|".join(parts))
+
+
+def node_launch(share: str) -> NodeLaunch | None:
+    """The launch to share a data plane in, or None: this process loads alone (see the module's doc)."""
+    if share == "auto":
+        share = os.environ.get(SHARE_ENV) or "auto"
+    if share not in SHARES:
+        raise PlaitError(f"share={share!r} is not one of {', '.join(SHARES)} (also from {SHARE_ENV})")
+    if share == "process":
+        return None
+    launch = NodeLaunch.from_env()
+    if launch is None:
+        if share == "node":
+            raise PlaitError("share='node' needs torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE in the environment "
+                             "(use share='process' outside torchrun)")
+        return None
+    if share == "auto" and launch.local_world_size < 2:
+        return None
+    return launch
+
+
+def rendezvous_dir() -> Path:
+    """A folder only this user can enter (the rendezvous file holds the job's token)."""
+    path = Path(os.environ.get(DIR_ENV) or Path(tempfile.gettempdir()) / f"plait-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PlaitError(f"{path} (the node rendezvous folder) must belong to this user with mode 0700; set "
+                         f"{DIR_ENV} to a private folder")
+    return path
+
+
+def rendezvous_path(launch: NodeLaunch, job: str, spec: Spec) -> Path:
+    key = "|".join([launch.launch, job, spec.data_fingerprint(), str(spec.topology.dp)])
+    return rendezvous_dir() / f"node-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+# ----- the host (LOCAL_RANK 0): one LocalJobServer per rendezvous, shared by the process's Loaders ---------
+class _Host:
+    def __init__(self, spec: Spec, job: str, path: Path, expected: int, metrics_port: int | None):
+        from plait.runtime.serve_local import LocalJobServer  # pyarrow.flight: loaded only where it serves
+
+        self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port)
+        self.path, self.expected, self.users = path, expected, 0
+        self.drained = threading.Event()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"address": self.server.address, "token": self.server.token, "pid": os.getpid(),
+                       "job": job}, f)
+        os.replace(tmp, path)
+
+    def drain(self) -> None:
+        """Serve until the node's processes have left, then close (unless a new Loader took the host)."""
+        start = time.monotonic()
+        while time.monotonic() - start < DRAIN_TIMEOUT:
+            with _HOSTS_LOCK:
+                if self.users > 0:
+                    return
+            clients = self.server.clients
+            waiting = clients.live() > 0 or (clients.joined_processes() < self.expected
+                                             and time.monotonic() - start < DRAIN_GRACE)
+            if not waiting:
+                break
+            time.sleep(0.1)
+        with _HOSTS_LOCK:
+            if self.users > 0:
+                return
+            _HOSTS.pop(self.path, None)
+        try:
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+        self.server.close()
+        self.drained.set()
+
+
+_HOSTS: dict[Path, _Host] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def _acquire_host(spec: Spec, job: str, path: Path, expected: int, metrics_port: int | None) -> _Host:
+    with _HOSTS_LOCK:
+        host = _HOSTS.get(path)
+        if host is None:
+            host = _HOSTS[path] = _Host(spec, job, path, expected, metrics_port)
+        host.users += 1
+        return host
+
+
+def _release_host(host: _Host) -> None:
+    with _HOSTS_LOCK:
+        host.users -= 1
+        if host.users > 0:
+            return
+    # Not a daemon: when the host's script ends first, its process serves on until the node is done with it.
+    threading.Thread(target=host.drain, name="plait-node-drain", daemon=False).start()
+
+
+# ----- every local rank: a thin client of its node's host -----------------------------------------------
+def _join(spec: Spec, job: str, path: Path, timeout: float):
+    from plait.runtime.flight import FlightRuntime
+    from plait.runtime.serve_local import process_alive
+
+    deadline = time.monotonic() + timeout
+    last = "its rendezvous file did not appear"
+    while True:
+        try:
+            info = json.loads(path.read_text())
+            if not process_alive(int(info["pid"])):
+                last = f"the host process {info['pid']} that wrote it is gone"
+            else:
+                return FlightRuntime(spec, address=info["address"], token=info["token"], job=job)
+        except (OSError, ValueError, KeyError):
+            pass
+        except PlaitError as e:  # a stale file, or a host still starting or already closing
+            last = str(e)
+        if time.monotonic() > deadline:
+            raise PlaitError(
+                f"this node's data plane for job {job!r} did not answer within {timeout:.0f} s ({path}: {last}). "
+                "LOCAL_RANK 0 hosts it: every process of the node must create the same Loader (same spec, job "
+                "and topology); share='process' makes each process load alone"
+            )
+        time.sleep(0.05)
+
+
+class NodeRuntime:
+    """The runtime interface (plait.runtime) for one process of a node whose LOCAL_RANK 0 hosts the data
+    plane (see the module's doc). Options: `job` (names the node's job; default from the launch),
+    `metrics_port` (the host's Prometheus endpoint), `timeout` (seconds to wait for the host), `share`
+    (as plait.Loader's)."""
+
+    @staticmethod
+    def option_names() -> list[str]:
+        return ["job", "metrics_port", "timeout", "share"]
+
+    def __init__(self, spec: Spec, *, job: str | None = None, metrics_port: int | None = None,
+                 timeout: float = JOIN_TIMEOUT, share: str = "node"):
+        launch = node_launch(share)
+        if launch is None:
+            raise PlaitError("the node runtime needs torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE (share='process' "
+                             "or runtime='local' outside torchrun)")
+        self.spec = spec
+        job = job or "plait-node-" + hashlib.sha256(launch.launch.encode()).hexdigest()[:12]
+        path = rendezvous_path(launch, job, spec)
+        self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
+                      if launch.local_rank == 0 else None)
+        self._id = uuid.uuid4().hex
+        try:
+            self.client = _join(spec, job, path, timeout)
+            self.client.control.action("join", {"id": self._id, "pid": os.getpid()})
+        except BaseException:
+            if self._host is not None:
+                _release_host(self._host)
+            raise
+        self.job, self.launch, self._closed = job, launch, False
+
+    @property
+    def loader(self):
+        """The node's SourceLoader where this process hosts it (LOCAL_RANK 0), else None."""
+        return None if self._host is None else self._host.server.local.runtime.loader
+
+    # ----- the runtime interface: the thin client's -------------------------------------------------------
+    def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
+                  cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
+        return self.client.iter_rank(dp_rank, start_state, start_micro, max_steps, cp_rank=cp_rank)
+
+    def state_dict(self) -> dict:
+        return self.client.state_dict()
+
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
+        return self.client.load_state_dict(state, allow_spec_change=allow_spec_change)
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """As the local runtime's: call it identically on every rank (the node's Planner records it once)."""
+        self.client.set_weights(weights, at_step)
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        """As the local runtime's: every rank reports the same losses (recorded once per step and source)."""
+        self.client.report(step, losses)
+
+    def error_report(self) -> dict:
+        return self.client.error_report()
+
+    def scaling_report(self) -> dict:
+        return self.client.scaling_report()
+
+    def plan(self):
+        return self.client.plan()
+
+    def build(self, plan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        return self.client.build(plan, dp_rank, only)
+
+    def release(self, *in_flight) -> None:
+        """Nothing to release here: the node's host releases its loader's blocks."""
+
+    def close(self) -> None:
+        """Leave the node's job; the host's process serves on until the node's other processes are done."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.client.control.action("leave", {"id": self._id})
+        except PlaitError:
+            pass  # the host is gone already
+        self.client.close()
+        if self._host is not None:
+            _release_host(self._host)

@@ -1,0 +1,132 @@
+"""The local runtime under torchrun with several processes on a node: LOCAL_RANK 0 hosts one data plane
+for the node (plait.runtime.node_share) and every process reads its batches from it; the stream is the
+local runtime's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyarrow.flight")
+
+from helpers import batch_digest, make_spec, token_parquet  # noqa: E402
+
+import plait  # noqa: E402
+from plait.errors import PlaitError  # noqa: E402
+from plait.runtime.node_share import node_launch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def spec_dict(tmp_path_factory):
+    ds = token_parquet(tmp_path_factory.mktemp("node-share"), files=2, docs_per_file=40, row_group_size=5,
+                       lo=4, hi=40)
+    return make_spec([ds], seq_len=64, microbatches=2, dp=2, steps=6)
+
+
+def launch_env(monkeypatch, tmp_path, local_rank: int, size: int, run: str) -> None:
+    for k, v in {"LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": size, "TORCHELASTIC_RUN_ID": run,
+                 "PLAIT_NODE_DIR": tmp_path / "rdzv"}.items():
+        monkeypatch.setenv(k, str(v))
+
+
+def per_process_digests(spec) -> dict[int, str]:
+    return {r: batch_digest(plait.Loader(spec, dp_rank=r, prefetch=0, share="process")) for r in range(2)}
+
+
+def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path):
+    """Two trainer processes as torchrun starts them: rank 0 hosts, both read over Flight, both get the
+    local runtime's batches; rank 0 ends first and still serves rank 1 to its last step."""
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": f"t-{os.getpid()}",
+           "PLAIT_NODE_DIR": str(tmp_path / "rdzv")}
+    env.pop(SHARE := "PLAIT_LOCAL_SHARE", None)
+    procs = [subprocess.Popen([sys.executable, __file__, json.dumps({"spec": spec_dict, "rank": r,
+                                                                    "slow": 0.15 if r == 1 else 0})],
+                              env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parent) for r in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=150)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    expected = per_process_digests(plait.load_spec(spec_dict))
+    for r, got in enumerate(outs):
+        assert got["runtime"] == "NodeRuntime", got
+        assert got["hosts"] == (r == 0)
+        assert got["digest"] == expected[r]
+        assert got["batches"] == 12
+    assert outs[0]["ended"] < outs[1]["ended"]  # the host's Loader closed first and served on
+    assert not list((tmp_path / "rdzv").glob("*.json"))  # the host removed its rendezvous file
+    assert SHARE  # (named above so that a developer's setting cannot turn sharing off in this test)
+
+
+def test_one_process_node_resumes_and_dedupes_run_time_calls(spec_dict, tmp_path, monkeypatch):
+    """share="node" with LOCAL_WORLD_SIZE 1: host and client in one process. A checkpoint resumes bit for
+    bit, and set_weights made by every rank (here twice) is recorded once."""
+    launch_env(monkeypatch, tmp_path, 0, 1, "one")
+    spec = plait.load_spec(spec_dict)
+    local = list(plait.Loader(spec, dp_rank=0, prefetch=0, share="process"))
+    with plait.Loader(spec, dp_rank=0, share="node") as loader:
+        assert type(loader.runtime).__name__ == "NodeRuntime" and loader.runtime.loader is not None
+        it = iter(loader)
+        first = [next(it) for _ in range(5)]
+        state = loader.state_dict()
+        name = spec.sources[0].name
+        loader.set_weights({name: 1.0}, at_step=50)
+        loader.set_weights({name: 1.0}, at_step=50)  # a second rank's identical call
+    with plait.Loader(spec, dp_rank=0, share="node") as again:
+        again.load_state_dict(state)
+        rest = list(again)
+        overrides = again.state_dict()["data"].get("weights", {}).get("overrides", [])
+    assert batch_digest(first + rest) == batch_digest(local)
+    assert len([o for o in overrides if o["at_step"] == 50]) <= 1
+
+
+def test_share_choices_and_errors(spec_dict, tmp_path, monkeypatch):
+    spec = plait.load_spec(spec_dict)
+    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "PLAIT_LOCAL_SHARE"):
+        monkeypatch.delenv(k, raising=False)
+    assert node_launch("auto") is None
+    with pytest.raises(PlaitError, match="share='node' needs torchrun"):
+        plait.Loader(spec, share="node")
+    with pytest.raises(PlaitError, match="share='everywhere' is not one of"):
+        plait.Loader(spec, share="everywhere")
+    launch_env(monkeypatch, tmp_path, 1, 2, "nohost")
+    assert node_launch("auto").local_world_size == 2
+    assert node_launch("process") is None
+    monkeypatch.setenv("PLAIT_LOCAL_SHARE", "process")
+    assert node_launch("auto") is None
+    monkeypatch.delenv("PLAIT_LOCAL_SHARE")
+    t0 = time.monotonic()
+    with pytest.raises(PlaitError, match="LOCAL_RANK 0 hosts it"):
+        plait.Loader(spec, dp_rank=1, timeout=0.5)  # nobody hosts this node's job
+    assert time.monotonic() - t0 < 30
+
+
+def _worker(cfg: dict) -> None:
+    import hashlib  # noqa: F401
+
+    from helpers import batch_digest as digest
+
+    loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"])
+    batches = []
+    for mb in loader:
+        batches.append(mb)
+        time.sleep(cfg["slow"])
+    runtime = loader.runtime
+    hosts = getattr(runtime, "loader", None) is not None
+    loader.close()
+    print(json.dumps({"runtime": type(runtime).__name__, "hosts": hosts, "digest": digest(batches),
+                      "batches": len(batches), "ended": time.time()}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    _worker(json.loads(sys.argv[1]))
