@@ -49,10 +49,11 @@ def add_arguments(p) -> None:
                         "every source's state and serves every W-th step)")
     p.add_argument("--loaders", type=int, default=None, help="ray: SourceLoader actors (default: the runtime's)")
     p.add_argument("--only", choices=["per-rank", "plait"], default=None, help="measure one setup only")
-    p.add_argument("--client", choices=["ray", "flight", "flight-local"], default="ray",
+    p.add_argument("--client", choices=["ray", "flight", "flight-local", "node"], default="ray",
                    help="plait's trainers: Ray drivers (plait.Loader runtime=ray) or thin clients over Arrow Flight "
                         "(runtime=flight, served by `plait serve`, no Ray in the trainers); flight-local: the thin "
-                        "clients served by one `plait serve --runtime local` process (no Ray at all)")
+                        "clients served by one `plait serve --runtime local` process (no Ray at all); node: the "
+                        "local runtime as torchrun starts it (LOCAL_RANK 0's trainer hosts the node's data plane)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     memory_realistic.add_arguments(p)
 
@@ -137,6 +138,10 @@ def _trainer() -> None:
                     n += 1
                     if mb.microbatch == mb.num_microbatches - 1:
                         break
+    elif cfg["mode"] == "node":  # torchrun's local processes: LOCAL_RANK 0 hosts the node's data plane
+        os.environ.update(cfg["torchrun"])
+        loader = plait.Loader(spec, dp_rank=cfg["rank"], steps=cfg["steps"])
+        n = sum(1 for _ in loader)
     elif cfg["mode"] == "flight":
         loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="flight", job=cfg["job"], address=cfg["address"],
                               token=cfg["token"], steps=cfg["steps"])
@@ -170,6 +175,9 @@ def _mem(pid: int) -> tuple[int, int]:
 def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dict) -> tuple[list, list]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cfgs = [{"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra} for r in range(ranks)]
+    if mode == "node":
+        for r, cfg in enumerate(cfgs):
+            cfg["torchrun"] = memory_realistic.torchrun_env(r, ranks, f"bench-memory-{os.getpid()}")
     return memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
 
 
@@ -198,6 +206,8 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
     thin trainers over Arrow Flight."""
     import psutil
 
+    if client == "node":
+        return measure_node(spec_dict, ranks, steps)
     ray = None
     if client != "flight-local":  # flight-local: one `plait serve --runtime local` process, no Ray at all
         import ray
@@ -268,6 +278,24 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
             ray.shutdown()
 
 
+def measure_node(spec_dict: dict, ranks: int, steps: int) -> dict:
+    """plait's local runtime as torchrun starts it: LOCAL_RANK 0's trainer hosts the node's data plane,
+    every trainer reads over Flight on loopback; no Ray, no other process."""
+    procs, reports = _run_trainers("node", spec_dict, ranks, steps, {})
+    try:
+        added = [(max(0, r_ - rep["base_rss"]), max(0, p_ - rep["base_pss"]))
+                 for rep in reports for r_, p_ in [_mem(rep["pid"])]]
+        host_rss, host_pss = added[0]
+        client_rss = sum(a for a, _ in added[1:])
+        return {"total_rss": sum(a for a, _ in added), "total_pss": sum(p for _, p in added),
+                "actors": {"host trainer (LOCAL_RANK 0)": {"count": 1, "rss": host_rss, "pss": host_pss}},
+                "client_rss": client_rss, "client_rss_per_rank": client_rss / max(1, ranks - 1),
+                "daemons_rss": 0, "daemons_pss": 0, "daemons": {},
+                "batches": sum(r["batches"] for r in reports)}
+    finally:
+        memory_realistic.finish(procs)
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -313,8 +341,8 @@ def run(args) -> int:
         b = result["plait"]
         roles = ", ".join(f"{v['count']} {k.replace('Actor', '')} {v['rss'] / mb:.0f} MiB"
                           for k, v in sorted(b["actors"].items()))
-        setup = "one-process server, flight client" if args.client == "flight-local" else \
-            f"ray runtime, {args.client} client"
+        setup = {"flight-local": "one-process server, flight client",
+                 "node": "local runtime, one data plane per node"}.get(args.client, f"ray runtime, {args.client} client")
         table.add_row(f"plait ({setup})", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
                       f"{roles}; client {b['client_rss_per_rank'] / mb:.0f} MiB/rank")
         table.add_row("Ray daemons (separate)", f"{b['daemons_rss'] / mb:,.0f}", f"{b['daemons_pss'] / mb:,.0f}",

@@ -4,7 +4,10 @@ Set-up (the issue's): T trainer processes (default 8, one per DP rank), each wit
 pre-tokenized Parquet whose row groups decode to 16-64 MiB, and each consumes `--microbatches`
 micro-batches of `--seq-len` tokens (default 200 of 8,192). Measured per runtime:
 
-  local   each trainer runs plait.Loader(spec, rank) (every rank plans the step and buffers its sources)
+  local   each trainer runs plait.Loader(spec, rank) as torchrun starts it (LOCAL_RANK, LOCAL_WORLD_SIZE set):
+          LOCAL_RANK 0's trainer hosts the node's one data plane and every trainer reads from it over
+          Flight on loopback (plait.runtime.node_share)
+  local-process  the same with share="process": every trainer plans the step and buffers every source
   flight  one `plait serve` job on Ray (Planner, SourceLoaders, a Constructor) serves the trainers, which
           use plait.Loader(spec, rank, runtime="flight") and never import Ray
   flight-local  the same thin trainers, served by one `plait serve --runtime local` process (no Ray at all)
@@ -43,12 +46,20 @@ def add_arguments(p) -> None:
     g.add_argument("--source-counts", default="4,64", help="comma-separated numbers of sources")
     g.add_argument("--microbatches", type=int, default=200, help="micro-batches each trainer consumes")
     g.add_argument("--runtimes", default="local,flight",
-                   help="comma-separated: local, flight (served on Ray), flight-local (`plait serve --runtime local`)")
+                   help="comma-separated: local (one data plane per node, as under torchrun), local-process (every "
+                        "trainer its own loader), flight (served on Ray), flight-local (`plait serve --runtime local`)")
     g.add_argument("--row-group-mb", default="16,64", help="decoded row-group sizes: smallest,largest (MiB)")
     g.add_argument("--distinct", type=int, default=6, help="distinct Parquet files written (disk use)")
     g.add_argument("--buffer-mb", type=float, default=None, help="every source's buffer_mb (default: the spec's)")
     g.add_argument("--max-buffer-mb", type=float, default=None,
                    help="the job-wide cap loading.max_buffer_mb (default: the spec's)")
+
+
+def torchrun_env(local_rank: int, local_world_size: int, run_id: str) -> dict[str, str]:
+    """What torchrun sets for a process of a one-node launch (plait.runtime.node_share reads it)."""
+    return {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size), "RANK": str(local_rank),
+            "WORLD_SIZE": str(local_world_size), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def quick(args) -> None:
@@ -210,14 +221,17 @@ def _trainer() -> None:
         loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"], runtime="flight", job=cfg["job"],
                               address=cfg["address"], token=cfg["token"])
     else:
-        loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"])
+        os.environ.update(cfg.get("torchrun") or {})
+        loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"],
+                              share="process" if cfg["runtime"] == "local-process" else "auto")
+    source_loader = getattr(loader.runtime, "loader", None)  # where this trainer holds sources (local; host)
     n = tokens = peak_buffer = 0
     for batch in loader:
         tokens += int(batch.to_torch()["input_ids"].numel())
         n += 1
-        if cfg["runtime"] == "local":
-            peak_buffer = max(peak_buffer, loader.runtime.loader.cached_bytes)
-    over = loader.runtime.loader.buffer_over_budget if cfg["runtime"] == "local" else None
+        if source_loader is not None:
+            peak_buffer = max(peak_buffer, source_loader.cached_bytes)
+    over = None if source_loader is None else source_loader.buffer_over_budget
     print(json.dumps({"pid": os.getpid(), "idle_rss": idle, "batches": n, "tokens": tokens,
                       "peak_buffer": peak_buffer, "over_budget": over, "ray_imported": "ray" in sys.modules}),
           flush=True)
@@ -227,8 +241,11 @@ def _trainer() -> None:
 
 def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: int | None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-    if runtime == "local":
-        procs, reports = run_trainers({"runtime": "local", "spec": spec_dict}, trainers, env)
+    if runtime in ("local", "local-process"):
+        cfg = {"runtime": runtime, "spec": spec_dict}
+        cfgs = [{**cfg, "rank": r, "torchrun": torchrun_env(r, trainers, f"bench-{os.getpid()}-{len(spec_dict['sources'])}")}
+                for r in range(trainers)]
+        procs, reports = start_trainers("plait.cli.bench.memory_realistic", cfgs, env)
         try:
             return _summary(reports, {}, {})
         finally:
@@ -268,7 +285,7 @@ def _summary(reports: list[dict], roles: dict, daemons: dict) -> dict:
             "roles": {k: {"count": len(v), "rss": int(sum(v))} for k, v in roles.items()},
             "ray_daemons": int(sum(sum(v) for v in daemons.values())),
             "peak_buffer_per_rank": int(max(r["peak_buffer"] for r in reports)),
-            "over_budget": [r["over_budget"] for r in reports], "batches": sum(r["batches"] for r in reports),
+            "over_budget": [r["over_budget"] for r in reports if r["over_budget"] is not None], "batches": sum(r["batches"] for r in reports),
             "tokens": sum(r["tokens"] for r in reports), "ray_imported": any(r["ray_imported"] for r in reports)}
 
 
