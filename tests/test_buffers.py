@@ -259,3 +259,19 @@ def test_dropped_blocks_trim_the_heap_once_enough_is_freed(big, monkeypatch):
     assert max(dropped) > 0 and rt.loader.dropped_bytes < 100_000  # the count restarts after each trim
     monkeypatch.undo()  # the real trim runs without error
     loader_module.trim_heap()
+
+
+def test_open_row_range_readers_are_capped_without_changing_the_stream(big):
+    """Row groups read in pieces keep a reader open between pieces; with max_open_streams 1 the two
+    sources take turns closing each other's, which are read up to their piece again: more decoding, the
+    same batches, and never more than one open reader."""
+    entries = [s.with_options(buffer_mb=0.25) for s in big]
+    spec_for = lambda cap: plait.load_spec(make_spec(entries, seq_len=2048, microbatches=2, dp=2,  # noqa: E731
+                                                     loading={"max_open_streams": cap}))
+    most_open = []
+    capped, rt = stream(spec_for(1), 6, watch=lambda loader: most_open.append(len(loader.open_streams.open)))
+    free, rt_free = stream(spec_for(None), 6)
+    assert batch_digest(capped) == batch_digest(free)
+    assert max(most_open) == 1
+    assert rt.loader.open_streams.reopened > 0 and rt.loader.open_streams.rows_reread > 0
+    assert rt_free.loader.open_streams.reopened == 0  # unlimited: every piece follows its predecessor

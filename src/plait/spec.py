@@ -396,6 +396,10 @@ class LoadingSpec(_Model):
     max_buffer_mb: float | None = Field(512, gt=0, description="cap on the decoded data one SourceLoader holds over "
                                         "all its sources, MiB (local: per process; ray: split over the loader actors "
                                         "by their share of the sources); null: only the sources' buffer_mb")
+    max_open_streams: int | None = Field(16, ge=1, description="row groups read in row ranges keep a reader open "
+                                         "between pieces (its data page and dictionary, ~1 MiB); one SourceLoader "
+                                         "keeps at most this many, least recently used closed first (a closed one "
+                                         "is read up to its piece again: decode time, not memory); null: no limit")
 
 
 class MetricsSpec(_Model):

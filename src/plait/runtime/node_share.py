@@ -181,7 +181,7 @@ def _release_host(host: _Host) -> None:
 # ----- every local rank: a thin client of its node's host -----------------------------------------------
 def _join(spec: Spec, job: str, path: Path, timeout: float):
     from plait.runtime.flight import FlightRuntime
-    from plait.runtime.serve_local import process_alive
+    from plait.runtime.processes import process_alive
 
     deadline = time.monotonic() + timeout
     last = "its rendezvous file did not appear"

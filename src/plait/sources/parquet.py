@@ -5,7 +5,8 @@ Row ranges. A row group whose decoded size (estimated from the footer: the token
 or the text column's uncompressed bytes) exceeds a quarter of the source's `buffer_mb` is cut into
 equal row ranges ("pieces") that each fit; its pieces are consecutive blocks of the file, read in order
 through one open `iter_batches` iterator (a piece asked for out of order restarts it). A row group that
-fits stays one block, so specs whose row groups fit keep their stream exactly.
+fits stays one block, so specs whose row groups fit keep their stream exactly. The SourceLoader keeps
+at most `loading.max_open_streams` such iterators open over all its sources (reader.OpenStreams).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class ParquetReader(FormatReader):
                               np.cumsum(pieces) - pieces)
             self._open[path] = entry
             while len(self._open) > self.MAX_OPEN:
-                _, old = self._open.popitem(last=False)
+                old_path, old = self._open.popitem(last=False)
+                self.streams.done((id(self), old_path))
                 if old.handle is not None:
                     old.handle.close()
         else:
@@ -118,18 +120,24 @@ class ParquetReader(FormatReader):
         group, piece, first, rows = self._where(entry, block)
         if entry.pieces[group] == 1:
             return first, entry.pf.read_row_group(group, columns=columns)
-        cur = entry.cursor
+        cur, key = entry.cursor, (id(self), path)
         if cur.get("at") != (group, piece, tuple(columns)):
             per_piece = -(-int(entry.starts[group + 1] - entry.starts[group]) // int(entry.pieces[group]))
             cur.clear()
             cur.update(batches=entry.pf.iter_batches(batch_size=max(1, per_piece // ITER_BATCHES), row_groups=[group],
                                                       columns=columns, use_threads=False), rest=None)
-            for _ in range(piece):  # a piece out of order: read past the ones before it (bounded: one at a time)
+            if piece:  # out of order, or its reader was closed (OpenStreams): read past the pieces before it
+                self.streams.reopened += 1
+                self.streams.rows_reread += piece * per_piece
+            for _ in range(piece):  # one piece at a time: bounded memory
                 self._take(cur, per_piece)
         table = self._take(cur, rows)
         cur["at"] = (group, piece + 1, tuple(columns))
         if piece + 1 == entry.pieces[group]:
             cur.clear()  # the row group is read: its reader's page and batch buffers go now, not at the next one
+            self.streams.done(key)
+        else:
+            self.streams.use(key, cur)
         return first, table
 
     @staticmethod

@@ -6,6 +6,7 @@ line, never a circle: base -> formats -> jsonl, parquet -> reader.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import fsspec
@@ -47,6 +48,34 @@ class RawLengths:
     bad: list[tuple[int, str]] = field(default_factory=list)  # (record index in file, reason)
 
 
+class OpenStreams:
+    """The readers a SourceLoader keeps open between the blocks of a run (a Parquet row group read in
+    row ranges), at most `limit` (loading.max_open_streams), the least recently used closed first.
+
+    An open row-range reader holds its current data page and dictionary (~1.3 MiB at pyarrow's default
+    1 MiB pages), which is what would otherwise grow with the number of sources. A closed one is opened
+    again at its next block and reads its row group up to there again: decode time, no memory, and the
+    same rows (reading is deterministic). `reopened` / `rows_reread` count that cost."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.open: OrderedDict[tuple[int, str], dict] = OrderedDict()  # (reader, file) -> its open cursor
+        self.reopened = 0
+        self.rows_reread = 0
+
+    def use(self, key: tuple[int, str], cursor: dict) -> None:
+        """`cursor` (a reader's open state, a dict) stays open; the least recently used beyond the limit
+        are closed (cleared)."""
+        self.open[key] = cursor
+        self.open.move_to_end(key)
+        while self.limit is not None and len(self.open) > self.limit:
+            _, oldest = self.open.popitem(last=False)
+            oldest.clear()
+
+    def done(self, key: tuple[int, str]) -> None:
+        self.open.pop(key, None)
+
+
 class FormatReader:
     """Reads blocks of one file format. Subclasses: ParquetReader, JsonlReader, MegatronReader,
     ArrowReader, MdsReader.
@@ -61,6 +90,11 @@ class FormatReader:
         self.spec = spec
         self.fs = fs
         self.field = spec.text_field or spec.tokens_field
+        self.streams = OpenStreams()  # this reader's own, until share_open_streams gives the loader's
+
+    def share_open_streams(self, streams: OpenStreams) -> None:
+        """Count this reader's open row-range readers against `streams` (the SourceLoader's limit)."""
+        self.streams = streams
 
     def open_stream(self, path: str):
         """A handle for reading a file in pieces whose read-ahead is bounded by the source's buffer: a

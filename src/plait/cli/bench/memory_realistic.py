@@ -281,6 +281,7 @@ def _summary(reports: list[dict], roles: dict, daemons: dict) -> dict:
     added = [max(0, process_memory(r["pid"]) - r["idle_rss"]) for r in reports]
     processes = sum(sum(v) for v in roles.values())
     return {"trainer_added": int(sum(added)), "trainer_added_per_rank": int(np.mean(added)),
+            "trainer_added_each": [int(a) for a in added],
             "plait_processes": int(processes), "total": int(sum(added) + processes),
             "roles": {k: {"count": len(v), "rss": int(sum(v))} for k, v in roles.items()},
             "ray_daemons": int(sum(sum(v) for v in daemons.values())),
