@@ -165,7 +165,7 @@ def test_a_trainer_that_exits_without_close_releases_its_job(head, spec):
     proc = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE, json.dumps(spec.model_dump(mode="json")),
                            head["address"]], capture_output=True, text=True, timeout=120, env=head["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    wait_gone("jobs-exit", timeout=5)  # gone at exit, not after the 600 s idle timeout
+    wait_gone("jobs-exit", timeout=20)  # gone at exit, not after the 600 s idle timeout (slack: a loaded 2-core CI)
 
 
 @pytest.mark.timeout(200)
@@ -182,7 +182,7 @@ def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=head["env"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert len(json.loads((tmp_path / "out.json").read_text())["losses"]) == 10
-    wait_gone(job, timeout=5)
+    wait_gone(job, timeout=20)
 
 
 def test_plait_mix_changes_a_running_jobs_weights(head, spec, capsys):

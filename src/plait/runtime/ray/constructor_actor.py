@@ -259,7 +259,10 @@ class ConstructorPool:
             ray = ray_module()
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            here = NodeAffinitySchedulingStrategy(self.node_of(dp_rank), soft=True)
+            # Hard affinity: a Constructor serves the trainers of its node (num_cpus=0: always feasible there).
+            # A soft one fell back to the driver's node when the other node had just joined (seen in tests),
+            # leaving that node's trainers to fetch every batch across the network.
+            here = NodeAffinitySchedulingStrategy(self.node_of(dp_rank), soft=False)
             opts = actor_options(self.name(key), self.lifetime, num_cpus=0, max_concurrency=64,
                                  scheduling_strategy=here)
             handle = ray.remote(ConstructorActor).options(**opts).remote(self.job, self.prefetch)
