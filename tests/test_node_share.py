@@ -41,14 +41,17 @@ def per_process_digests(spec) -> dict[int, str]:
     return {r: batch_digest(plait.Loader(spec, dp_rank=r, prefetch=0, share="process")) for r in range(2)}
 
 
-def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path):
+@pytest.mark.parametrize("host_closes", [True, False])
+def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path, host_closes):
     """Two trainer processes as torchrun starts them: rank 0 hosts, both read over Flight, both get the
-    local runtime's batches; rank 0 ends first and still serves rank 1 to its last step."""
+    local runtime's batches; rank 0 ends first (closing its Loader, or exiting with it open) and still
+    serves rank 1 to its last step."""
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": f"t-{os.getpid()}",
            "PLAIT_NODE_DIR": str(tmp_path / "rdzv")}
     env.pop(SHARE := "PLAIT_LOCAL_SHARE", None)
     procs = [subprocess.Popen([sys.executable, __file__, json.dumps({"spec": spec_dict, "rank": r,
-                                                                    "slow": 0.15 if r == 1 else 0})],
+                                                                    "slow": 0.15 if r == 1 else 0,
+                                                                    "close": host_closes or r == 1})],
                               env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=Path(__file__).parent) for r in range(2)]
     outs = []
@@ -62,7 +65,7 @@ def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp
         assert got["hosts"] == (r == 0)
         assert got["digest"] == expected[r]
         assert got["batches"] == 12
-    assert outs[0]["ended"] < outs[1]["ended"]  # the host's Loader closed first and served on
+    assert outs[0]["ended"] < outs[1]["ended"]  # the host's loop ended first and it served on
     assert not list((tmp_path / "rdzv").glob("*.json"))  # the host removed its rendezvous file
     assert SHARE  # (named above so that a developer's setting cannot turn sharing off in this test)
 
@@ -122,7 +125,8 @@ def _worker(cfg: dict) -> None:
         time.sleep(cfg["slow"])
     runtime = loader.runtime
     hosts = getattr(runtime, "loader", None) is not None
-    loader.close()
+    if cfg["close"]:
+        loader.close()
     print(json.dumps({"runtime": type(runtime).__name__, "hosts": hosts, "digest": digest(batches),
                       "batches": len(batches), "ended": time.time()}), flush=True)
 

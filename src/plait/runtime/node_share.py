@@ -20,9 +20,10 @@ Rendezvous: the host writes {address, token, pid} to a file named by a hash of t
 id, master address and port, node rank and restart count), the job name and the spec's data fingerprint,
 in a folder only this user can read (PLAIT_NODE_DIR, default <tmp>/plait-<uid>, mode 0700). The other
 processes wait for it (`timeout`, default 300 s), check the served job's spec, and join. The host keeps
-serving after its own Loader closes until every process of the node that joined has left (or died), or
-until all LOCAL_WORLD_SIZE processes have had `DRAIN_GRACE` seconds to join: its process waits for that
-at exit, so a rank that finishes first does not cut the others off.
+serving after its own Loader closes (or its script ends with the Loader open) until every process of the
+node that joined has left (or died), or until all LOCAL_WORLD_SIZE processes have had `DRAIN_GRACE`
+seconds to join: its process waits for that at exit, so a rank that finishes first does not cut the
+others off.
 
 The trade-off: one process builds the node's batches (one build thread, as `plait serve --runtime local`),
 where each process built its own before. For sources whose preprocessing is heavy (many images), use the
@@ -31,6 +32,7 @@ ray runtime (loaders scaled per source) or share="process".
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -138,7 +140,7 @@ class _Host:
                 if self.users > 0:
                     return
             clients = self.server.clients
-            waiting = clients.live() > 0 or (clients.joined_processes() < self.expected
+            waiting = clients.live(exclude_pid=os.getpid()) > 0 or (clients.joined_processes() < self.expected
                                              and time.monotonic() - start < DRAIN_GRACE)
             if not waiting:
                 break
@@ -165,8 +167,22 @@ def _acquire_host(spec: Spec, job: str, path: Path, expected: int, metrics_port:
         host = _HOSTS.get(path)
         if host is None:
             host = _HOSTS[path] = _Host(spec, job, path, expected, metrics_port)
+            atexit.unregister(_serve_on_at_exit)
+            atexit.register(_serve_on_at_exit)
         host.users += 1
         return host
+
+
+def _serve_on_at_exit() -> None:
+    """A host process that exits with its Loader still open serves the node's other processes first.
+    Registered when the first host starts, after pyarrow.flight's own exit hooks: atexit runs the last
+    registered first, so this runs while the Flight server still serves."""
+    with _HOSTS_LOCK:
+        held = [h for h in _HOSTS.values() if h.users > 0]
+        for host in held:
+            host.users = 0
+    for host in held:
+        host.drain()
 
 
 def _release_host(host: _Host) -> None:

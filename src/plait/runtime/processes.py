@@ -28,13 +28,13 @@ class Clients:
         with self.lock:
             self.pids.pop(str(client), None)
 
-    def live(self) -> int:
-        """Joined clients whose process still runs (the others are forgotten)."""
+    def live(self, exclude_pid: int | None = None) -> int:
+        """Joined clients whose process still runs (the others are forgotten), those of `exclude_pid` aside."""
         with self.lock:
             for client, pid in list(self.pids.items()):
                 if not process_alive(pid):
                     del self.pids[client]
-            return len(self.pids)
+            return sum(1 for pid in self.pids.values() if pid != exclude_pid)
 
     def joined_processes(self) -> int:
         with self.lock:
