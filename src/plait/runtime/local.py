@@ -1,4 +1,7 @@
-"""Local runtime: every role in this process, called directly. Deterministic, no services."""
+"""Local runtime: every role in this process, called directly. Deterministic, no services.
+
+Under torchrun with several processes on a node, plait.Loader shares one of these per node instead
+(plait.runtime.node_share: LOCAL_RANK 0 hosts it, the node's processes read from it over Flight)."""
 
 from __future__ import annotations
 
