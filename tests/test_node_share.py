@@ -48,7 +48,7 @@ def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp
     serves rank 1 to its last step."""
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": f"t-{os.getpid()}",
            "PLAIT_NODE_DIR": str(tmp_path / "rdzv")}
-    env.pop(SHARE := "PLAIT_LOCAL_SHARE", None)
+    env.pop("PLAIT_LOCAL_SHARE", None)  # a developer's setting must not turn sharing off here
     procs = [subprocess.Popen([sys.executable, __file__, json.dumps({"spec": spec_dict, "rank": r,
                                                                     "slow": 0.15 if r == 1 else 0,
                                                                     "close": host_closes or r == 1})],
@@ -67,7 +67,6 @@ def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp
         assert got["batches"] == 12
     assert outs[0]["ended"] < outs[1]["ended"]  # the host's loop ended first and it served on
     assert not list((tmp_path / "rdzv").glob("*.json"))  # the host removed its rendezvous file
-    assert SHARE  # (named above so that a developer's setting cannot turn sharing off in this test)
 
 
 def test_one_process_node_resumes_and_dedupes_run_time_calls(spec_dict, tmp_path, monkeypatch):
@@ -76,20 +75,30 @@ def test_one_process_node_resumes_and_dedupes_run_time_calls(spec_dict, tmp_path
     launch_env(monkeypatch, tmp_path, 0, 1, "one")
     spec = plait.load_spec(spec_dict)
     local = list(plait.Loader(spec, dp_rank=0, prefetch=0, share="process"))
+    name = spec.sources[0].name
     with plait.Loader(spec, dp_rank=0, share="node") as loader:
         assert type(loader.runtime).__name__ == "NodeRuntime" and loader.runtime.loader is not None
-        it = iter(loader)
-        first = [next(it) for _ in range(5)]
-        state = loader.state_dict()
-        name = spec.sources[0].name
         loader.set_weights({name: 1.0}, at_step=50)
         loader.set_weights({name: 1.0}, at_step=50)  # a second rank's identical call
+        it = iter(loader)
+        first = [next(it) for _ in range(5)]
+        state = loader.state_dict()  # its step was planned after both calls
+    assert [o["at_step"] for o in state["data"]["overrides"]] == [50]  # recorded once
     with plait.Loader(spec, dp_rank=0, share="node") as again:
         again.load_state_dict(state)
         rest = list(again)
-        overrides = again.state_dict()["data"].get("weights", {}).get("overrides", [])
     assert batch_digest(first + rest) == batch_digest(local)
-    assert len([o for o in overrides if o["at_step"] == 50]) <= 1
+
+
+def test_identical_set_weights_from_every_rank_is_recorded_once(spec_dict):
+    """The node's Planner receives each rank's call: the same call again adds nothing to the data state."""
+    from plait.runtime.local import LocalRuntime
+
+    spec = plait.load_spec(spec_dict)
+    rt = LocalRuntime(spec)
+    for _ in range(2):
+        rt.set_weights({spec.sources[0].name: 1.0}, at_step=50)
+    assert [o["at_step"] for o in rt.state_dict()["overrides"]] == [50]
 
 
 def test_share_choices_and_errors(spec_dict, tmp_path, monkeypatch):

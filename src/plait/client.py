@@ -248,8 +248,9 @@ class Loader:
         call it identically on every rank (each plans the whole step itself); ray runtime: call it on one
         rank (the job's one Planner applies it)."""
         self._runtime.set_weights(weights, at_step)
-        self._overrides.append({"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()},
-                                "by": "user"})
+        entry = {"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()}, "by": "user"}
+        if entry not in self._overrides:  # the same call again is one entry, as in the Planner's state
+            self._overrides.append(entry)
 
     def report(self, step: int, losses: dict[str, float]) -> None:
         """Per-source training losses of global step `step` (e.g. all-reduced over ranks) for the online

@@ -35,8 +35,7 @@ def trim_heap() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
-    # Arrow's own allocator (mimalloc or jemalloc) keeps the pages of freed row-group reads too: ~110 MiB
-    # resident at 64 sources of 16-64 MiB row groups read in pieces (in-process probe), returned here.
+    # Arrow's own allocator (mimalloc or jemalloc) keeps the pages of freed row-group reads resident too.
     pa.default_memory_pool().release_unused()
 
 FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)

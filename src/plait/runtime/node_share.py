@@ -124,7 +124,6 @@ class _Host:
 
         self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port)
         self.path, self.expected, self.users = path, expected, 0
-        self.drained = threading.Event()
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -155,7 +154,6 @@ class _Host:
         except (OSError, ValueError):
             pass
         self.server.close()
-        self.drained.set()
 
 
 _HOSTS: dict[Path, _Host] = {}
@@ -237,7 +235,6 @@ class NodeRuntime:
         if launch is None:
             raise PlaitError("the node runtime needs torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE (share='process' "
                              "or runtime='local' outside torchrun)")
-        self.spec = spec
         job = job or "plait-node-" + hashlib.sha256(launch.launch.encode()).hexdigest()[:12]
         path = rendezvous_path(launch, job, spec)
         self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
@@ -250,7 +247,7 @@ class NodeRuntime:
             if self._host is not None:
                 _release_host(self._host)
             raise
-        self.job, self.launch, self._closed = job, launch, False
+        self.job, self._closed = job, False
 
     @property
     def loader(self):

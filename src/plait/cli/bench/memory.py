@@ -174,10 +174,10 @@ def _mem(pid: int) -> tuple[int, int]:
 
 def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dict) -> tuple[list, list]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cfgs = [{"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra} for r in range(ranks)]
-    if mode == "node":
-        for r, cfg in enumerate(cfgs):
-            cfg["torchrun"] = memory_realistic.torchrun_env(r, ranks, f"bench-memory-{os.getpid()}")
+    run_id = f"bench-memory-{os.getpid()}"
+    cfgs = [{"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra,
+             **({"torchrun": memory_realistic.torchrun_env(r, ranks, run_id)} if mode == "node" else {})}
+            for r in range(ranks)]
     return memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
 
 

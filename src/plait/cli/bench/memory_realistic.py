@@ -174,8 +174,11 @@ def plait_processes(exclude: set[int], serve_pid: int | None) -> tuple[dict, dic
     return roles, daemons
 
 
-def run_trainers(cfg: dict, trainers: int, env: dict) -> tuple[list, list]:
-    return start_trainers("plait.cli.bench.memory_realistic", [{**cfg, "rank": r} for r in range(trainers)], env)
+def run_trainers(cfg: dict, trainers: int, env: dict, torchrun_id: str | None = None) -> tuple[list, list]:
+    """One trainer per rank; with `torchrun_id`, each sees the environment torchrun would give it."""
+    cfgs = [{**cfg, "rank": r, **({} if torchrun_id is None else {"torchrun": torchrun_env(r, trainers, torchrun_id)})}
+            for r in range(trainers)]
+    return start_trainers("plait.cli.bench.memory_realistic", cfgs, env)
 
 
 def start_trainers(module: str, cfgs: list[dict], env: dict) -> tuple[list, list]:
@@ -242,10 +245,8 @@ def _trainer() -> None:
 def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: int | None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
     if runtime in ("local", "local-process"):
-        cfg = {"runtime": runtime, "spec": spec_dict}
-        cfgs = [{**cfg, "rank": r, "torchrun": torchrun_env(r, trainers, f"bench-{os.getpid()}-{len(spec_dict['sources'])}")}
-                for r in range(trainers)]
-        procs, reports = start_trainers("plait.cli.bench.memory_realistic", cfgs, env)
+        procs, reports = run_trainers({"runtime": runtime, "spec": spec_dict}, trainers, env,
+                                      torchrun_id=f"bench-{os.getpid()}-{len(spec_dict['sources'])}")
         try:
             return _summary(reports, {}, {})
         finally:
@@ -286,7 +287,8 @@ def _summary(reports: list[dict], roles: dict, daemons: dict) -> dict:
             "roles": {k: {"count": len(v), "rss": int(sum(v))} for k, v in roles.items()},
             "ray_daemons": int(sum(sum(v) for v in daemons.values())),
             "peak_buffer_per_rank": int(max(r["peak_buffer"] for r in reports)),
-            "over_budget": [r["over_budget"] for r in reports if r["over_budget"] is not None], "batches": sum(r["batches"] for r in reports),
+            "over_budget": [r["over_budget"] for r in reports if r["over_budget"] is not None],  # loaders' only
+            "batches": sum(r["batches"] for r in reports),
             "tokens": sum(r["tokens"] for r in reports), "ray_imported": any(r["ray_imported"] for r in reports)}
 
 
