@@ -1,14 +1,17 @@
-"""Shared test setup: hypothesis settings sized for a small CI machine, and `tests/` on sys.path so
-that test modules can `from helpers import ...`."""
+"""Shared test setup: hypothesis settings sized for a small CI machine, `tests/` on sys.path so that test
+modules can `from helpers import ...` / `from fixtures import ...`, the repository root on it so that the
+tests of the measurement suite can import `benchmarks`, and the session's one Ray instance."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 settings.register_profile(
     "plait", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -19,3 +22,29 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "plait"))
 # auth would leave this process unable to authenticate to a local instance started later (its GCS then
 # "fails to start"). One mode for the whole test session keeps the Ray modules independent of their order.
 os.environ["RAY_AUTH_MODE"] = "disabled"
+
+
+# One local Ray instance for the whole test session. Modules that run on it take the `ray_session` fixture
+# (its GCS address), never ray.init/shutdown of their own. Their modules run last (see the hook below), so
+# the tests that need no Ray in this process (plait starting and releasing its own instance, a `ray start
+# --head` cluster joined by address, a bad address failing fast) run before it starts.
+RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", "log_to_driver": False,
+               "configure_logging": False}
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(**RAY_OPTIONS)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark."""
+    shared = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+    for item in items:
+        if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+    items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]

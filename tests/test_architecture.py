@@ -23,6 +23,7 @@ def python_files(*folders: Path) -> list[Path]:
     return sorted(p for folder in folders for p in folder.rglob("*.py"))
 
 
+@pytest.mark.subprocess
 def test_import_linter_contracts_are_kept():
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,

@@ -24,16 +24,9 @@ from plait.metrics import batch_digest_update  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 from plait.runtime.placement import Layout, deal  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS = 12
 DP = 2
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ THREE = layout({0: 3, 1: 1, 2: 1}, 3)  # 1 loader -> 3: `short` split into 3 par
 TWO = layout({0: 2, 1: 2, 2: 1}, 2)  # then back to 2 loaders, other partitions
 
 
-def test_rescaling_mid_run_keeps_the_stream(ray_instance, data, reference):
+def test_rescaling_mid_run_keeps_the_stream(ray_session, data, reference):
     from plait.runtime.ray import RayRuntime
 
     rt = RayRuntime(make_spec(data, dp=DP, metrics={"port": 0}), loaders=1)
@@ -128,7 +121,7 @@ def test_rescaling_mid_run_keeps_the_stream(ray_instance, data, reference):
     assert (data / "scaling.png").stat().st_size > 0
 
 
-def test_a_shadowed_source_rescaled_then_a_new_loader_killed(ray_instance, data, reference):
+def test_a_shadowed_source_rescaled_then_a_new_loader_killed(ray_session, data, reference):
     from plait.runtime.ray import RayRuntime
 
     rt = RayRuntime(make_spec(data, dp=DP, shadows=1), loaders=2)
@@ -160,7 +153,7 @@ def test_a_shadowed_source_rescaled_then_a_new_loader_killed(ray_instance, data,
             ray.get(handle.stats.remote() if handle in old else handle.shadow_stats.remote(), timeout=30)
 
 
-def test_a_bad_layout_is_refused_and_nothing_changes(ray_instance, data):
+def test_a_bad_layout_is_refused_and_nothing_changes(ray_session, data):
     from plait.runtime.ray import RayRuntime
 
     rt = RayRuntime(make_spec(data, dp=DP), loaders=1)
@@ -172,7 +165,7 @@ def test_a_bad_layout_is_refused_and_nothing_changes(ray_instance, data):
         rt.close()
 
 
-def test_autoscale_loop_records_a_timeline_and_keeps_the_stream(ray_instance, data, reference):
+def test_autoscale_loop_records_a_timeline_and_keeps_the_stream(ray_session, data, reference):
     import plait
 
     spec = make_spec(data, dp=DP)
@@ -204,7 +197,7 @@ def test_autoscale_loop_records_a_timeline_and_keeps_the_stream(ray_instance, da
         assert e["kind"] in ("up", "down", "unmet") and e["reason"]
 
 
-def test_plait_run_autoscale_writes_the_report_and_plot(ray_instance, data, tmp_path, capsys):
+def test_plait_run_autoscale_writes_the_report_and_plot(ray_session, data, tmp_path, capsys):
     import json
 
     import yaml

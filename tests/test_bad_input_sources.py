@@ -253,6 +253,7 @@ def test_no_function_level_imports_in_sources():
 
 @pytest.mark.parametrize("module", ["plait.sources.base", "plait.sources.formats", "plait.sources.jsonl",
                                     "plait.sources.parquet", "plait.sources.reader", "plait.sources"])
+@pytest.mark.subprocess
 def test_each_sources_module_imports_first(module):
     code = (f"import {module}; import plait.sources as s; "
             "assert {'BlockKey', 'DocBlock', 'Source', 'infer_format', 'reader_for'} <= set(s.__all__); "

@@ -78,6 +78,8 @@ def test_the_schedule_doubles_the_image_share_at_the_change(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.ray
+@pytest.mark.slow
 def test_smallest_run_gives_one_digest_and_every_field(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "autoscale.json"

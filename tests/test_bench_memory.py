@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 MIB = 2**20
 
 

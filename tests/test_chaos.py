@@ -17,16 +17,9 @@ ray = pytest.importorskip("ray")
 from plait.cli.bench.recovery import compare_streams, kill_points, make_spec  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS = 14
 LOADERS = 3
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
 
 
 @pytest.mark.parametrize("shadows", [1, 0])
-def test_killing_source_loaders_changes_nothing(ray_instance, data, reference, shadows, caplog):
+def test_killing_source_loaders_changes_nothing(ray_session, data, reference, shadows, caplog):
     caplog.set_level(logging.WARNING, logger="plait.recovery")
     spec = make_spec(data, dp=4, shadows=shadows)
     kills = kill_points(STEPS, 3, seed=11, num_loaders=LOADERS)
@@ -88,7 +81,7 @@ def test_killing_source_loaders_changes_nothing(ray_instance, data, reference, s
     assert all(e["recovery_s"] < 30 for e in loaders)
 
 
-def test_killing_the_constructor_changes_nothing(ray_instance, data, reference, caplog):
+def test_killing_the_constructor_changes_nothing(ray_session, data, reference, caplog):
     caplog.set_level(logging.WARNING, logger="plait.recovery")
     ids, events = run_with_kills(make_spec(data, dp=4, shadows=1), {}, kill_constructor_at=5)
     assert compare_streams(reference, ids)["same_order"]
@@ -98,7 +91,7 @@ def test_killing_the_constructor_changes_nothing(ray_instance, data, reference, 
     assert any(m.startswith("recovery: Constructor") for m in messages)
 
 
-def test_killing_the_planner_changes_nothing(ray_instance, data, reference, caplog):
+def test_killing_the_planner_changes_nothing(ray_session, data, reference, caplog):
     """The Planner (and the loaders it owns) die; it is rebuilt from the last data state and re-plans."""
     caplog.set_level(logging.WARNING, logger="plait.recovery")
     ids, events = run_with_kills(make_spec(data, dp=4), {}, kill_planner_at=6)
@@ -110,7 +103,7 @@ def test_killing_the_planner_changes_nothing(ray_instance, data, reference, capl
     assert any(m.startswith("recovery: Planner") for m in messages)
 
 
-def test_a_training_client_survives_loader_and_constructor_deaths(ray_instance, data):
+def test_a_training_client_survives_loader_and_constructor_deaths(ray_session, data):
     """The trainer-side path (Loader → iter_rank): kills under a running iterator change nothing."""
     import plait
 
@@ -134,7 +127,7 @@ def test_a_training_client_survives_loader_and_constructor_deaths(ray_instance, 
     assert "constructor" in roles and "loader" in roles
 
 
-def test_a_dead_shadow_is_noticed_and_replaced(ray_instance, data, reference):
+def test_a_dead_shadow_is_noticed_and_replaced(ray_session, data, reference):
     """A standby that dies is found from its failed follow calls and replaced; it is not silently lost."""
     from plait.runtime.ray import RayRuntime
 

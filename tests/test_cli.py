@@ -43,6 +43,7 @@ def test_invalid_spec_exits_2_naming_field_and_reason(case, tmp_path, capsys):
         assert needle in captured.err, (needle, captured.err)
 
 
+@pytest.mark.subprocess
 def test_invalid_spec_subprocess(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"sources": [{**GOOD, "wieght": 2, "name": "a" * 90}]}))

@@ -94,6 +94,7 @@ def test_loader_hands_each_cp_rank_its_shard(tmp_path):
         _same(unshard([per_rank[0][i], per_rank[1][i]]), mb)
 
 
+@pytest.mark.subprocess
 def test_local_runtime_and_cp_work_without_ray(tmp_path):
     """Ray is an optional extra: with `import ray` failing, the local runtime and CP sharding still work."""
     import subprocess

@@ -23,6 +23,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_torchrun_gpt_example_learns(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun not found"
@@ -42,6 +44,8 @@ def test_torchrun_gpt_example_learns(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_torchrun_vlm_example_learns(tmp_path):
     """examples/vlm_torchrun.py: a tiny ViT + GPT on the demo's image-text source, 2 ranks, local runtime."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
@@ -62,6 +66,8 @@ def test_torchrun_vlm_example_learns(tmp_path):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_calibrate_vlm_quick(tmp_path):
     """examples/calibrate_vlm.py --quick: rows in `plait fit-cost`'s format that the CLI fits, a held-out
     error, and naive vs plait placements of the same step's documents, each simulated rank timed."""

@@ -33,7 +33,7 @@ from plait.runtime.flight import Channel, decode_batch, dumps, step_schema  # no
 from plait.runtime.ray.flight_server import ConstructorFlight  # noqa: E402
 from helpers import make_spec, token_parquet  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 BIN = Path(sys.executable).parent
 JOB = "flight-test"
 

@@ -195,20 +195,16 @@ def test_metrics_count_images(sources):
 
 
 @pytest.mark.timeout(300)
-def test_same_stream_on_ray(sources):
+@pytest.mark.ray
+def test_same_stream_on_ray(sources, ray_session):
     """Local and ray give the same digest with images (pixels included); the images are decoded in the
     loader actors' gather."""
-    ray = pytest.importorskip("ray")
     from plait.cli.stream import stream as run_stream
     from plait.metrics import combined_digest
 
     spec = plait.load_spec(mm_spec(sources)).with_overrides(steps=3)
     local = run_stream(spec, steps=3, runtime="local", progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    try:
-        remote = run_stream(spec, steps=3, runtime="ray", progress=False, runtime_options={"loaders": 2})
-    finally:
-        ray.shutdown()
+    remote = run_stream(spec, steps=3, runtime="ray", progress=False, runtime_options={"loaders": 2})
     assert remote["images"] == local["images"] > 0
     assert combined_digest(remote["digests"]) == combined_digest(local["digests"])
 

@@ -42,6 +42,7 @@ def per_process_digests(spec) -> dict[int, str]:
 
 
 @pytest.mark.parametrize("host_closes", [True, False])
+@pytest.mark.subprocess
 def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path, host_closes):
     """Two trainer processes as torchrun starts them: rank 0 hosts, both read over Flight, both get the
     local runtime's batches; rank 0 ends first (closing its Loader, or exiting with it open) and still

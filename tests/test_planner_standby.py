@@ -29,7 +29,7 @@ from plait.runtime.local import LocalRuntime  # noqa: E402
 from plait.runtime.ray.common import NAMESPACE, planner_name  # noqa: E402
 from plait.runtime.ray.standby_planner import standby_name, standby_stats  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 RANKS = 4
 STEPS = 12
 PAUSE_AT = 8  # micro-batches each trainer takes before the Planner is killed (of STEPS * 2)
@@ -54,13 +54,6 @@ loader.close()
 with open(os.path.join(folder, f"rank-{rank}.json"), "w") as f:
     json.dump({"ids": ids, "digest": digest.hexdigest(), "events": events}, f)
 """
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +87,11 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_four_trainers_continue_the_same_stream_when_the_planner_dies(ray_address, spec, tmp_path):
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_four_trainers_continue_the_same_stream_when_the_planner_dies(ray_session, spec, tmp_path):
     job = "standby-chaos"
-    config = [spec.model_dump(mode="json"), ray_address, job, 0, STEPS, PAUSE_AT, str(tmp_path)]
+    config = [spec.model_dump(mode="json"), ray_session, job, 0, STEPS, PAUSE_AT, str(tmp_path)]
     procs = []
     for rank in range(RANKS):  # rank 0 creates the job; the others attach to it by name
         config[3] = rank
@@ -139,7 +134,7 @@ def test_four_trainers_continue_the_same_stream_when_the_planner_dies(ray_addres
     wait_for(lambda: not job_actors(job), 30, "the job's actors to end")
 
 
-def test_exactly_one_successor_however_many_notice(ray_address, spec):
+def test_exactly_one_successor_however_many_notice(ray_session, spec):
     """A dead standby is replaced by its Planner; then many callers report the same dead Planner at
     once: one takeover, one new Planner for all; the standby then follows the successor (the job has a
     standby again), whose stream is unchanged, run-time weights set before the death included."""
@@ -147,7 +142,7 @@ def test_exactly_one_successor_however_many_notice(ray_address, spec):
     from plait.runtime.ray.standby_planner import successor
 
     job = "standby-many"
-    rt = RayRuntime(spec, job=job, loaders=2, address=ray_address)
+    rt = RayRuntime(spec, job=job, loaders=2, address=ray_session)
     try:
         plans = [rt.plan() for _ in range(2)]
         # The standby is a process of its own: it follows once started (before, a trainer recreates the
@@ -198,7 +193,7 @@ def test_exactly_one_successor_however_many_notice(ray_address, spec):
         local.close()
 
 
-def test_bench_recovery_planner_measures_a_takeover(ray_address, spec):
+def test_bench_recovery_planner_measures_a_takeover(ray_session, spec):
     """`plait bench recovery --planner`: one takeover, nothing lost or repeated, and the standby receives
     state diffs of well under a few kilobytes per step (never plans)."""
     from plait.cli.bench import planner_takeover
@@ -251,14 +246,14 @@ def test_a_successor_plans_each_logged_step_from_the_state_it_was_planned_from(s
         successor.close()
 
 
-def test_the_planner_can_build_in_its_own_process(ray_address, spec):
+def test_the_planner_can_build_in_its_own_process(ray_session, spec):
     """constructors="planner" (a one-node job): no Constructor actor, the Planner's process builds every
     rank's micro-batches, the stream is unchanged, a trainer that attaches is served by it too, and its
     successor (after a death) builds as well."""
     from plait.runtime.ray import RayRuntime
 
     job, steps = "planner-builds", 6
-    rt = RayRuntime(spec, job=job, loaders=2, constructors="planner", address=ray_address)
+    rt = RayRuntime(spec, job=job, loaders=2, constructors="planner", address=ray_session)
     try:
         ids = []
         for step in range(steps):
@@ -284,7 +279,7 @@ def test_the_planner_can_build_in_its_own_process(ray_address, spec):
     assert compare_streams(expected[1], rank1)["same_order"]
 
 
-def test_a_successor_keeps_the_layout_the_job_was_rescaled_to(ray_address, spec):
+def test_a_successor_keeps_the_layout_the_job_was_rescaled_to(ray_session, spec):
     """Re-partitioned mid-run (issue 12), then the Planner dies: its successor takes the layout in use (its
     version, the loaders of that version found by name), not the one the job started with, and the stream
     stays the one a run without failure or rescale makes."""
@@ -293,7 +288,7 @@ def test_a_successor_keeps_the_layout_the_job_was_rescaled_to(ray_address, spec)
     from plait.runtime.ray.standby_planner import successor
 
     job = "standby-rescaled"
-    rt = RayRuntime(spec, job=job, loaders=1, address=ray_address)
+    rt = RayRuntime(spec, job=job, loaders=1, address=ray_session)
     batches = []
     try:
         def run_step():

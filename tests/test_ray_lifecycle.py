@@ -11,7 +11,7 @@ import plait  # noqa: E402
 from plait.runtime.ray.runtime import explain_join_failure  # noqa: E402
 from helpers import make_spec, token_parquet  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 def test_two_loaders_share_the_instance_plait_started_and_the_last_close_releases_it(tmp_path):

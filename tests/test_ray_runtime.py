@@ -13,15 +13,7 @@ from plait.cli.demo_data import generate  # noqa: E402
 from plait.metrics import combined_digest  # noqa: E402
 from plait.cli.stream import stream  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False,
-             configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +57,11 @@ def test_partitions_follow_cpu_work_not_source_count(spec):
 
 
 @pytest.mark.parametrize("options", [{"loaders": 1}, {"loaders": 3, "partitions": {"web": 2, "long": 2}}])
-def test_ray_digest_equals_local(ray_instance, spec, options):
+def test_ray_digest_equals_local(ray_session, spec, options):
     assert _digest(spec, "ray", **options) == _digest(spec, "local")
 
 
-def test_clients_share_one_planned_stream(ray_instance, spec):
+def test_clients_share_one_planned_stream(ray_session, spec):
     """Trainer ranks attach to one job by name; each step is planned once; TP/CP ranks share builds
     (each CP rank gets its shard); a resumed client continues bit for bit."""
     spec = spec.with_overrides(topology={"dp": 2, "tp": 2, "cp": 2})
@@ -109,7 +101,7 @@ def test_clients_share_one_planned_stream(ray_instance, spec):
         ray.get_actor("test-job/planner", namespace="plait")
 
 
-def test_auto_layout_follows_measured_cost(ray_instance, tmp_path):
+def test_auto_layout_follows_measured_cost(ray_session, tmp_path):
     """loaders="auto": the probe finds the tokenized JSONL source dearer than the pre-tokenized Parquet
     ones, splits it over both loaders (a 2-CPU instance), and the stream is still the local one."""
     from helpers import make_spec, text_source, token_parquet, train_tokenizer

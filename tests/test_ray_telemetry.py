@@ -14,14 +14,7 @@ from plait import cli  # noqa: E402
 from helpers import make_spec, text_source, token_parquet  # noqa: E402
 from test_telemetry import scrape  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
@@ -31,7 +24,7 @@ def spec(tmp_path):
     return make_spec([a, b], seq_len=64, microbatches=2, dp=1, metrics={"port": 0})
 
 
-def test_the_planner_serves_the_job_endpoint_and_top_finds_it(ray_instance, spec, capsys, monkeypatch):
+def test_the_planner_serves_the_job_endpoint_and_top_finds_it(ray_session, spec, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # rich's tables, one row a line
     loader = plait.Loader(spec, 0, runtime="ray", job="tele", loaders=2, steps=3, prefetch=0, metrics_port=0)
     try:

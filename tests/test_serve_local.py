@@ -159,6 +159,7 @@ def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
 SERVER_IMPORTS = "import sys, plait.runtime.serve_local; print(json.dumps(sorted(m for m in ('ray', 'torch') if m in sys.modules)))"
 
 
+@pytest.mark.subprocess
 def test_plait_serve_runtime_local_serves_without_ray(spec, tmp_path):
     out = subprocess.run([sys.executable, "-c", "import json; " + SERVER_IMPORTS], capture_output=True, text=True,
                          timeout=60)
@@ -184,6 +185,8 @@ def test_plait_serve_runtime_local_serves_without_ray(spec, tmp_path):
         stop(server)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_realistic_quick_bench_on_the_one_process_server(tmp_path):
     """`plait bench memory --realistic --runtimes flight-local`: the serve process is measured as plait's
     one process, no Ray anywhere (no daemons), every trainer got its micro-batches."""
