@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from plait.cli.bench.recovery import compare_streams, make_spec  # noqa: E402
+from fixtures import compare_streams, mixed_spec as make_spec  # noqa: E402
 from plait.cli.common import console  # noqa: E402
 from plait.cli.top import scrape  # noqa: E402
 from plait.errors import PlaitError  # noqa: E402

@@ -294,11 +294,11 @@ def test_equal_mode_long_context_within_one_percent(dist, R):
     # move between ranks and a few long chunks (<= 1% of the tokens, never urgent ones) are carried.
     import zlib
 
-    from plait.cli.bench.balance import step_items
+    from fixtures import step_chunks
 
     M, C = 4, 131072
     rng = np.random.default_rng(zlib.crc32(f"{dist}/{R}/{C}/0/0".encode()))
-    lengths, _ = step_items(dist, R * M * C, C, rng)
+    lengths = step_chunks(dist, R * M * C, C, rng)
     costs = CostModel.from_dims(4096, 32, 11008, 32)(lengths)
     priority = np.zeros(len(lengths), dtype=np.int64)
     priority[np.flatnonzero(lengths == C)[:R // 4]] = 2  # carried before: must be placed now

@@ -1,4 +1,4 @@
-"""`plait bench autoscale`: its pure parts, and its smallest run on Ray (the three configurations deliver
+"""`python -m benchmarks.autoscale`: its pure parts, and its smallest run on Ray (the three configurations deliver
 the same stream: one digest; the JSON has every field the issue asks for)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from plait.cli import main
-from plait.cli.bench import autoscale as bench
+from benchmarks.common import main as bench_main
+from benchmarks import autoscale as bench  # the benchmark under test
 from plait.errors import PlaitError
 
 
@@ -83,8 +83,8 @@ def test_the_schedule_doubles_the_image_share_at_the_change(tmp_path):
 def test_smallest_run_gives_one_digest_and_every_field(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "autoscale.json"
-    rc = main(["bench", "autoscale", "--steps", "8", "--change-at", "4", "--warmup", "2", "--images", "24",
-               "--rate", "10", "--seq-len", "2048", "--cpus", "2", "--quiet", "--json", str(out)])
+    rc = bench_main(bench, ["--steps", "8", "--change-at", "4", "--warmup", "2", "--images", "24",
+                     "--rate", "10", "--seq-len", "2048", "--cpus", "2", "--quiet", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     rows = {c["config"]: c for c in r["configs"]}

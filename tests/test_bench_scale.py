@@ -1,4 +1,4 @@
-"""`plait bench scale` at a reduced size: the real Planner and placement over synthetic metadata give
+"""`python -m benchmarks.scale` at a reduced size: the real Planner and placement over synthetic metadata give
 sane scaling figures (plan time, bytes between roles, actors, memory, connections)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import json
 
 import numpy as np
 
-from plait.cli import main
-from plait.cli.bench.synthetic import SyntheticMetadata, SyntheticSources
+from benchmarks import scale as scale_module  # the benchmark under test
+from benchmarks.common import main as bench_main
+from benchmarks.synthetic import SyntheticMetadata, SyntheticSources
 
 DP, SOURCES, STEPS = 64, 50, 3
 
@@ -33,8 +34,8 @@ def test_synthetic_metadata_is_deterministic_and_walks_every_block():
 
 def test_bench_scale_reduced_size(tmp_path):
     out = tmp_path / "scale.json"
-    rc = main(["bench", "scale", "--dp", str(DP), "--sources", str(SOURCES), "--steps", str(STEPS),
-               "--step-time", "0.05", "--quiet", "--json", str(out)])
+    rc = bench_main(scale_module, ["--dp", str(DP), "--sources", str(SOURCES), "--steps", str(STEPS),
+                                        "--step-time", "0.05", "--quiet", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     fig = {r["figure"].strip(): r for r in data["rows"]}

@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from plait.cli.bench.recovery import compare_streams, kill_points, make_spec  # noqa: E402
+from fixtures import compare_streams, kill_points, mixed_spec as make_spec  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import plait
-from plait.cli.bench.recovery import make_spec
+from fixtures import mixed_spec as make_spec
 from plait.roles.deltas import FollowerView
 from plait.roles.state_log import PlannerLog, apply_state_diff, diff_state, nbytes
 from plait.metrics import batch_digest_update

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from plait.cli.bench.recovery import make_spec
+from fixtures import mixed_spec as make_spec
 from plait.roles.state_log import nbytes
 from plait.errors import PlaitError
 from plait.runtime.local import LocalRuntime

@@ -23,7 +23,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import plait  # noqa: E402
-from plait.cli.bench.recovery import compare_streams, make_spec  # noqa: E402
+from fixtures import compare_streams, mixed_spec as make_spec  # noqa: E402
 from plait.metrics import batch_digest_update, combined_digest  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 from plait.runtime.ray.common import NAMESPACE, planner_name  # noqa: E402
@@ -194,9 +194,9 @@ def test_exactly_one_successor_however_many_notice(ray_session, spec):
 
 
 def test_bench_recovery_planner_measures_a_takeover(ray_session, spec):
-    """`plait bench recovery --planner`: one takeover, nothing lost or repeated, and the standby receives
+    """`python -m benchmarks.recovery --planner`: one takeover, nothing lost or repeated, and the standby receives
     state diffs of well under a few kilobytes per step (never plans)."""
-    from plait.cli.bench import planner_takeover
+    from benchmarks import planner_takeover  # the benchmark under test
 
     result = planner_takeover.measure(spec, steps=10, kill_at=5)
     reference, observed = result.pop("streams")

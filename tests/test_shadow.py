@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from plait.cli.bench.recovery import compare_streams, make_spec, simulate
+from fixtures import compare_streams, mixed_spec as make_spec
 from plait.roles.constructor import Constructor, LoaderPayloads
 from plait.roles.planner import Planner
 from plait.roles.shadow import ShadowLoader
@@ -97,29 +97,6 @@ def test_out_of_order_deltas_and_late_snapshot(spec):
         primary.retain(planner.live_blocks())
         late.follow(primary.checkpoint_delta(step))
         assert set(late.buffered_keys()) == set(primary.buffered_keys())
-
-
-@pytest.mark.parametrize("shadows", [1, 0])
-def test_repeated_loader_deaths_lose_and_repeat_nothing(spec, shadows, caplog):
-    caplog.set_level("WARNING", logger="plait.recovery")
-    out = simulate(spec, steps=24, failures=4, shadows=shadows, interval=1, seed=5)
-    assert out["failures"] == 4
-    assert (out["lost"], out["duplicated"], out["same_order"]) == (0, 0, True)
-    assert out["delta_bytes_max"] < 4096
-    failures = [r for r in caplog.records if r.getMessage().startswith("failure:")]
-    recoveries = [r for r in caplog.records if r.getMessage().startswith("recovery:")]
-    assert len(failures) == len(recoveries) == 4
-    if shadows:
-        assert all(ev["how"].startswith("shadow promoted") for ev in out["events"])
-        assert all(ev["reread_blocks"] == 0 for ev in out["events"])
-    else:
-        assert all(ev["how"].startswith("cold restart") for ev in out["events"])
-
-
-def test_sparse_deltas_stay_exact(spec):
-    """With a delta every 4 steps the shadow lags; what it missed is read again, nothing else changes."""
-    sparse = simulate(spec, steps=12, failures=2, shadows=1, interval=4, seed=1)
-    assert (sparse["lost"], sparse["duplicated"], sparse["same_order"]) == (0, 0, True)
 
 
 def test_a_lost_delta_does_not_hold_memory_forever(spec):

@@ -1,4 +1,4 @@
-"""`plait bench startup`: time from start to the first batch of every rank, over many sharded sources.
+"""`python -m benchmarks.startup`: time from start to the first batch of every rank, over many sharded sources.
 
 It writes S sources of F small pre-tokenized Parquet shards each (default 256 x 64 = 16,384 files) to a
 temp dir, then times, for each rank count R in --ranks, a fresh job on the ray runtime from the moment
@@ -13,13 +13,15 @@ runtime's time to its first step for reference (one process planning and buildin
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import main, write_result
 
 HELP = "time to the first batch of every rank for a job over many sources x shards (ray runtime)"
 DESCRIPTION = __doc__
@@ -128,5 +130,9 @@ def run(args) -> int:
     result["worst_first_batch_s"] = worst
     console.print(f"worst time to the first batch of every rank: {worst:.2f} s (target < 15 s)")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_result(args.json, result)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""`plait bench scale`: a 10k-GPU job on paper, with the real Planner and placement code.
+"""`python -m benchmarks.scale`: a 10k-GPU job on paper, with the real Planner and placement code.
 
 It runs the real `plait.roles.planner.Planner` over synthetic block metadata (`synthetic.py`: S sources
 of four kinds, lognormal document lengths, no files) for a job of DP x TP (x PP x CP) GPUs, and the
@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench.synthetic import KINDS, SyntheticMetadata, SyntheticSources
+from benchmarks.common import main, write_result
+from benchmarks.synthetic import KINDS, SyntheticMetadata, SyntheticSources
 from plait.roles.state_log import diff_state, nbytes
 
 HELP = "scaling figures of a 10k-GPU job on paper: real Planner + placement on synthetic metadata"
@@ -396,7 +397,10 @@ def run(args) -> int:
         out = {"rows": rows, "config": {k: v for k, v in vars(args).items() if k != "func"},
                "per_step": {k: [float(x) for x in v] for k, v in m["per"].items()}, "elapsed_s": elapsed,
                "sources_per_loader": len(m["cat"]) / m["layout"].loaders}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_result(args.json, out)
         err.print(f"figures written to {args.json}")
     return 0
 
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

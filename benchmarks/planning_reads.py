@@ -1,4 +1,4 @@
-"""`plait bench planning-reads`: what a stored length column (`length_field`) saves one rank at DP > 1.
+"""`python -m benchmarks.planning_reads`: what a stored length column (`length_field`) saves one rank at DP > 1.
 
 On the local runtime every DP rank plans the whole global step itself: without `length_field` planning
 decodes every block the step draws from (reads the token column, or tokenizes the text) just to learn
@@ -10,7 +10,7 @@ run: one rank's tokens/s end to end (plan + build, no prefetch thread), and plan
 
 from __future__ import annotations
 
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from benchmarks.common import main, write_result
 
 HELP = "one rank's tokens/s at DP 8 with and without length_field (planning reads lengths only)"
 DESCRIPTION = __doc__
@@ -149,9 +151,13 @@ def run(args) -> int:
     console.print(table)
     console.print(f"identical batches: {result['identical_batches']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_result(args.json, result)
     if tmp:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
     return 0 if result["identical_batches"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

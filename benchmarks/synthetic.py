@@ -1,4 +1,4 @@
-"""Synthetic sources for `plait bench scale`: block metadata without any file.
+"""Synthetic sources for `python -m benchmarks.scale`: block metadata without any file.
 
 A `SyntheticSources` is a catalogue of S sources of four kinds (pre-tokenized web text, text tokenized
 on read, long-context documents, chat/SFT pairs), each with its mixture weight, its number of files and

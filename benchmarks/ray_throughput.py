@@ -1,4 +1,4 @@
-"""`plait bench ray-throughput`: tokens/s delivered to R simulated ranks by the ray runtime, and how
+"""`python -m benchmarks.ray_throughput`: tokens/s delivered to R simulated ranks by the ray runtime, and how
 often a rank had to wait for data.
 
 R trainer ranks (threads of this process, each with its own plait.Loader attached to one job) consume
@@ -10,11 +10,13 @@ with its own in-process loader (each plans the step itself and builds its own sh
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
+
+from benchmarks.common import main, write_result
 
 
 HELP = "ray runtime: tokens/s to R simulated ranks and the fraction of steps a rank waited for data"
@@ -130,14 +132,9 @@ def run(args) -> int:
         result["ratio"] = result["ray"]["tokens_per_s"] / max(1e-9, result["local"]["tokens_per_s"])
         console.print(f"ray / local tokens/s: {result['ratio']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=float))
+        write_result(args.json, result)
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m plait.cli.bench.ray_throughput", description=DESCRIPTION)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

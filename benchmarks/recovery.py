@@ -1,4 +1,4 @@
-"""`plait bench recovery`: kill SourceLoaders during a run; measure recovery and check exactly-once.
+"""`python -m benchmarks.recovery`: kill SourceLoaders during a run; measure recovery and check exactly-once.
 
 It streams a small three-source dataset (pre-tokenized Parquet, written to a temp dir) for every DP
 rank twice: once without failures (the reference) and once while SourceLoaders are killed at seeded
@@ -12,66 +12,20 @@ reference run); the target is that, with shadows, no step waits longer than that
 
 from __future__ import annotations
 
-import json
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
+
+from benchmarks.common import compare_streams, kill_points, main, mixed_spec, write_result
 
 HELP = "kill SourceLoaders mid-run: time to recover, steps that waited, lost = duplicated = 0"
 DESCRIPTION = __doc__
 
 log = logging.getLogger("plait.recovery")
-
-# (name, files, docs per file, row group size, length distribution (lo, hi), weight)
-SOURCES = (
-    ("short", 6, 240, 40, (8, 120), 0.3),
-    ("mid", 4, 160, 32, (60, 600), 0.4),
-    ("long", 3, 24, 6, (300, 1500), 0.3),
-)
-
-
-def make_dataset(root: Path, *, scale: int = 1, seed: int = 0) -> list[dict]:
-    """Write three pre-tokenized Parquet sources under `root`; return their spec entries."""
-    rng = np.random.default_rng(seed)
-    entries = []
-    for name, files, docs, rg, (lo, hi), weight in SOURCES:
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in range(files):
-            lengths = rng.integers(lo, hi + 1, size=docs * scale)
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            flat = rng.integers(2, 30000, size=int(offsets[-1]), dtype=np.int32)
-            col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-            pq.write_table(pa.table({"input_ids": col}), folder / f"{name}-{f:03d}.parquet", row_group_size=rg)
-        entries.append({"name": name, "path": str(folder / "*.parquet"), "tokens_field": "input_ids",
-                        "eos": 1, "weight": weight})
-    return entries
-
-
-def make_spec(root: Path, *, dp: int = 8, seq_len: int = 256, microbatches: int = 2, seed: int = 7,
-              shadows: int = 0, **extra):
-    from plait.spec import load_spec
-
-    sources = make_dataset(root) if not (root / "short").exists() else [
-        {"name": n, "path": str(root / n / "*.parquet"), "tokens_field": "input_ids", "eos": 1, "weight": w}
-        for n, *_, w in SOURCES
-    ]
-    if shadows:
-        sources = [{**s, "shadows": shadows} for s in sources]
-    return load_spec({
-        "seed": seed,
-        "sources": sources,
-        "packing": {"seq_len": seq_len, "microbatches": microbatches},
-        "topology": {"dp": dp},
-        "cost": {"linear": 1.0, "quadratic": 0.001},
-        **extra,
-    })
-
 
 def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=40, help="global steps per run (default 40)")
@@ -86,7 +40,7 @@ def add_arguments(p) -> None:
                    help="ray: kill actors with ray.kill; local: in-process loaders with simulated deaths")
     p.add_argument("--planner", action="store_true",
                    help="ray: kill the Planner of a named job instead (its standby makes the successor): takeover "
-                        "time, bytes per step the standby receives (plait.cli.bench.planner_takeover)")
+                        "time, bytes per step the standby receives (benchmarks/planner_takeover.py)")
     p.add_argument("--kill-at", type=int, default=None, help="--planner: the step after which it dies (default: middle)")
     p.add_argument("--data", metavar="DIR", help="where to write the dataset (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -100,7 +54,7 @@ def run(args) -> int:
     console = Console()
     tmp = None
     root = Path(args.data) if args.data else Path(tmp := tempfile.mkdtemp(prefix="plait-bench-recovery-"))
-    spec = make_spec(root, dp=args.dp, shadows=args.shadows)
+    spec = mixed_spec(root, dp=args.dp, shadows=args.shadows)
     if getattr(args, "planner", False):
         return _run_planner(spec, args, console, tmp)
     if args.runtime == "ray":
@@ -123,7 +77,7 @@ def run(args) -> int:
         console.print(f"all steps slower than 2x normal: {result['slow_steps']} (replacement shadows started at "
                       f"planner steps {result.get('shadow_starts_at_planner_step')}: a new worker process)")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_result(args.json, result)
     if tmp:
         import shutil
 
@@ -133,13 +87,13 @@ def run(args) -> int:
 
 
 def _run_planner(spec, args, console, tmp) -> int:
-    from plait.cli.bench import planner_takeover
+    from benchmarks import planner_takeover
 
     result = planner_takeover.measure(spec, steps=args.steps, kill_at=args.kill_at or args.steps // 2)
     result.update(compare_streams(*result.pop("streams")))
     planner_takeover.report(result, console)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_result(args.json, result)
     if tmp:
         import shutil
 
@@ -148,32 +102,9 @@ def _run_planner(spec, args, console, tmp) -> int:
     return 0 if ok else 1
 
 
-def compare_streams(reference: list[np.ndarray], observed: list[np.ndarray]) -> dict:
-    """lost / duplicated / same order between two streams of sample-id arrays ([n, 5] each)."""
-    ref = np.concatenate(reference) if reference else np.zeros((0, 5), np.int64)
-    got = np.concatenate(observed) if observed else np.zeros((0, 5), np.int64)
-    ref_set = {tuple(r) for r in ref.tolist()}
-    got_list = [tuple(r) for r in got.tolist()]
-    got_set = set(got_list)
-    return {
-        "delivered": len(got_list),
-        "lost": len(ref_set - got_set),
-        "duplicated": len(got_list) - len(got_set) + len(got_set - ref_set),
-        "same_order": bool(ref.shape == got.shape and np.array_equal(ref, got)),
-    }
-
-
 def _run_local(spec, args) -> dict:
     return simulate(spec, steps=args.steps, failures=args.failures, shadows=args.shadows,
                     interval=args.interval, seed=args.seed)
-
-
-def kill_points(steps: int, failures: int, seed: int, num_loaders: int) -> dict[int, int]:
-    """step -> loader (source) index to kill at that step: seeded, distinct steps, not the first two."""
-    rng = np.random.default_rng(seed)
-    at = sorted(rng.choice(np.arange(2, max(3, steps - 1)), size=min(failures, max(1, steps - 3)), replace=False).tolist())
-    first = int(rng.integers(num_loaders))
-    return {int(s): (first + j) % num_loaders for j, s in enumerate(at)}
 
 
 # ----- in-process simulation: the roles, with deaths simulated ---------------------------------------
@@ -411,3 +342,7 @@ def _run_ray(spec, args) -> dict:
         "target_met": max((e["wait_s"] for e in out_events), default=0.0) <= step_build,
         **out,
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

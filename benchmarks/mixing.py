@@ -1,4 +1,4 @@
-"""`plait bench mixing`: how closely the achieved mixture follows its target, and exact resumes.
+"""`python -m benchmarks.mixing`: how closely the achieved mixture follows its target, and exact resumes.
 
 On three small pre-tokenized sources written to a temp dir, it plans (metadata only) a run for each
 schedule kind (constant, step, linear, cosine, by tokens, source windows), one with a run-time
@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import main, write_result
 
 HELP = "achieved mixture vs target per 100-step window, for each schedule kind and run-time change; exact resume"
 DESCRIPTION = __doc__
@@ -145,5 +148,9 @@ def run(args) -> int:
         table.add_row(case, f"{r['worst_window_error']:.4f}", "yes" if r["resume_exact"] else "NO")
     Console().print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": steps, "cut": cut, "cases": rows}, indent=2))
+        write_result(args.json, {"steps": steps, "cut": cut, "cases": rows})
     return 0 if all(r["resume_exact"] and r["worst_window_error"] <= 0.01 for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""`plait bench autoscale`: loaders that follow demand (fixed vs start-time probe vs the run-time controller).
+"""`python -m benchmarks.autoscale`: loaders that follow demand (fixed vs start-time probe vs the run-time controller).
 
 The job: a cheap text source (pre-tokenized Parquet) and an image source (LLaVA-style JSONL shards of
 `plait demo`'s pictures: decode, resize and patchify per image) whose preprocessing per token costs far
@@ -27,12 +27,14 @@ the change, uses no more loader CPU-seconds than fixed, and all digests are equa
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from benchmarks.common import main, write_result
 
 HELP = "loaders that follow demand: fixed vs start-time probe vs run-time autoscale (waits, loader CPU, digest)"
 DESCRIPTION = __doc__
@@ -405,7 +407,7 @@ def run(args) -> int:
     if not args.quiet:
         table(result)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=float))
+        write_result(args.json, result)
     return 0
 
 
@@ -466,3 +468,7 @@ def table(result: dict) -> None:
             console.print(f"  {r['config']} t={e['t']:.1f}s step {e['step']}: {e['kind']}: {escape(e['reason'])}")
     if result["targets"]:
         console.print("targets: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in result["targets"].items()))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

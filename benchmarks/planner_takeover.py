@@ -1,4 +1,4 @@
-"""`plait bench recovery --planner`: kill the Planner of a shared job; its standby makes the successor.
+"""`python -m benchmarks.recovery --planner`: kill the Planner of a shared job; its standby makes the successor.
 
 One Ray run of a named job (the Planner has a standby, plait.runtime.ray.standby_planner) streams every DP
 rank's batches; at step `--kill-at` the Planner actor is killed. Reported:
@@ -84,7 +84,7 @@ def measure(spec, *, steps: int, kill_at: int) -> dict:
         "standby_bytes_after": {k: after.get(k) for k in ("messages", "full_bytes", "diff_bytes", "steps_followed")}
         if after else None,
         "takeovers": len(after["takeovers"]) if after else 0,
-        "streams": (reference, ids),  # compared by the caller (plait.cli.bench.recovery.compare_streams)
+        "streams": (reference, ids),  # compared by the caller (benchmarks.common.compare_streams)
     }
 
 
