@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,5 +26,9 @@ bench: $(STAMP)
 	$(VENV)/bin/plait bench throughput
 	$(VENV)/bin/plait bench balance
 
+# The docs site (MkDocs, generated reference pages): warnings are errors, as in CI (tests/test_docs.py).
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info

@@ -1,0 +1,113 @@
+"""Docs that cannot drift: the site builds with `mkdocs build --strict`, the generated spec reference lists
+every field of every spec model, the CLI reference every command, and every relative link of the README
+and of docs/ resolves inside the repository."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+
+
+def gen_ref():
+    spec = importlib.util.spec_from_file_location("gen_ref", ROOT / "docs" / "gen_ref.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every field path of `model` and the models its fields hold, walked here apart from the generator."""
+    paths = set()
+    for name, field in model.model_fields.items():
+        path = prefix + name
+        paths.add(path)
+        stack = [(field.annotation, "")]
+        while stack:
+            annotation, suffix = stack.pop()
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                paths |= model_paths(annotation, f"{path}{suffix}.")
+                continue
+            origin = typing.get_origin(annotation)
+            for arg in typing.get_args(annotation):
+                stack.append((arg, suffix + ("[]" if origin is list else ".*" if origin is dict else "")))
+    return paths
+
+
+def test_spec_reference_lists_every_field_of_every_spec_model():
+    from plait import spec as spec_module
+
+    page = gen_ref().spec_page()
+    listed = set(re.findall(r"^\| `([^`]+)` \|", page, re.M))
+    expected = model_paths(spec_module.Spec)
+    assert expected - listed == set(), "fields missing from the spec reference"
+    assert listed - expected == set(), "the spec reference lists fields the models do not have"
+    # every model of the spec module is part of the Spec, so the walk above covered each one's fields
+    models = {m.__name__ for m in vars(spec_module).values() if isinstance(m, type) and issubclass(m, BaseModel)
+              and m.__module__ == spec_module.__name__ and m.model_fields}
+    assert models - {row["model"] for row in gen_ref().spec_fields()} == set()
+
+
+def test_cli_reference_lists_every_command_and_bench():
+    from plait.cli import BENCH_MODULES, COMMAND_MODULES
+
+    page = gen_ref().cli_page()
+    for name in COMMAND_MODULES:
+        assert f"## `plait {name}`" in page, name
+    for name, module in BENCH_MODULES.items():
+        if importlib.util.find_spec(module) is not None:
+            assert f"### `plait bench {name}`" in page, name
+
+
+def relative_links(path: Path) -> list[str]:
+    text = FENCE.sub("", path.read_text())
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code is not a link
+    return [t for t in LINK.findall(text) if not re.match(r"^[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_resolves_inside_the_repository():
+    generated = {(ROOT / "docs" / rel).resolve() for rel in gen_ref().generated_pages()}
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
+    broken = []
+    for path in files:
+        for target in relative_links(path):
+            resolved = (path.parent / target.split("#")[0]).resolve()
+            if not resolved.is_relative_to(ROOT) or not (resolved.exists() or resolved in generated):
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert broken == []
+    assert relative_links(ROOT / "README.md"), "the README links into the docs"
+
+
+def test_links_that_leave_the_docs_become_repository_paths():
+    docs = ROOT / "docs"
+    text = "[the test](../tests/test_docs.py), [a page](concepts/step.md), [web](https://x.org/a.md)"
+    out = gen_ref().repo_links_as_code(text, docs, docs)
+    assert out == "the test (`tests/test_docs.py`), [a page](concepts/step.md), [web](https://x.org/a.md)"
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)
+def test_mkdocs_build_strict_passes(tmp_path):
+    """The site builds with warnings as errors: a link to a missing page fails it."""
+    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"),
+           "-d", str(tmp_path / "site")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    site = tmp_path / "site"
+    for page in ("reference/spec/index.html", "reference/cli/index.html", "benchmarks/index.html",
+                 "concepts/design/index.html"):
+        assert (site / page).exists(), page
+    assert "sources[].buffer_mb" in (site / "reference/spec/index.html").read_text()
