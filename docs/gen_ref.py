@@ -120,27 +120,34 @@ def spec_page() -> str:
 
 
 # ----- CLI reference ----------------------------------------------------------------------------------
-def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
-    for action in parser._actions:  # argparse offers no public way to walk its sub-parsers
-        if isinstance(action, argparse._SubParsersAction):
-            return list(action.choices.items())
-    return []
+def command_parsers(modules: dict[str, str], prefix: str) -> list[tuple[str, argparse.ArgumentParser]]:
+    """One parser per command module, built as `plait.cli.add_commands` builds it (HELP, DESCRIPTION,
+    add_arguments); a module that is not installed is left out, as the CLI leaves it out."""
+    out = []
+    for name, module_name in modules.items():
+        try:
+            mod = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue
+        p = argparse.ArgumentParser(prog=f"{prefix} {name}", description=getattr(mod, "DESCRIPTION", mod.HELP))
+        mod.add_arguments(p)
+        out.append((f"{prefix} {name}", p))
+    return out
 
 
 def cli_page() -> str:
-    from plait.cli import build_parser
+    from plait.cli import BENCH_MODULES, COMMAND_MODULES, build_parser
 
-    parser = build_parser()
-    out = ["# CLI reference", "", "Generated from the argparse parsers `plait` runs (`src/plait/cli/`). "
-           "Every command also answers `--help`.", ""]
-
-    def emit(name: str, p: argparse.ArgumentParser, level: int) -> None:
-        out.extend([f"{'#' * level} `{name}`", "", "```text", p.format_help().rstrip(), "```", ""])
-        for sub_name, sub in _subcommands(p):
-            emit(f"{name} {sub_name}", sub, min(level + 1, 4))
-
-    for name, sub in _subcommands(parser):
-        emit(f"plait {name}", sub, 2)
+    out = ["# CLI reference", "", "Generated from the argparse parsers of the `plait` commands (`src/plait/cli/`). "
+           "Every command also answers `--help`.", "", "```text", build_parser().format_help().rstrip(), "```", ""]
+    for name, p in command_parsers(COMMAND_MODULES, "plait"):
+        out += [f"## `{name}`", "", "```text", p.format_help().rstrip(), "```", ""]
+    out += ["## `plait bench`", "", "Benchmarks on your own data and machine; the project's suite is "
+            "[`benchmarks/`](../benchmarks/index.md).", ""]
+    for name, p in command_parsers(BENCH_MODULES, "plait bench"):
+        out += [f"### `{name}`", "", "```text", p.format_help().rstrip(), "```", ""]
     return "\n".join(out)
 
 

@@ -92,9 +92,9 @@ def private_uses(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("folder", ["src", "tests"])
+@pytest.mark.parametrize("folder", ["src", "tests", "benchmarks", "docs"])
 def test_no_private_names_across_modules(folder):
-    base = SRC if folder == "src" else ROOT / "tests"
+    base = SRC if folder == "src" else ROOT / folder
     uses = [u for p in python_files(base) for u in private_uses(p)]
     assert uses == []
 
