@@ -33,16 +33,17 @@ _LOAD_AT_START = os.getloadavg()
 _COMMAND = [Path(sys.executable).name, *sys.argv]  # main() records the `python -m benchmarks.NAME ...` form
 
 
-def write_token_parquet(path: Path, lengths: np.ndarray, rng: np.random.Generator, *, row_group_size: int,
-                        field: str = "input_ids", vocab: tuple[int, int] = (2, 30000)) -> None:
-    """One Parquet file of pre-tokenized documents (list<int32>) with the given lengths, random ids."""
+def write_token_parquet(path: Path, lengths: np.ndarray, rng: np.random.Generator, *, row_group_size: int | None = None,
+                        vocab: tuple[int, int] = (2, 30000), compression: str = "snappy") -> None:
+    """One Parquet file of pre-tokenized documents (`input_ids`: list<int32>) with the given lengths and
+    random ids in [vocab[0], vocab[1])."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     flat = rng.integers(vocab[0], vocab[1], size=int(offsets[-1]), dtype=np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-    pq.write_table(pa.table({field: column}), path, row_group_size=row_group_size)
+    pq.write_table(pa.table({"input_ids": column}), path, row_group_size=row_group_size, compression=compression)
 
 
 def mixed_sources(root: Path, *, scale: int = 1, seed: int = 0) -> list[dict]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import main, write_result
+from benchmarks.common import main, write_result, write_token_parquet
 
 HELP = "time to the first batch of every rank for a job over many sources x shards (ray runtime)"
 DESCRIPTION = __doc__
@@ -38,20 +38,14 @@ def add_arguments(p) -> None:
 
 
 def make_sources(root: Path, sources: int, shards: int, *, docs: int = 16, seed: int = 0) -> list[dict]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rng = np.random.default_rng(seed)
     entries = []
     for s in range(sources):
         folder = root / f"src{s:04d}"
         folder.mkdir(parents=True, exist_ok=True)
         for f in range(shards):
-            lengths = rng.integers(32, 1024, size=docs)
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            flat = rng.integers(2, 32000, size=int(offsets[-1]), dtype=np.int32)
-            col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-            pq.write_table(pa.table({"input_ids": col}), folder / f"shard-{f:05d}.parquet", compression="none")
+            write_token_parquet(folder / f"shard-{f:05d}.parquet", rng.integers(32, 1024, size=docs), rng,
+                                vocab=(2, 32000), compression="none")
         entries.append({"name": f"src{s:04d}", "path": str(folder), "tokens_field": "input_ids", "eos": 1,
                         "weight": float(rng.uniform(0.5, 2.0))})
     return entries
