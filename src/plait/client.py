@@ -21,9 +21,9 @@ from typing import Iterator
 
 from plait.errors import PlaitError
 from plait.roles.spec_change import warn_changes
-from plait.roles.state_log import apply_state_diff, diff_state, resolved
+from plait.roles.state_log import diff_state, resolved
 from plait.roles.weights import merge_pending
-from plait.roles.state_schema import CLIENT_STATE_VERSION, check_client_state
+from plait.roles.state_schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
 from plait.runtime import make_runtime
 from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
@@ -204,7 +204,7 @@ class Loader:
             tokens, samples, micro = tokens + step_tokens, samples + step_samples, width
         elif self._step_done:  # loaded from a boundary state: its counts stand
             tokens, samples = self._loaded_seen
-        return {
+        return seal({
             "version": CLIENT_STATE_VERSION,
             "data": self._data_state(),
             "next_microbatch": micro,
@@ -213,7 +213,7 @@ class Loader:
             "tokens_seen": tokens,
             "samples_seen": samples,
             **self._next_state(boundary and micro > 0),
-        }
+        })
 
     def _data_state(self) -> dict:
         """The data state of the step in progress, with the run-time mixing calls made since it was
@@ -276,11 +276,15 @@ class Loader:
                 "load_state_dict() was called while this Loader is being iterated; the running stream would "
                 "ignore it. Load the state before the loop (or after the loop has ended)"
             )
-        parsed = check_client_state(state, self._max_microbatches())
+        if isinstance(state, dict) and set(state) == {"data"}:  # a `plait run --save-state` file of plait <= 0.x
+            state = {"version": 1, "data": state["data"], "next_microbatch": 0}
+        parsed = check_client_state(state, self._max_microbatches(), self.spec)
+        if allow_spec_change or state.get("layout") not in (None, self._layout(self.spec)):
+            state = after_consumed_step(state, parsed.at_step_boundary)
         data, micro = self._elastic(state)
         self.resume_report = []
         if allow_spec_change:
-            data, micro = self._load_changed(state, data, micro)
+            data, micro = self._load_changed(data, micro)
         else:
             self._runtime.load_state_dict(data)  # validates the data state now, not at iteration
         self._overrides, self._reports = [], {}
@@ -290,15 +294,13 @@ class Loader:
         self._step_done, self._step_totals = saved_done, None
         self._loaded_seen = (parsed.tokens_seen or 0, parsed.samples_seen or 0)
 
-    def _load_changed(self, state: dict, data: dict, micro: int) -> tuple[dict, int]:
-        if micro and state.get("next") is not None and state.get("at_step_boundary"):
-            data, micro = apply_state_diff(data, state["next"]), 0  # the step after the consumed one
+    def _load_changed(self, data: dict, micro: int) -> tuple[dict, int]:
         changes = self._runtime.load_state_dict(data, allow_spec_change=True) or []
         if changes and micro:
             raise PlaitError(
-                "this checkpoint was taken in the middle of a step (or holds no state after its step); a spec "
-                "change applies from a step's start: resume it with its own spec first, or use a checkpoint "
-                "taken at a step boundary"
+                "this checkpoint was taken in the middle of a step (or, written by an older plait, holds no "
+                "state after its step); a spec change applies from a step's start: resume it with its own "
+                "spec first, or use a checkpoint taken at a step boundary"
             )
         if changes:
             data = self._runtime.state_dict()
@@ -335,6 +337,12 @@ class Loader:
             topology={"dp": saved["dp"]}, packing={"seq_len": saved["seq_len"], "microbatches": saved["microbatches"],
                                                    "tokens_per_rank": None},
         )
+        if data.get("fingerprint") != f"{old.data_fingerprint()}:{old.mixture_fingerprint()}":
+            raise PlaitError(
+                "this step-boundary checkpoint holds no data state after its step (an older plait wrote it), so "
+                "it cannot move to another layout and a changed spec at once: resume it on its own layout or "
+                "with its own spec for one step, save, and make the other change then"
+            )
         _note_layout_change(changed)
         from plait.roles.elastic import advance  # the Planner (and numba): only when re-planning
         return advance(old, data, dp=saved["dp"]), 0

@@ -384,6 +384,13 @@ class FlightRuntime:
             return self._base[2]
         return self.control.action("state_at", {"gen": gen, "step": step})
 
+    def state_after(self, step: int) -> dict | None:
+        """The data state after `step`: the start of the next one (the job's plan window holds it)."""
+        try:
+            return self.state_at(self._gen, step + 1)
+        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
+            return None
+
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:
             self._seek(state)

@@ -262,6 +262,9 @@ class NodeRuntime:
     def state_dict(self) -> dict:
         return self.client.state_dict()
 
+    def state_after(self, step: int) -> dict | None:
+        return self.client.state_after(step)
+
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         return self.client.load_state_dict(state, allow_spec_change=allow_spec_change)
 

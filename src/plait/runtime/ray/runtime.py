@@ -470,6 +470,13 @@ class RayRuntime:
     def state_dict(self) -> dict:
         return self.ask_planner("state_at", self._gen, self._next_step)
 
+    def state_after(self, step: int) -> dict | None:
+        """The data state after `step`: the start of the next one (the Planner's window holds it)."""
+        try:
+            return self.ask_planner("state_at", self._gen, step + 1)
+        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
+            return None
+
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:
             self._seek(state)
