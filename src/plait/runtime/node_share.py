@@ -193,9 +193,27 @@ def _release_host(host: _Host) -> None:
 
 
 # ----- every local rank: a thin client of its node's host -----------------------------------------------
+def node_client_class():
+    """The thin client of this node's data host, whose failures are said in torchrun's terms (the user
+    ran a trainer, not `plait serve`)."""
+    from plait.runtime.flight import FlightRuntime, ServerHints
+
+    class NodeHostClient(FlightRuntime):
+        hints = ServerHints(
+            token="the token in this node's rendezvous file is not the running host's: a stale file of an "
+                  "earlier launch, or two launches sharing PLAIT_NODE_DIR and run id",
+            down="this node's data host, the trainer process with LOCAL_RANK 0, has ended or died: every "
+                 "process of the node reads its batches from it, so restart the launch (share='process' "
+                 "makes each process load alone)",
+        )
+
+    return NodeHostClient
+
+
 def _join(spec: Spec, job: str, path: Path, timeout: float):
-    from plait.runtime.flight import FlightRuntime
     from plait.runtime.processes import process_alive
+
+    client = node_client_class()
 
     deadline = time.monotonic() + timeout
     last = "its rendezvous file did not appear"
@@ -205,7 +223,7 @@ def _join(spec: Spec, job: str, path: Path, timeout: float):
             if not process_alive(int(info["pid"])):
                 last = f"the host process {info['pid']} that wrote it is gone"
             else:
-                return FlightRuntime(spec, address=info["address"], token=info["token"], job=job)
+                return client(spec, address=info["address"], token=info["token"], job=job)
         except (OSError, ValueError, KeyError):
             pass
         except PlaitError as e:  # a stale file, or a host still starting or already closing
