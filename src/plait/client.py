@@ -13,6 +13,7 @@ the last consumed micro-batch, so the stream continues bit for bit.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
 from plait.topology import Layout, ParallelRanks, env_int, layout_for_world
 
+
+log = logging.getLogger("plait.loader")
 
 
 class Loader:
@@ -74,6 +77,7 @@ class Loader:
         self._step_totals: tuple[int, int, int] | None = None  # that step's tokens, samples, micro-batches
         self._loaded_seen = (0, 0)
         self._iterating = False
+        self._closed = False
         # run-time mixing calls made since the step in progress was planned: they go into state_dict()
         self._overrides: list[dict] = []
         self._reports: dict[int, dict[str, float]] = {}
@@ -84,8 +88,9 @@ class Loader:
                       cp: int | None = None, **options) -> "Loader":
         """The Loader of this torchrun process: ranks from RANK and WORLD_SIZE (plait.topology's order).
 
-        `topology` in the spec is filled in from the world size; a size the spec states that does not
-        match (e.g. `dp: 8` on 16 processes with tp=1) is refused with the numbers.
+        `topology` in the spec is filled in from the world size: the launch decides the DP size, so a spec
+        that pins another one (the demo's `dp: 8` on 2 processes) runs with the launch's (logged at info);
+        a tp/pp/cp passed here that contradicts the spec's is refused.
         """
         return cls.for_process(spec, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"), tp=tp, pp=pp, cp=cp,
                                **options)
@@ -116,10 +121,8 @@ class Loader:
             sizes[name] = in_spec if given is None else given
         layout = layout_for_world(world_size, **sizes)
         if "dp" in stated and topo.dp != layout.dp:
-            raise PlaitError(
-                f"the spec's topology says dp: {topo.dp}, but {world_size} processes with tp={sizes['tp']}, "
-                f"pp={sizes['pp']}, cp={sizes['cp']} make dp={layout.dp}"
-            )
+            log.info("the spec's topology says dp: %d; this launch of %d processes with tp=%d, pp=%d, cp=%d makes "
+                     "dp=%d, which is used", topo.dp, world_size, sizes["tp"], sizes["pp"], sizes["cp"], layout.dp)
         spec = spec.with_overrides(topology={"dp": layout.dp, **sizes})
         r = layout.ranks_of(rank)
         return cls(spec, r.dp, tp_rank=r.tp, pp_rank=r.pp, cp_rank=r.cp, **options)
@@ -160,6 +163,9 @@ class Loader:
                                        cp_rank=self.cp_rank)  # the runtime serves this CP rank its shard
 
     def __iter__(self) -> Iterator[MicroBatch]:
+        if self._closed:
+            raise PlaitError("this Loader is closed (close() or its `with` block ended): create a new one, and "
+                             "load_state_dict() a saved state to continue")
         if self._iterating:
             raise PlaitError("this Loader is already being iterated")
         self._iterating = True
@@ -348,6 +354,10 @@ class Loader:
         return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:
+        """The bad records skipped so far under `on_error: skip`, per source: `{source: {"skipped": n,
+        "messages": [...]}}`, each message naming the source, file and record (the first 100 per source).
+        Each bad record counts once however often it is read again (later epochs, a resume). The local
+        runtime reports this process's loader; node-shared, flight and ray report the job's."""
         return self._runtime.error_report()
 
     def scaling_report(self) -> dict:
@@ -358,6 +368,7 @@ class Loader:
     def close(self) -> None:
         """Release what this Loader holds; safe to call twice. On the ray runtime every trainer process
         closes (also done by `with`, and at interpreter exit): the last one of a job ends the job's actors."""
+        self._closed = True
         self._runtime.close()
 
 
