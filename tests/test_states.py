@@ -13,6 +13,7 @@ import plait
 from plait import cli
 from plait.client import LayoutChangeWarning
 from plait.errors import PlaitError
+from plait.roles.state_schema import seal
 from helpers import make_spec, token_parquet
 
 
@@ -43,8 +44,10 @@ def saved_state(spec, consumed: int) -> dict:
     (lambda s: s["data"].__setitem__("step", -1), "step"),
 ])
 def test_tampered_states_are_refused_with_a_reason(spec, mutate, message):
+    """Resealed (a new checksum), so the range checks behind the checksum are the ones that refuse."""
     state = saved_state(spec, 3)
     mutate(state)
+    state = seal(state)
     loader = plait.Loader(spec, 0, steps=10)
     with pytest.raises(PlaitError, match=message):
         loader.load_state_dict(state)

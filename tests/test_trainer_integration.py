@@ -49,12 +49,18 @@ def test_from_torchrun_reads_ranks_and_fills_topology(spec, monkeypatch):
     assert batches and all(b.dp_rank == 1 for b in batches)
 
 
-def test_from_torchrun_refuses_a_stated_dp_that_does_not_match(spec, monkeypatch):
+def test_from_torchrun_lets_the_launch_decide_dp_over_the_spec(spec, monkeypatch, caplog):
+    """The demo spec pins dp: 8; on 4 processes the launch's dp=4 is used (said at info), not refused."""
     monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", "3")
     spec["topology"] = {"dp": 8}
-    with pytest.raises(PlaitError, match="dp: 8.*make dp=4"):
-        plait.Loader.from_torchrun(spec)
+    with caplog.at_level("INFO", logger="plait.loader"):
+        with plait.Loader.from_torchrun(spec, steps=1, share="process") as loader:
+            assert loader.spec.topology.dp == 4 and loader.dp_rank == 3
+    assert any("says dp: 8" in r.message and "makes dp=4" in r.message for r in caplog.records)
+    spec["topology"] = {"dp": 8, "tp": 2}
+    with pytest.raises(PlaitError, match="tp=1 was passed but the spec's topology says tp: 2"):
+        plait.Loader.from_torchrun(spec, tp=1)  # a stated tp/pp/cp that contradicts the call still is
 
 
 def test_from_torchrun_outside_torchrun_says_so(spec, monkeypatch):

@@ -13,6 +13,7 @@ the last consumed micro-batch, so the stream continues bit for bit.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -21,14 +22,16 @@ from typing import Iterator
 
 from plait.errors import PlaitError
 from plait.roles.spec_change import warn_changes
-from plait.roles.state_log import apply_state_diff, diff_state, resolved
+from plait.roles.state_log import diff_state, resolved
 from plait.roles.weights import merge_pending
-from plait.roles.state_schema import CLIENT_STATE_VERSION, check_client_state
+from plait.roles.state_schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
 from plait.runtime import make_runtime
 from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
 from plait.topology import Layout, ParallelRanks, env_int, layout_for_world
 
+
+log = logging.getLogger("plait.loader")
 
 
 class Loader:
@@ -74,6 +77,7 @@ class Loader:
         self._step_totals: tuple[int, int, int] | None = None  # that step's tokens, samples, micro-batches
         self._loaded_seen = (0, 0)
         self._iterating = False
+        self._closed = False
         # run-time mixing calls made since the step in progress was planned: they go into state_dict()
         self._overrides: list[dict] = []
         self._reports: dict[int, dict[str, float]] = {}
@@ -84,8 +88,9 @@ class Loader:
                       cp: int | None = None, **options) -> "Loader":
         """The Loader of this torchrun process: ranks from RANK and WORLD_SIZE (plait.topology's order).
 
-        `topology` in the spec is filled in from the world size; a size the spec states that does not
-        match (e.g. `dp: 8` on 16 processes with tp=1) is refused with the numbers.
+        `topology` in the spec is filled in from the world size: the launch decides the DP size, so a spec
+        that pins another one (the demo's `dp: 8` on 2 processes) runs with the launch's (logged at info);
+        a tp/pp/cp passed here that contradicts the spec's is refused.
         """
         return cls.for_process(spec, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"), tp=tp, pp=pp, cp=cp,
                                **options)
@@ -116,10 +121,8 @@ class Loader:
             sizes[name] = in_spec if given is None else given
         layout = layout_for_world(world_size, **sizes)
         if "dp" in stated and topo.dp != layout.dp:
-            raise PlaitError(
-                f"the spec's topology says dp: {topo.dp}, but {world_size} processes with tp={sizes['tp']}, "
-                f"pp={sizes['pp']}, cp={sizes['cp']} make dp={layout.dp}"
-            )
+            log.info("the spec's topology says dp: %d; this launch of %d processes with tp=%d, pp=%d, cp=%d makes "
+                     "dp=%d, which is used", topo.dp, world_size, sizes["tp"], sizes["pp"], sizes["cp"], layout.dp)
         spec = spec.with_overrides(topology={"dp": layout.dp, **sizes})
         r = layout.ranks_of(rank)
         return cls(spec, r.dp, tp_rank=r.tp, pp_rank=r.pp, cp_rank=r.cp, **options)
@@ -160,6 +163,9 @@ class Loader:
                                        cp_rank=self.cp_rank)  # the runtime serves this CP rank its shard
 
     def __iter__(self) -> Iterator[MicroBatch]:
+        if self._closed:
+            raise PlaitError("this Loader is closed (close() or its `with` block ended): create a new one, and "
+                             "load_state_dict() a saved state to continue")
         if self._iterating:
             raise PlaitError("this Loader is already being iterated")
         self._iterating = True
@@ -204,7 +210,7 @@ class Loader:
             tokens, samples, micro = tokens + step_tokens, samples + step_samples, width
         elif self._step_done:  # loaded from a boundary state: its counts stand
             tokens, samples = self._loaded_seen
-        return {
+        return seal({
             "version": CLIENT_STATE_VERSION,
             "data": self._data_state(),
             "next_microbatch": micro,
@@ -213,7 +219,7 @@ class Loader:
             "tokens_seen": tokens,
             "samples_seen": samples,
             **self._next_state(boundary and micro > 0),
-        }
+        })
 
     def _data_state(self) -> dict:
         """The data state of the step in progress, with the run-time mixing calls made since it was
@@ -276,11 +282,15 @@ class Loader:
                 "load_state_dict() was called while this Loader is being iterated; the running stream would "
                 "ignore it. Load the state before the loop (or after the loop has ended)"
             )
-        parsed = check_client_state(state, self._max_microbatches())
+        if isinstance(state, dict) and set(state) == {"data"}:  # a `plait run --save-state` file of plait <= 0.x
+            state = {"version": 1, "data": state["data"], "next_microbatch": 0}
+        parsed = check_client_state(state, self._max_microbatches(), self.spec)
+        if allow_spec_change or state.get("layout") not in (None, self._layout(self.spec)):
+            state = after_consumed_step(state, parsed.at_step_boundary)
         data, micro = self._elastic(state)
         self.resume_report = []
         if allow_spec_change:
-            data, micro = self._load_changed(state, data, micro)
+            data, micro = self._load_changed(data, micro)
         else:
             self._runtime.load_state_dict(data)  # validates the data state now, not at iteration
         self._overrides, self._reports = [], {}
@@ -290,15 +300,13 @@ class Loader:
         self._step_done, self._step_totals = saved_done, None
         self._loaded_seen = (parsed.tokens_seen or 0, parsed.samples_seen or 0)
 
-    def _load_changed(self, state: dict, data: dict, micro: int) -> tuple[dict, int]:
-        if micro and state.get("next") is not None and state.get("at_step_boundary"):
-            data, micro = apply_state_diff(data, state["next"]), 0  # the step after the consumed one
+    def _load_changed(self, data: dict, micro: int) -> tuple[dict, int]:
         changes = self._runtime.load_state_dict(data, allow_spec_change=True) or []
         if changes and micro:
             raise PlaitError(
-                "this checkpoint was taken in the middle of a step (or holds no state after its step); a spec "
-                "change applies from a step's start: resume it with its own spec first, or use a checkpoint "
-                "taken at a step boundary"
+                "this checkpoint was taken in the middle of a step (or, written by an older plait, holds no "
+                "state after its step); a spec change applies from a step's start: resume it with its own "
+                "spec first, or use a checkpoint taken at a step boundary"
             )
         if changes:
             data = self._runtime.state_dict()
@@ -335,11 +343,21 @@ class Loader:
             topology={"dp": saved["dp"]}, packing={"seq_len": saved["seq_len"], "microbatches": saved["microbatches"],
                                                    "tokens_per_rank": None},
         )
+        if data.get("fingerprint") != f"{old.data_fingerprint()}:{old.mixture_fingerprint()}":
+            raise PlaitError(
+                "this step-boundary checkpoint holds no data state after its step (an older plait wrote it), so "
+                "it cannot move to another layout and a changed spec at once: resume it on its own layout or "
+                "with its own spec for one step, save, and make the other change then"
+            )
         _note_layout_change(changed)
         from plait.roles.elastic import advance  # the Planner (and numba): only when re-planning
         return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:
+        """The bad records skipped so far under `on_error: skip`, per source: `{source: {"skipped": n,
+        "messages": [...]}}`, each message naming the source, file and record (the first 100 per source).
+        Each bad record counts once however often it is read again (later epochs, a resume). The local
+        runtime reports this process's loader; node-shared, flight and ray report the job's."""
         return self._runtime.error_report()
 
     def scaling_report(self) -> dict:
@@ -350,6 +368,7 @@ class Loader:
     def close(self) -> None:
         """Release what this Loader holds; safe to call twice. On the ray runtime every trainer process
         closes (also done by `with`, and at interpreter exit): the last one of a job ends the job's actors."""
+        self._closed = True
         self._runtime.close()
 
 

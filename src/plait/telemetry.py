@@ -26,6 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from plait.errors import PlaitError
+
 EVENTS = logging.getLogger("plait.events")
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKENS_HELP = "Tokens delivered in batches, per source"
@@ -123,8 +125,15 @@ class Telemetry:
         return out
 
     def serve(self, port: int, address: str = "127.0.0.1") -> int:
-        """Serve /metrics on (address, port); port 0 picks a free one. Returns the port."""
-        server, _ = start_http_server(port, addr=address, registry=self.registry)
+        """Serve /metrics on (address, port); port 0 picks a free one. Returns the port; a PlaitError when
+        the port cannot be had (in use, or not allowed)."""
+        try:
+            server, _ = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as e:
+            raise PlaitError(
+                f"cannot serve metrics on {address}:{port} ({e.strerror or e}); choose another port (metrics.port "
+                "in the spec, or plait run --metrics-port), or 0 for any free one"
+            ) from None
         return server.server_address[1]
 
 

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 
 console = Console(stderr=True)
+PIPED_WIDTH = 400  # columns for tables written to a pipe or a file: wide enough never to cut a cell
+
+
+def table_console() -> Console:
+    """The stdout console for tables. On a terminal, its width; piped or redirected, rich would assume 80
+    columns and cut cells short (`plait jobs | grep`, a file), so the table gets the width it needs."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=PIPED_WIDTH)
 
 
 def positive_int(text: str) -> int:

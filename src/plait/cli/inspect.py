@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
+from plait.cli.common import table_console
 from plait.roles.source_loader import SourceLoader
 from plait.spec import load_spec
 
@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     spec = load_spec(args.spec)
     loader = SourceLoader(spec)
-    out = Console()
+    out = table_console()
     vocab = f"; model vocab_size {spec.vocab_size}" if spec.vocab_size else "; no vocab_size stated"
     table = Table(title=f"sources of {args.spec}{vocab}")
     for col in ("source", "format", "files", "weight", "first block docs", "median len", "max len", "tokenizer",

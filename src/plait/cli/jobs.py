@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from plait.cli.common import table_console
 from plait.errors import PlaitError
 
 HELP = "list the plait jobs running on Ray (`plait jobs stop NAME` ends one)"
@@ -99,7 +100,7 @@ def running_cluster() -> str | None:
 def print_jobs(rows: list[dict], address: str) -> None:
     from plait.runtime.ray.planner_actor import format_age
 
-    out = Console()
+    out = table_console()
     if not rows:
         out.print(f"no plait jobs are running on the cluster at {escape(address)}", highlight=False)
         return

@@ -14,8 +14,7 @@ from rich.table import Table
 from plait.errors import PlaitError
 from plait.metrics import RunStats
 from plait.mixture import MixtureSchedule, share_windows
-from plait.roles.state_log import apply_state_diff
-from plait.roles.state_schema import check_client_state
+from plait.roles.state_schema import after_consumed_step, boundary_state, check_client_state
 from plait.runtime import make_runtime
 from plait.spec import Spec
 
@@ -71,7 +70,7 @@ def stream(
         if changes:
             summary["spec_changes"] = changes
         if save_state:
-            Path(save_state).write_text(json.dumps({"data": rt.state_dict()}))
+            Path(save_state).write_text(json.dumps(boundary_state(rt.state_dict(), spec)))
         if plot:
             _plot(spec, stats, np.array(per_step_shares), mixture, plot)
             summary["plot"] = plot
@@ -91,13 +90,12 @@ def _resume(rt, resume: dict, allow_spec_change: bool = False) -> list[str]:
     driver streams whole steps, so it continues after that step when it was fully consumed, and
     refuses a mid-step state rather than deliver the consumed micro-batches again.
     """
-    if "next_microbatch" in resume:  # a Loader state: check its shape before reading it
-        check_client_state(resume, max_microbatches=2 * rt.spec.packing.num_microbatches)
+    if "next_microbatch" in resume:  # a Loader state: check its shape, ranges and checksum before reading it
+        parsed = check_client_state(resume, 2 * rt.spec.packing.num_microbatches, rt.spec)
+        resume = after_consumed_step(resume, parsed.at_step_boundary)  # the state after the consumed step
     data = resume.get("data", resume)
     consumed = int(resume.get("next_microbatch", 0))
     if allow_spec_change:
-        if consumed and resume.get("next") is not None and resume.get("at_step_boundary"):
-            data, consumed = apply_state_diff(data, resume["next"]), 0  # the state after the consumed step
         changes = rt.load_state_dict(data, allow_spec_change=True) or []
         if changes and consumed:
             raise PlaitError("a spec change applies from a step's start: this state names a step in progress "

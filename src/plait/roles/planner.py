@@ -16,6 +16,7 @@ data. It never sees a token id.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Protocol
 
 import numpy as np
@@ -34,6 +35,7 @@ from plait.spec import Spec
 
 CAPACITY_LB_ITEMS = 8_000  # max_over_capacity_lb on every step of at most this many items (~15 ms) ...
 CAPACITY_LB_EVERY = 10  # ... else on every 10th step
+log = logging.getLogger("plait.planner")
 TOPUP_ROUNDS = 16  # split: boundary: draws to find tokens for the step's unfilled room (deficits may be < 0)
 
 
@@ -87,6 +89,7 @@ class Planner:
         self.source_fingerprints = [spec.source_fingerprint(n) for n in spec.source_names]
         self.parked: dict = {}  # sources a spec change removed: cursor, deficit, carried chunks
         self.resume_changes: list[str] = []  # what the last allow_spec_change resume found changed
+        self.repeat_warned: set[int] = set()  # sources said to repeat within one step (warned once each)
         for i in range(n):
             self.cursor[i, :3] = provider.first_key(i)
 
@@ -305,7 +308,19 @@ class Planner:
                 if not got and self.cursor[source, 0] > start_epoch + 1:
                     name = self.spec.sources[source].name
                     raise SourceError(name, None, None, "no readable, non-empty documents in a whole epoch")
+        self._warn_repeats(source, int(self.cursor[source, 0]) - start_epoch, got)
         return Items.concat(parts)
+
+    def _warn_repeats(self, source: int, epochs: int, tokens: int) -> None:
+        """A source read whole more than once in one draw is smaller than its share of a step (e.g. a
+        seq_len above its total tokens): the step repeats its documents. Said once per source."""
+        if epochs < 2 or source in self.repeat_warned:
+            return
+        self.repeat_warned.add(source)
+        log.warning(
+            "source %r was read whole (at least %d time(s)) for step %d (%d tokens drawn from it): it holds fewer tokens than "
+            "its share of one step, so the step repeats its documents; add data, lower its weight, or lower "
+            "packing.seq_len / microbatches", self.spec.sources[source].name, epochs - 1, self.step, tokens)
 
     def _block_meta(self, source: int, key: tuple[int, int, int]):
         meta = self._meta.get(source)

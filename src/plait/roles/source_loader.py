@@ -11,6 +11,7 @@ this process, e.g. after a restart) is simply decoded again: reading is determin
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from plait.sources import BlockKey, DocBlock, Source
 from plait.sources.reader import OpenStreams
 from plait.spec import Spec
 
+log = logging.getLogger("plait.data")
 TRIM_EVERY = 16 << 20  # bytes of dropped blocks between two heap trims
 
 
@@ -110,6 +112,8 @@ class SourceLoader:
         self.blocks_read = 0
         self.busy_seconds = 0.0  # reading and decoding blocks, copying payloads (for the busy ratio)
         self.started = time.perf_counter()
+        self.skips_said: dict[int, int] = {}  # source -> skips counted when its last warning was logged
+        self.skip_epochs_said: set[tuple[int, int]] = set()  # (source, epoch) warned about
 
     # ----- metadata (to the Planner) -------------------------------------------------------------
     def first_key(self, source: int) -> BlockKey:
@@ -126,11 +130,25 @@ class SourceLoader:
             block = src.read_lengths(tuple(key))
         else:
             block = self.block(source, key)
+        self._say_skips(source, int(key[0]))
         table = getattr(block, "images", None)
         return BlockMeta(
             source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions,
             None if table is None else table.doc_sums(1), None if table is None else table.doc_sums(2),
         )
+
+    def _say_skips(self, source: int, epoch: int) -> None:
+        """Log a warning when a source has skipped new bad records (on_error: skip), once per source and
+        epoch, with the count so far: a Python API user sees skips without asking for error_report()."""
+        src = self.sources[source]
+        count = src.errors.get("skipped", 0)
+        if count <= self.skips_said.get(source, 0) or (source, epoch) in self.skip_epochs_said:
+            return
+        self.skips_said[source] = count
+        self.skip_epochs_said.add((source, epoch))
+        log.warning("source %r: %d bad record(s) skipped so far (on_error: skip), epoch %d; first: %s. "
+                    "Loader.error_report() lists them", src.name, count, epoch, src.error_log[0] if src.error_log
+                    else "-")
 
     # ----- payloads (to Constructors) ------------------------------------------------------------
     def gather(

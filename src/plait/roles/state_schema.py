@@ -1,13 +1,18 @@
 """Schemas of the states a user hands back: the data state (the Planner's) and the Client's state.
 
 A state comes from a file a user names, so it is validated before anything reads it: its shape (a
-schema), then its ranges against the spec (every source present, cursors non-negative, carried chunks
-that name a source of the spec). What is wrong is said in one sentence, as a PlaitError; the Planner
-checks the rest (a cursor beyond a source's files or blocks) when it loads the state.
+schema), then its ranges against the spec (every source present, cursors non-negative, deficits in the
+range a Planner leaves them, carried chunks that name a source of the spec), then, for a Loader state,
+its checksum: `state_dict()` seals the state (`seal`) with a SHA-256 of its canonical JSON, so an edit
+that keeps every range (a step number moved, a cursor moved back) is still refused. What is wrong is
+said in one sentence, as a PlaitError; the Planner checks the rest (a cursor beyond a source's files or
+blocks) when it loads the state. docs/states-and-errors.md lists every check.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any, Literal
 
@@ -15,10 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from plait.errors import PlaitError
 from plait.plan import ALL_COLUMNS, ITEM_INT_COLUMNS
+from plait.roles.state_log import apply_state_diff
 from plait.spec import Spec
 
 STATE_VERSION = 1
-CLIENT_STATE_VERSION = 1
+CLIENT_STATE_VERSION = 2  # 2: sealed with a checksum (version 1 states, written before it, are range-checked only)
+# A Planner leaves every deficit at or below 0 after a step (it draws until the deficit is used up); the
+# float sums that build it stay far inside this tolerance.
+DEFICIT_TOLERANCE = 1e-6
 
 
 class _Strict(BaseModel):
@@ -96,9 +105,10 @@ class ClientState(_Strict):
     next_microbatch: int = Field(ge=0)
     layout: Layout | None = None
     at_step_boundary: bool | None = None  # informative: recomputed from next_microbatch
-    tokens_seen: int | None = None
-    samples_seen: int | None = None
+    tokens_seen: int | None = Field(None, ge=0)
+    samples_seen: int | None = Field(None, ge=0)
     next: dict[str, Any] | None = None  # at a step's end: the data state after it, as a diff (state_log)
+    checksum: str | None = None  # seal(): "sha256:<hex>" of the rest (required from version 2 on)
 
 
 def _first_problem(e: ValidationError) -> str:
@@ -140,6 +150,7 @@ def check_data_state(state: Any, spec: Spec, fingerprint: str) -> DataState:
     missing = [n for n in spec.source_names if n not in parsed.sources]
     if missing:
         raise PlaitError(f"the data state has no cursor for source(s) {', '.join(missing)}")
+    check_deficits(parsed)
     # 11 integers per row, or 13 with the image columns (plan.ALL_COLUMNS), the same for every row
     width = len(parsed.carry[0]) if parsed.carry and len(parsed.carry[0]) == len(ALL_COLUMNS) else len(ITEM_INT_COLUMNS)
     for i, row in enumerate(parsed.carry):
@@ -150,10 +161,11 @@ def check_data_state(state: Any, spec: Spec, fingerprint: str) -> DataState:
     return parsed
 
 
-def check_client_state(state: Any, max_microbatches: int) -> ClientState:
-    """A Loader state's shape and ranges; `max_microbatches`: the most micro-batches a step can have."""
+def check_client_state(state: Any, max_microbatches: int, spec: Spec | None = None) -> ClientState:
+    """A Loader state's shape, ranges and checksum; `max_microbatches`: the most micro-batches a step can
+    have; `spec` (when given): the deficits are also checked against its longest chunk."""
     parsed = _parse(ClientState, state, "plait Loader state")
-    if parsed.version != CLIENT_STATE_VERSION:
+    if parsed.version not in (1, CLIENT_STATE_VERSION):
         raise PlaitError(f"Loader state version {parsed.version!r} is not supported (expected {CLIENT_STATE_VERSION})")
     limit = parsed.layout.microbatches if parsed.layout is not None else max_microbatches
     limit = max(limit, max_microbatches)
@@ -162,4 +174,78 @@ def check_client_state(state: Any, max_microbatches: int) -> ClientState:
             f"next_microbatch {parsed.next_microbatch} is beyond the step's micro-batches (at most {limit}); "
             "the state was edited or belongs to another job"
         )
+    data = parse_data_state(parsed.data)
+    longest = None
+    if spec is not None:  # a chunk is at most seq_len tokens: no deficit is below minus the longest one
+        longest = max(spec.packing.seq_len, parsed.layout.seq_len if parsed.layout is not None else 0)
+    check_deficits(data, longest)
+    after = (parsed.next or {}).get("step", (parsed.next or {}).get("full", {}).get("step"))
+    if after is not None and after != data.step + 1:
+        raise PlaitError(f"next.step {after} does not follow data.step {data.step}; the state was edited or corrupted")
+    if parsed.version >= 2:
+        verify_checksum(state)
     return parsed
+
+
+def check_deficits(data: DataState, longest: int | None = None) -> None:
+    """Every deficit (of a source, or a parked one) in the range a Planner leaves it: at most 0 after a
+    step (it draws until the deficit is used up), and not below minus the longest chunk (the last chunk
+    drawn overshoots by less than itself). An edited deficit would stall a source or flood a step."""
+    entries = [(f"sources.{n}", s) for n, s in data.sources.items()]
+    entries += [(f"parked.{n}", s) for n, s in (data.parked or {}).items()]
+    for where, src in entries:
+        too_low = longest is not None and src.deficit < -longest - DEFICIT_TOLERANCE
+        if src.deficit > DEFICIT_TOLERANCE or too_low:
+            raise PlaitError(
+                f"the data state's {where}.deficit is {src.deficit:g}, outside the range a Planner leaves it "
+                f"([{-(longest or 0)}, 0]: a source's quota never runs ahead, and overshoots by less than "
+                "one chunk); the state was edited or corrupted"
+            )
+
+
+def canonical_checksum(state: dict) -> str:
+    """SHA-256 of the state without its checksum, as canonical JSON: the same after a JSON round trip
+    (tuples become lists, integer keys strings, key order lost)."""
+    body = json.loads(json.dumps({k: v for k, v in state.items() if k != "checksum"}))
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal(state: dict) -> dict:
+    """`state` with its checksum (`checksum`), which `check_client_state` verifies."""
+    return {**state, "checksum": canonical_checksum(state)}
+
+
+def verify_checksum(state: dict) -> None:
+    got = state.get("checksum")
+    if got is None:
+        raise PlaitError(
+            f"this Loader state (version {CLIENT_STATE_VERSION}) has no checksum; the state was edited or "
+            "corrupted (a state is saved with its checksum by Loader.state_dict() and `plait run --save-state`)"
+        )
+    if got != canonical_checksum(state):
+        raise PlaitError(
+            "the Loader state's checksum does not match its content: the state was edited or corrupted. "
+            "Resume from the state as saved (a JSON round trip is fine; changing any value is not)"
+        )
+
+
+def after_consumed_step(state: dict, at_boundary: bool | None) -> dict:
+    """A Loader state saved after its step's last micro-batch, moved to the start of the next step when
+    it holds the data state after that step (`next`, written by every runtime): a spec or layout change
+    applies from there, and the consumed step is never re-planned under the new spec or layout."""
+    if not state["next_microbatch"] or not at_boundary or state.get("next") is None:
+        return state
+    return {**state, "data": apply_state_diff(state["data"], state["next"]), "next_microbatch": 0, "next": None}
+
+
+def boundary_state(data: dict, spec: Spec) -> dict:
+    """The sealed Loader state at the start of `data`'s step, on `spec`'s layout (what `plait run
+    --save-state` writes, so that `Loader.load_state_dict` and `plait run --resume` both take it)."""
+    delivered = data.get("delivered") or {"tokens": 0, "samples": 0}
+    return seal({
+        "version": CLIENT_STATE_VERSION, "data": data, "next_microbatch": 0,
+        "layout": {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches,
+                   "seq_len": spec.packing.seq_len},
+        "at_step_boundary": True, "tokens_seen": int(delivered["tokens"]), "samples_seen": int(delivered["samples"]),
+    })

@@ -45,6 +45,11 @@ class Runtime(Protocol):
 
     def state_dict(self) -> dict: ...
 
+    def state_after(self, step: int) -> dict | None:
+        """The data state after a recently iterated `step` (None when no longer known): a Loader's
+        step-boundary checkpoint carries it (`next`), so a spec or layout change resumes from there."""
+        ...
+
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str] | None:
         """Continue from a data state. With `allow_spec_change`, a state of another mixture or set of
         sources continues under this spec (roles/spec_change.py); returns the changes found."""

@@ -193,20 +193,32 @@ def read_token(token: str | None) -> str:
     return token
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerHints:
+    """What a Flight failure's sentence tells the user to check, in the terms of whoever serves the job."""
+
+    token: str  # the server refused this client's token
+    down: str  # nobody answers at the address
+
+
+SERVE_HINTS = ServerHints(
+    token="PLAIT_TOKEN must be the token `plait serve` printed for this job",
+    down="is `plait serve` running there, and is the port right?",
+)
+
+
 class EndpointLost(PlaitError):
     """A Constructor's Flight server stopped answering (its process died, or the network dropped): the
     client asks the rendezvous for the rank's endpoint again (`reconnect`) and repeats the step."""
 
 
-def plait_error(e: Exception, where: str) -> PlaitError:
+def plait_error(e: Exception, where: str, hints: ServerHints = SERVE_HINTS) -> PlaitError:
     """A Flight failure as one sentence."""
     text = str(e)
     if isinstance(e, flight.FlightUnauthenticatedError):
-        return PlaitError(f"the plait job at {where} refused this client's token (PLAIT_TOKEN must be the token "
-                          "`plait serve` printed for this job)")
+        return PlaitError(f"the plait job at {where} refused this client's token ({hints.token})")
     if isinstance(e, flight.FlightUnavailableError):
-        return PlaitError(f"no plait job answers at {where} (is `plait serve` running there, and is the port "
-                          f"right?): {text.splitlines()[0][:200]}")
+        return PlaitError(f"no plait job answers at {where} ({hints.down}): {text.splitlines()[0][:200]}")
     if isinstance(e, flight.FlightTimedOutError):
         return PlaitError(f"the plait job at {where} did not answer in time: {text.splitlines()[0][:200]}")
     if ERROR_MARK in text:
@@ -220,8 +232,9 @@ def plait_error(e: Exception, where: str) -> PlaitError:
 class Channel:
     """One authenticated Flight connection: JSON actions and step streams."""
 
-    def __init__(self, location: str, token: str, timeout: float | None):
+    def __init__(self, location: str, token: str, timeout: float | None, hints: ServerHints = SERVE_HINTS):
         self.location = location
+        self.hints = hints
         self.client = flight.FlightClient(location)
         headers = [(b"authorization", b"Bearer " + token.encode())]
         self.options = flight.FlightCallOptions(headers=headers, timeout=timeout)
@@ -231,7 +244,7 @@ class Channel:
         try:
             results = list(self.client.do_action(flight.Action(name, dumps(body)), options=self.options))
         except (flight.FlightError, pa.ArrowException) as e:
-            raise plait_error(e, self.location) from None
+            raise plait_error(e, self.location, self.hints) from None
         return loads(memoryview(results[0].body)) if results else None
 
     def step(self, ticket: dict) -> tuple[dict | None, list[MicroBatch]]:
@@ -249,9 +262,9 @@ class Channel:
                     break
                 batches.append(decode_batch(chunk.data, chunk.app_metadata))
         except flight.FlightUnavailableError as e:  # nobody answers there (any more)
-            raise EndpointLost(str(plait_error(e, self.location))) from None
+            raise EndpointLost(str(plait_error(e, self.location, self.hints))) from None
         except (flight.FlightError, pa.ArrowException) as e:
-            raise plait_error(e, self.location) from None
+            raise plait_error(e, self.location, self.hints) from None
         return state, batches
 
     def close(self) -> None:
@@ -266,6 +279,8 @@ class FlightRuntime:
     for control calls, default 60). Checks that the served job runs this spec (data fingerprint) on the
     same number of DP ranks. Ray is never imported.
     """
+
+    hints = SERVE_HINTS  # a client of another server (a node's data host) says its own
 
     @staticmethod
     def option_names() -> list[str]:
@@ -285,7 +300,7 @@ class FlightRuntime:
         self.reconnects = 0  # steps asked again after their Constructor was lost
         self._attached: set[int] = set()  # DP ranks whose endpoint was asked for this trainer's node
         self._data: dict[str, Channel] = {}
-        self.control = Channel(location_of(address), self._token, timeout)
+        self.control = Channel(location_of(address), self._token, timeout, self.hints)
         try:
             self.info = self.control.action("hello", {"protocol": PROTOCOL})
             self._check(job)
@@ -327,7 +342,7 @@ class FlightRuntime:
         if location == self.control.location:  # one server for both (`plait serve --runtime local`)
             return self.control
         if location not in self._data:
-            self._data[location] = Channel(location, self._token, self._timeout)
+            self._data[location] = Channel(location, self._token, self._timeout, self.hints)
         return self._data[location]
 
     # ----- what a trainer rank uses --------------------------------------------------------------------
@@ -383,6 +398,13 @@ class FlightRuntime:
         if self._base[:2] == (gen, step):
             return self._base[2]
         return self.control.action("state_at", {"gen": gen, "step": step})
+
+    def state_after(self, step: int) -> dict | None:
+        """The data state after `step`: the start of the next one (the job's plan window holds it)."""
+        try:
+            return self.state_at(self._gen, step + 1)
+        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
+            return None
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:

@@ -30,7 +30,11 @@ class LocalRuntime:
         self.telemetry = Telemetry(spec.source_names)
         self.telemetry.watch_loader(self.loader.telemetry)
         port = metrics_port if metrics_port is not None else spec.metrics.port
-        self.metrics_port = None if port is None else self.telemetry.serve(port, spec.metrics.address)
+        try:
+            self.metrics_port = None if port is None else self.telemetry.serve(port, spec.metrics.address)
+        except BaseException:  # a port in use: release the loader's threads before saying so
+            self.loader.close()
+            raise
         # set_weights / report come from the trainer's thread while prefetch plans in another
         self._lock = threading.Lock()
         self._after: dict[int, dict] = {}  # step -> data state after it (the last few iterated)

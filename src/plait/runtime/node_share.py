@@ -36,6 +36,7 @@ import atexit
 import hashlib
 import json
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -124,6 +125,7 @@ class _Host:
 
         self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port)
         self.path, self.expected, self.users = path, expected, 0
+        remove_stale_rendezvous(path.parent)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -148,12 +150,50 @@ class _Host:
             if self.users > 0:
                 return
             _HOSTS.pop(self.path, None)
+        self.remove_file()
+        self.server.close()
+
+    def remove_file(self) -> None:
+        """Remove the rendezvous file when it is still this process's (a later host may have replaced it)."""
         try:
             if json.loads(self.path.read_text()).get("pid") == os.getpid():
                 self.path.unlink()
         except (OSError, ValueError):
             pass
-        self.server.close()
+
+
+def remove_stale_rendezvous(folder: Path) -> None:
+    """Remove the rendezvous files (and half-written ones) of hosts that died without removing theirs
+    (SIGKILL, a crash): a process that waits for its node's host must never find a dead one's address."""
+    from plait.runtime.processes import process_alive
+
+    for path in folder.glob("node-*"):
+        try:
+            if path.suffix == ".tmp":
+                pid = int(path.suffixes[-2].lstrip("."))
+            else:
+                pid = int(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue  # being written, or not ours: leave it
+        if not process_alive(pid):
+            path.unlink(missing_ok=True)
+
+
+def _remove_files_on_sigterm() -> None:
+    """torchrun ends its workers with SIGTERM: remove this process's rendezvous files first, then die of
+    the signal as before. Only where SIGTERM still has its default action (a trainer's own handler wins)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        for host in list(_HOSTS.values()):
+            host.remove_file()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 _HOSTS: dict[Path, _Host] = {}
@@ -167,6 +207,7 @@ def _acquire_host(spec: Spec, job: str, path: Path, expected: int, metrics_port:
             host = _HOSTS[path] = _Host(spec, job, path, expected, metrics_port)
             atexit.unregister(_serve_on_at_exit)
             atexit.register(_serve_on_at_exit)
+            _remove_files_on_sigterm()
         host.users += 1
         return host
 
@@ -193,9 +234,27 @@ def _release_host(host: _Host) -> None:
 
 
 # ----- every local rank: a thin client of its node's host -----------------------------------------------
+def node_client_class():
+    """The thin client of this node's data host, whose failures are said in torchrun's terms (the user
+    ran a trainer, not `plait serve`)."""
+    from plait.runtime.flight import FlightRuntime, ServerHints
+
+    class NodeHostClient(FlightRuntime):
+        hints = ServerHints(
+            token="the token in this node's rendezvous file is not the running host's: a stale file of an "
+                  "earlier launch, or two launches sharing PLAIT_NODE_DIR and run id",
+            down="this node's data host, the trainer process with LOCAL_RANK 0, has ended or died: every "
+                 "process of the node reads its batches from it, so restart the launch (share='process' "
+                 "makes each process load alone)",
+        )
+
+    return NodeHostClient
+
+
 def _join(spec: Spec, job: str, path: Path, timeout: float):
-    from plait.runtime.flight import FlightRuntime
     from plait.runtime.processes import process_alive
+
+    client = node_client_class()
 
     deadline = time.monotonic() + timeout
     last = "its rendezvous file did not appear"
@@ -205,7 +264,7 @@ def _join(spec: Spec, job: str, path: Path, timeout: float):
             if not process_alive(int(info["pid"])):
                 last = f"the host process {info['pid']} that wrote it is gone"
             else:
-                return FlightRuntime(spec, address=info["address"], token=info["token"], job=job)
+                return client(spec, address=info["address"], token=info["token"], job=job)
         except (OSError, ValueError, KeyError):
             pass
         except PlaitError as e:  # a stale file, or a host still starting or already closing
@@ -261,6 +320,9 @@ class NodeRuntime:
 
     def state_dict(self) -> dict:
         return self.client.state_dict()
+
+    def state_after(self, step: int) -> dict | None:
+        return self.client.state_after(step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         return self.client.load_state_dict(state, allow_spec_change=allow_spec_change)

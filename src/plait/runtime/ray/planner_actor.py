@@ -52,6 +52,15 @@ class StaleGeneration(PlaitError):
     """The plan stream was reset (a client resumed from another data state) under this request."""
 
 
+class JobNameTaken(PlaitError):
+    """A live job already has this name. The actor says only that (`plain`); who started the new one (a
+    Loader, `plait serve`) adds what to do about it, in its own terms."""
+
+    def __init__(self, message: str, plain: str | None = None):
+        super().__init__(message)
+        self.plain = plain or message
+
+
 class LoaderMetadata:
     """The Planner's MetadataProvider: asks the loader that owns each block (a dead one is replaced).
     `fleet` and `pmap` are swapped by a rescale (between two planning calls: never during one)."""
@@ -374,9 +383,8 @@ class PlannerActor:
         silently."""
         if not joining and creator != self.creator:
             n = self.clients
-            raise PlaitError(f"a job named {self.job!r} is running ({n} trainer{'' if n == 1 else 's'} attached, "
-                             f"started {format_age(time.time() - self.started)} ago); pass attach=True to join "
-                             f"it, or `plait jobs stop {self.job}`")
+            raise JobNameTaken(f"a job named {self.job!r} is running ({n} trainer{'' if n == 1 else 's'} attached, "
+                               f"started {format_age(time.time() - self.started)} ago)")
         if fingerprint != self.spec.data_fingerprint():
             raise PlaitError(f"job {self.job!r} runs a different spec (data fingerprint differs)")
         if ranks is not None and ranks != self.planner.ranks:

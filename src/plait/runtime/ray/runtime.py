@@ -29,7 +29,7 @@ from plait.runtime.placement import Layout
 from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
-from plait.runtime.ray.planner_actor import PlannerRecipe
+from plait.runtime.ray.planner_actor import JobNameTaken, PlannerRecipe
 from plait.runtime.ray.planner_host import PlannerHostActor
 from plait.runtime.scaling import describe
 from plait.spec import Spec, load_spec
@@ -310,7 +310,11 @@ class RayRuntime:
                                self.spec.data_fingerprint(), host)
         self.planner = jobs.find_planner(self.job) if opts.attach else recipe.start()
         # Refused (nothing attached) for another spec or layout, or for a live job's name without attach.
-        get(self.planner.attach.remote(recipe.fingerprint, self.dp, planner_options["creator"], opts.attach))
+        try:
+            get(self.planner.attach.remote(recipe.fingerprint, self.dp, planner_options["creator"], opts.attach))
+        except JobNameTaken as e:
+            raise JobNameTaken(f"{e.plain}; pass attach=True to join it, or `plait jobs stop {self.job}`",
+                               plain=e.plain) from None
         self._closed = False
         self.info = get(self.planner.info.remote())
         period = jobs.heartbeat_period(self.info.get("idle_timeout"))
@@ -469,6 +473,13 @@ class RayRuntime:
 
     def state_dict(self) -> dict:
         return self.ask_planner("state_at", self._gen, self._next_step)
+
+    def state_after(self, step: int) -> dict | None:
+        """The data state after `step`: the start of the next one (the Planner's window holds it)."""
+        try:
+            return self.ask_planner("state_at", self._gen, step + 1)
+        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
+            return None
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:

@@ -29,6 +29,7 @@ from plait.runtime.ray import recovery
 from plait.runtime.ray.common import get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.flight_server import RendezvousFlight, grpc_location
+from plait.runtime.ray.planner_actor import JobNameTaken
 from plait.runtime.ray.runtime import RayRuntime
 from plait.spec import Spec, load_spec
 
@@ -49,7 +50,11 @@ class JobServer:
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
         self.stopped = threading.Event()
-        self.runtime = RayRuntime(self.spec, job=job, **ray_options)
+        try:
+            self.runtime = RayRuntime(self.spec, job=job, **ray_options)
+        except JobNameTaken as e:  # in `plait serve` terms: it has no attach option
+            raise PlaitError(f"{e.plain}: `plait serve` starts a new job, so choose another --job name, or stop "
+                             f"that one first (`plait jobs stop {job}`)") from None
         self.rendezvous = None
         self.lock = threading.Lock()
         self.recoveries: list[dict] = []  # Constructors replaced for thin clients that lost theirs
