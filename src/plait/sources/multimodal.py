@@ -68,7 +68,7 @@ def policy_of(spec: Spec) -> ImagePolicy | None:
         return None
     return ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
                        max_pixels=im.max_pixels, tile=im.tile, min_tiles=im.min_tiles, max_tiles=im.max_tiles,
-                       thumbnail=im.thumbnail)
+                       thumbnail=im.thumbnail, fast_jpeg=im.fast_jpeg)
 
 
 # ----- templates ---------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ pure `ImagePolicy.plan` (transforms/resize.py) on the same oriented header size,
 Decoding (`decode`), in order:
   1. `Image.open` restricted to FORMATS (no EPS/ghostscript & co. on untrusted bytes), with Pillow's
      decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`) enforced as an error, warning included;
-  2. the plan from the oriented header size; for a JPEG shrunk by >= 2x on both sides, `Image.draft`
-     lets libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling), never below the target size;
+  2. the plan from the oriented header size; only with `policy.fast_jpeg`, for a JPEG shrunk by >= 2x
+     on both sides, `Image.draft` lets libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling), never
+     below the target size. Off by default: the draft's pixels differ from the full decode + BICUBIC
+     resize that Hugging Face's processors do (measured in docs/multimodal-correctness.md);
   3. to RGB: alpha (RGBA, LA, PA, P with transparency) is composited onto white, as Qwen2-VL's
      loader does; 16-bit greyscale keeps its top 8 bits; everything else via `convert("RGB")`;
   4. resize with BICUBIC to the plan's size (in stored orientation), then the EXIF transpose (same
@@ -108,7 +110,7 @@ DECODES = DecodeCounter()
 
 class Decoded(NamedTuple):
     """`decode`'s result: uint8 patches [plan.patches, patch*patch*3], the plan, and the JPEG draft
-    scale used (1 when no draft: not a JPEG, or not shrunk by 2x or more)."""
+    scale used (1 when no draft: fast_jpeg off, not a JPEG, or not shrunk by 2x or more)."""
 
     patches: np.ndarray
     plan: ImagePlan
@@ -225,7 +227,7 @@ def decode(data: ImageData, policy: ImagePolicy) -> Decoded:
         stored = img.size
         target = (plan.height, plan.width) if orient in SWAPS else (plan.width, plan.height)
         draft = 1
-        shrink = img.format in ("JPEG", "MPO") and stored[0] >= 2 * target[0] and stored[1] >= 2 * target[1]
+        shrink = policy.fast_jpeg and img.format in ("JPEG", "MPO") and stored[0] >= 2 * target[0] and stored[1] >= 2 * target[1]
         if shrink and img.draft("RGB", target) is not None:
             draft = round(stored[0] / img.size[0])
         try:
