@@ -47,6 +47,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from plait.batch import merge_window_order
 from plait.packing import IGNORE_INDEX
 from plait.transforms.resize import (
     MAX_ASPECT,
@@ -207,8 +208,7 @@ def patchify(pixels: np.ndarray, rows: int, cols: int, patch: int, out: np.ndarr
 def merge_order(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
     """Permutation from raster patch order to merge-window order (Qwen2-VL's): `patches[merge_order(...)]`
     puts each merge x merge window's patches next to each other, windows in raster order."""
-    idx = np.arange(grid_h * grid_w, dtype=np.int64).reshape(grid_h // merge, merge, grid_w // merge, merge)
-    return idx.transpose(0, 2, 1, 3).reshape(-1)
+    return merge_window_order(grid_h, grid_w, merge)
 
 
 def upright(img: Image.Image, orient: int) -> Image.Image:
