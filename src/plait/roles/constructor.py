@@ -83,8 +83,11 @@ class Constructor:
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
         cu_all, positions, labels = fields["cu_seqlens"], fields["position_ids"], fields["labels"]
-        if images is not None:  # a label predicting a placeholder is not trained on
-            labels[labels == images.token_id] = IGNORE_INDEX
+        # a label predicting a placeholder is not trained on; only inside documents with images (where the
+        # id means nothing else: multimodal.ImageDocs), so that the Planner's global_label_tokens is exact
+        in_images = np.repeat(items.patches > 0, items.length) if images is not None else None
+        if images is not None:
+            labels[in_images & (labels == images.token_id)] = IGNORE_INDEX
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
@@ -107,7 +110,9 @@ class Constructor:
             for mb in out:
                 mb.mtp_labels = multi_token_labels(mb.input_ids, mb.cu_seqlens, horizon)
                 if images is not None:
-                    mb.mtp_labels[mb.mtp_labels == images.token_id] = IGNORE_INDEX
+                    t0 = cu_all[item_bounds[mb.microbatch]]
+                    mine = in_images[t0:t0 + len(mb.input_ids)]
+                    mb.mtp_labels[mine[None, :] & (mb.mtp_labels == images.token_id)] = IGNORE_INDEX
         return out
 
 

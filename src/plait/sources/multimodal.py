@@ -62,6 +62,13 @@ class MMRecord:
     name: str
 
 
+def placeholder_leads(source: SourceSpec) -> bool:
+    """Whether this source's documents with images start with a placeholder (no bos, and the caption
+    template puts the images first). Such a first placeholder has no label predicting it, so a document
+    masks one placeholder label fewer than it has placeholders (the Planner's `global_label_tokens`)."""
+    return source.bos is None and source.template != "chat"
+
+
 def policy_of(spec: Spec) -> ImagePolicy | None:
     im = spec.images
     if im is None:
@@ -235,8 +242,7 @@ class ImageDocs:
             if eos is not None:
                 parts.append(np.array([eos], np.int32))
             doc = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-            patches = sum(p.patches for p in rec_plans)
-            why = self._check(doc, patches, bool(rec_plans))
+            why = self._check(doc, rec_plans)
             if why:
                 self.bad(path, rec.name, why)
                 continue
@@ -258,7 +264,14 @@ class ImageDocs:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return tokens, offsets, np.asarray(ok, np.int64), table
 
-    def _check(self, doc: np.ndarray, patches: int, has_images: bool) -> str | None:
+    def _check(self, doc: np.ndarray, plans: list) -> str | None:
+        has_images, patches = bool(plans), sum(p.patches for p in plans)
+        placeholders = int(np.count_nonzero(doc == self.token_id))
+        if placeholders != sum(p.tokens for p in plans):  # labels are masked by this id: it must mean an image
+            return (f"its text holds the image token id {self.token_id} outside its images' placeholders "
+                    f"({placeholders - sum(p.tokens for p in plans)} time(s))")
+        if has_images and bool(len(doc) and doc[0] == self.token_id) != placeholder_leads(self.source):
+            return "its first image is not where the template puts it (the text before it tokenizes to nothing)"
         if has_images and len(doc) > self.seq_len:
             return (f"a document holding images is {len(doc)} tokens, more than seq_len {self.seq_len} (documents "
                     "with images are never cut through; raise seq_len, lower the image policy's max_pixels)")
