@@ -34,10 +34,34 @@ class ImagePayload(NamedTuple):
 
 class Payload(NamedTuple):
     """What `PayloadSource.fetch(items)` returns for image sources: tokens (int32, the items' spans
-    concatenated in request order, placeholder runs included) and their images (None: none)."""
+    concatenated in request order, placeholder runs included; dropped items' spans left out), their
+    images (None: none; `item` numbers the request's items) and the request indices of the items dropped
+    because an image failed to decode after planning (on_error: skip; None: none)."""
 
     tokens: np.ndarray
     images: ImagePayload | None
+    dropped: np.ndarray | None = None
+
+
+def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
+    """One payload for a request of items with these `lengths`, from the parts fetched for its items
+    `sel` (each part's items numbered in its own order; a part is tokens, or a Payload)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    keep = np.ones(len(lengths), dtype=bool)
+    for sel, part in parts:
+        if isinstance(part, Payload) and part.dropped is not None:
+            keep[np.asarray(sel)[part.dropped]] = False
+    kept = np.where(keep, lengths, 0)
+    starts = np.cumsum(kept) - kept
+    out = np.empty(int(kept.sum()), dtype=np.int32)
+    for sel, part in parts:
+        mine = np.asarray(sel)[keep[sel]]
+        out[ragged_arange(starts[mine], lengths[mine])] = part.tokens if isinstance(part, Payload) else part
+    if not any(isinstance(part, Payload) for _, part in parts):
+        return out
+    dropped = np.flatnonzero(~keep)
+    images = merge_images([(sel, part.images) for sel, part in parts if isinstance(part, Payload)])
+    return Payload(out, images, dropped if len(dropped) else None)
 
 
 def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePayload | None:

@@ -26,8 +26,10 @@ Templates (`template:`):
 
 At gather time `decode_pixels` decodes an image exactly once for the batch that delivers it. A body that
 fails to decode after its header planned it (truncated data, a file changed since): under
-`on_error: raise` the run stops naming source, shard, record and image; under `skip` the document is
-still delivered (the plan holds it) with its placeholders and zero pixels, counted and named.
+`on_error: raise` the run stops naming source, shard, record and image; under `skip` its whole sample
+is dropped from its micro-batch (SourceLoader.gather_payload; the micro-batch gets shorter), counted
+once per delivery attempt (each epoch plans it again: the Planner sees headers only, and every data
+plane must plan the same steps, so what one of them found at gather cannot change the plan).
 """
 
 from __future__ import annotations
@@ -282,9 +284,9 @@ class ImageDocs:
         return None
 
     # ----- gather: decode ------------------------------------------------------------------------
-    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray, str | None]:
+    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray | None, str | None]:
         """Image j's uint8 patches [patches, patch*patch*3], decoded once; on failure (see the module
-        docstring) zero pixels and the reason (the caller applies the policy)."""
+        docstring) None and the reason (the caller applies the policy)."""
         want = int(table.patches[j])
         try:
             got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy)
@@ -292,6 +294,4 @@ class ImageDocs:
                 raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
             return got.patches, None
         except (BadImage, OSError) as e:
-            why = (f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}; its document was planned "
-                   f"with it, so it is delivered with its placeholders and zero pixels")
-            return np.zeros((want, self.policy.patch * self.policy.patch * 3), np.uint8), why
+            return None, f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"

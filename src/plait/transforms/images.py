@@ -125,6 +125,8 @@ class Decoded(NamedTuple):
 
 def open_image(data: ImageData) -> Image.Image:
     """Open lazily (header only): BadImage for non-images, formats outside FORMATS, bombs, empty images."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and not len(data):
+        raise BadImage("empty file (0 bytes)")
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     with _OPEN_LOCK, warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
