@@ -222,7 +222,7 @@ def llava_bad(tmp_path, what: str) -> tuple[dict, str]:
         path.unlink()
     elif what == "bomb":
         path.write_bytes(image_bytes(600, 600, "PNG"))
-    return src, {"not an image": "not an image", "zero bytes": "empty file \\(0 bytes\\)", "missing": "No such file",
+    return src, {"not an image": "not an image", "zero bytes": "empty file", "missing": "No such file",
                  "bomb": "decompression bomb"}[what]
 
 
@@ -255,7 +255,7 @@ def test_truncated_image_body_is_found_at_gather(tmp_path):
     assert name in str(e.value) and "zero pixels" not in str(e.value)
     rt, batches = run_all(mm_spec([{**src, "on_error": "skip"}]))
     report = rt.error_report()["llava"]
-    assert report["skipped"] == 1 and "dropped from its micro-batch" in report["messages"][0]
+    assert report["skipped"] >= 1 and all("record 5 (epoch" in m and "dropped from its micro-batch" in m for m in report["messages"])
     rows = [int(r) for b in batches for r in b.sample_ids[:, 3]]
     assert 5 not in rows and 6 in rows
 
