@@ -296,14 +296,42 @@ def test_exif_orientation_6_on_a_downscaled_jpeg():
     assert np.abs(out.patches.astype(int) - patchify(ref, 1, 1, 14).astype(int)).mean() < 6
 
 
-def test_jpeg_draft_when_shrinking_by_2x_or_more():
+def test_jpeg_draft_only_with_fast_jpeg():
     blob = encode(picture(2400, 1600), "JPEG")
-    small = ImagePolicy("dynamic", patch=14, merge=2, max_pixels=28 * 28 * 64)  # ~ 8x smaller per side
+    small = ImagePolicy("dynamic", patch=14, merge=2, max_pixels=28 * 28 * 64, fast_jpeg=True)  # ~ 8x smaller per side
     out = decode(blob, small)
     assert out.draft >= 2 and out.patches.shape[0] == small.plan(2400, 1600).patches
-    near = ImagePolicy("dynamic", patch=14, merge=2, max_pixels=2400 * 1600)  # barely resized: no draft
+    near = ImagePolicy("dynamic", patch=14, merge=2, max_pixels=2400 * 1600, fast_jpeg=True)  # barely resized
     assert decode(blob, near).draft == 1
     assert decode(encode(picture(2400, 1600), "PNG"), small).draft == 1  # not a JPEG
+
+
+def test_large_jpeg_decodes_to_reference_pixels_by_default():
+    """Default: no draft, so a large JPEG gives exactly Pillow's full decode + BICUBIC resize (what Hugging
+    Face's processors do); fast_jpeg's draft gives different pixels (so the comparison can fail)."""
+    blob = encode(picture(2400, 1600, seed=3), "JPEG", quality=90)
+    policy = ImagePolicy("dynamic", patch=14, merge=2, max_pixels=28 * 28 * 64)
+    out = decode(blob, policy)
+    assert out.draft == 1
+    ref = Image.open(io.BytesIO(blob)).convert("RGB").resize((out.plan.width, out.plan.height), Image.Resampling.BICUBIC)
+    expected = patchify(np.asarray(ref), 1, 1, 14)
+    assert np.array_equal(out.patches, expected)
+    fast = decode(blob, ImagePolicy("dynamic", patch=14, merge=2, max_pixels=28 * 28 * 64, fast_jpeg=True))
+    assert fast.draft >= 2 and not np.array_equal(fast.patches, expected)
+
+
+def test_fast_jpeg_is_a_validated_spec_field():
+    from plait.errors import PlaitError
+    from plait.sources.multimodal import policy_of
+    from plait.spec import load_spec
+
+    base = {"sources": [{"name": "a", "path": "x/*.parquet", "text_field": "t"}], "images": {"image_token_id": 5}}
+    assert policy_of(load_spec(base)).fast_jpeg is False
+    on = load_spec({**base, "images": {"image_token_id": 5, "fast_jpeg": True}})
+    assert policy_of(on).fast_jpeg is True
+    assert on.data_fingerprint() == load_spec(base).data_fingerprint()  # pixels only: same sample order
+    with pytest.raises(PlaitError, match="fast_jpeg"):
+        load_spec({**base, "images": {"image_token_id": 5, "fast_jpeg": "sometimes"}})
 
 
 def test_image_size_never_decodes():
@@ -333,7 +361,7 @@ BAD = {
     "truncated body": (lambda: encode(picture(640, 480), "JPEG")[:3000], "truncated", False),
     "truncated header": (lambda: encode(picture(640, 480), "PNG")[:20], "header|format", True),
     "not an image": (lambda: b"{\"text\": \"hello\"}" * 20, "format", True),
-    "empty bytes": (lambda: b"", "format", True),
+    "empty bytes": (lambda: b"", "empty file \\(0 bytes\\)", True),
     "bomb over 2x limit": (lambda: png_header(20_000, 20_000), "decompression bomb", True),
     "bomb over limit": (lambda: png_header(10_000, 10_000), "decompression bomb", True),
     "zero size": (lambda: png_header(0, 50), "format|empty", True),

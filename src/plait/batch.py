@@ -14,6 +14,11 @@ import numpy as np
 
 from plait.ragged import ragged_arange
 
+# Qwen2-VL's processor defaults (OpenAI CLIP's mean / std on the 0..1 scale, a temporal patch of 2 frames)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+LAYOUTS = ("plait", "qwen2vl")
+
 
 class ImagePayload(NamedTuple):
     """The images of fetched items: uint8 patches of all images concatenated in item order, each image's
@@ -29,10 +34,34 @@ class ImagePayload(NamedTuple):
 
 class Payload(NamedTuple):
     """What `PayloadSource.fetch(items)` returns for image sources: tokens (int32, the items' spans
-    concatenated in request order, placeholder runs included) and their images (None: none)."""
+    concatenated in request order, placeholder runs included; dropped items' spans left out), their
+    images (None: none; `item` numbers the request's items) and the request indices of the items dropped
+    because an image failed to decode after planning (on_error: skip; None: none)."""
 
     tokens: np.ndarray
     images: ImagePayload | None
+    dropped: np.ndarray | None = None
+
+
+def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
+    """One payload for a request of items with these `lengths`, from the parts fetched for its items
+    `sel` (each part's items numbered in its own order; a part is tokens, or a Payload)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    keep = np.ones(len(lengths), dtype=bool)
+    for sel, part in parts:
+        if isinstance(part, Payload) and part.dropped is not None:
+            keep[np.asarray(sel)[part.dropped]] = False
+    kept = np.where(keep, lengths, 0)
+    starts = np.cumsum(kept) - kept
+    out = np.empty(int(kept.sum()), dtype=np.int32)
+    for sel, part in parts:
+        mine = np.asarray(sel)[keep[sel]]
+        out[ragged_arange(starts[mine], lengths[mine])] = part.tokens if isinstance(part, Payload) else part
+    if not any(isinstance(part, Payload) for _, part in parts):
+        return out
+    dropped = np.flatnonzero(~keep)
+    images = merge_images([(sel, part.images) for sel, part in parts if isinstance(part, Payload)])
+    return Payload(out, images, dropped if len(dropped) else None)
 
 
 def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePayload | None:
@@ -97,8 +126,26 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(len(self.input_ids))
 
+    def qwen2vl(self, mean=CLIP_MEAN, std=CLIP_STD, *, merge: int = 2, temporal_patch: int = 2) -> dict:
+        """The images in Hugging Face Qwen2-VL / Qwen2.5-VL's processor layout, as numpy (no torch needed):
+        `pixel_values` float32 [patches, 3 * temporal_patch * patch * patch] (each image's merge x merge
+        windows contiguous, each patch flattened as (C, T, patch, patch) with the image repeated over T,
+        values rescaled and normalised exactly as the processor does them) and `image_grid_thw` int64
+        [images, 3]. Bit-identical to `Qwen2VLImageProcessor` given the same resize settings; needs the
+        `dynamic` image policy (one frame per image). Empty arrays when the micro-batch holds no image."""
+        grid = np.zeros((0, 3), np.int64) if self.image_grid is None else self.image_grid
+        patch, order = qwen2vl_order(self.pixel_values, grid, merge)
+        width = 3 * temporal_patch * patch * patch
+        if not len(order):
+            return {"pixel_values": np.zeros((0, width), np.float32), "image_grid_thw": grid.astype(np.int64)}
+        lut = normalize_table(mean, std)
+        x = self.pixel_values[order].reshape(len(order), patch, patch, 3)
+        y = lut[np.arange(3), x].transpose(0, 3, 1, 2)  # [P, C, p, p] float32
+        y = np.broadcast_to(y[:, :, None], (len(order), 3, temporal_patch, patch, patch))
+        return {"pixel_values": y.reshape(len(order), width), "image_grid_thw": grid.astype(np.int64)}
+
     def to_torch(self, device=None, *, pin_memory: bool = False, non_blocking: bool = False,
-                 normalize: tuple | None = None) -> "TorchBatch":
+                 normalize: tuple | None = None, layout: str = "plait") -> "TorchBatch":
         """The batch as torch tensors: ids, labels and positions int64, the rest int32 (needs plait[torch]).
 
         Returns a dict of tensors only; `max_seqlen` (for varlen attention kernels) is an attribute.
@@ -106,8 +153,14 @@ class MicroBatch:
         overlap with compute. With images: `pixel_values` (uint8, or with `normalize=(mean, std)` (each a
         number or 3 per-channel values, on the 0..1 scale) float32 (x/255 - mean) / std, normalised on
         `device`), `image_grid`, `image_cu_seqlens`, `image_document`.
+        `layout="qwen2vl"`: `pixel_values` in Qwen2-VL's processor layout instead (see `qwen2vl()`; float32,
+        normalised on `device` with `normalize`, default the processor's CLIP mean / std) and
+        `image_grid_thw` (= `image_grid`), what a Hugging Face Qwen2-VL / Qwen2.5-VL model takes.
         """
         import torch
+
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
 
         def t(a, dtype):
             if not a.flags.writeable:  # batches from Ray's object store are read-only views
@@ -125,8 +178,14 @@ class MicroBatch:
             sample_ids=t(self.sample_ids, torch.long),
             source_ids=t(self.source_ids, torch.int32),
         )
-        if self.pixel_values is not None:
+        if self.pixel_values is not None and layout == "qwen2vl":
+            patch, order = qwen2vl_order(self.pixel_values, self.image_grid, 2)
+            out["pixel_values"] = _qwen2vl_pixels(t(self.pixel_values[order], torch.uint8), patch,
+                                                  normalize or (CLIP_MEAN, CLIP_STD))
+            out["image_grid_thw"] = t(self.image_grid, torch.long)
+        elif self.pixel_values is not None:
             out["pixel_values"] = _pixels(t(self.pixel_values, torch.uint8), normalize)
+        if self.pixel_values is not None:
             out["image_grid"] = t(self.image_grid, torch.long)
             out["image_cu_seqlens"] = t(self.image_cu_seqlens, torch.int32)
             out["image_document"] = t(self.image_document, torch.long)
@@ -175,6 +234,51 @@ def _pixels(x, normalize):
     width = int(x.shape[1])
     y = x.to(torch.float32).view(len(x), width // 3, 3) / 255.0
     return ((y - mean) / std).view(len(x), width)
+
+
+def normalize_table(mean, std) -> np.ndarray:
+    """float32 [3, 256]: what each uint8 value of each channel becomes, computed as Hugging Face's image
+    processors do it (x as float64 times 1/255, cast to float32, then (x - mean) / std in float32), so a
+    lookup gives their values bit for bit."""
+    mean32 = np.broadcast_to(np.asarray(mean, np.float32), (3,))
+    std32 = np.broadcast_to(np.asarray(std, np.float32), (3,))
+    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    return ((scaled[None, :] - mean32[:, None]) / std32[:, None]).astype(np.float32)
+
+
+def merge_window_order(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
+    """Permutation from raster patch order to merge-window order (Qwen2-VL's): `patches[order]` puts each
+    merge x merge window's patches next to each other, windows in raster order."""
+    idx = np.arange(grid_h * grid_w, dtype=np.int64).reshape(grid_h // merge, merge, grid_w // merge, merge)
+    return idx.transpose(0, 2, 1, 3).reshape(-1)
+
+
+def qwen2vl_order(pixels: np.ndarray | None, grid: np.ndarray, merge: int) -> tuple[int, np.ndarray]:
+    """The patch side and the row order that takes plait's raster patches (image after image) to
+    Qwen2-VL's merge-window order. ValueError for tiles (t > 1) or a grid not made of whole windows."""
+    if pixels is None or not len(grid):
+        return 0 if pixels is None else int(round((pixels.shape[1] // 3) ** 0.5)), np.zeros(0, np.int64)
+    patch = int(round((pixels.shape[1] // 3) ** 0.5))
+    if (grid[:, 0] != 1).any():
+        raise ValueError("the qwen2vl layout needs one frame per image (images.policy: dynamic), not tiles")
+    if (grid[:, 1:] % merge).any():
+        raise ValueError(f"an image grid {grid[(grid[:, 1:] % merge).any(axis=1)][0].tolist()} is not made of "
+                         f"whole {merge}x{merge} merge windows")
+    sizes = grid.prod(axis=1)
+    starts = np.cumsum(sizes) - sizes
+    # one small permutation per image (a few per micro-batch), then a single gather of all patch rows
+    order = np.concatenate([s + merge_window_order(int(h), int(w), merge) for s, (_, h, w) in zip(starts, grid)])
+    return patch, order
+
+
+def _qwen2vl_pixels(x, patch: int, normalize, temporal_patch: int = 2):
+    """uint8 patches [P, patch*patch*3] in merge-window order -> Qwen2-VL's float32 [P, 3*T*patch*patch]."""
+    import torch
+
+    lut = torch.from_numpy(normalize_table(*normalize)).to(x.device)
+    n = len(x)
+    y = lut[torch.arange(3, device=x.device), x.view(n, patch, patch, 3).long()].permute(0, 3, 1, 2)
+    return y.unsqueeze(2).expand(n, 3, temporal_patch, patch, patch).reshape(n, 3 * temporal_patch * patch * patch)
 
 
 class TorchBatch(dict):

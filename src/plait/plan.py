@@ -138,12 +138,19 @@ class StepPlan:
     # respects each rank's token and patch capacity can beat); None on steps where it was not computed
     max_over_capacity_lb: float | None = None
     # image steps (spec `images` set): micro_patches [R, M], encoder_cost and cost (summed over the placed
-    # items, per CP rank)
+    # items, per CP rank), masked_labels (labels set to -100 over the placed items' image placeholders)
     images: dict | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.items.length.sum())
+
+    @property
+    def label_tokens(self) -> int:
+        """Labels that are not -100 in the whole step (all ranks and micro-batches): every token but each
+        chunk's last, less the labels masked over image placeholders (the Planner counts those)."""
+        masked = self.images.get("masked_labels", 0) if self.images is not None else 0
+        return int((self.items.length - 1).clip(min=0).sum()) - int(masked)
 
     @property
     def max_over_mean(self) -> float:
@@ -195,7 +202,7 @@ class StepPlan:
             "vocab_size": self.vocab_size,
             "label_horizon": self.label_horizon,
             "microbatches": self.microbatches,
-            "global_label_tokens": int((self.items.length - 1).clip(min=0).sum()),
+            "global_label_tokens": self.label_tokens,
             "efficiency": self.efficiency,
             "max_over_mean": self.max_over_mean,
             "max_over_lb": self.max_over_lb,

@@ -369,6 +369,7 @@ class ImagesSpec(_Model):
     min_tiles: int = Field(1, ge=1)
     max_tiles: int = Field(12, ge=1)
     thumbnail: bool = True
+    fast_jpeg: bool = Field(False, description="JPEG draft decoding: faster, not the reference processor's pixels")
     image_token_id: int = Field(ge=0, le=2**31 - 1, description="the placeholder id images occupy in input_ids")
 
     @model_validator(mode="after")
@@ -532,8 +533,8 @@ class Spec(_Model):
         return d
 
     def _images(self) -> dict:
-        # the image policy decides placeholder counts, hence documents' tokens (only when set)
-        return {"images": self.images.model_dump(mode="json")} if self.images is not None else {}
+        # the image policy decides placeholder counts, hence documents' tokens (only when set; fast_jpeg: pixels only)
+        return {"images": self.images.model_dump(mode="json", exclude={"fast_jpeg"})} if self.images is not None else {}
 
     def _vocab(self) -> dict:
         # vocab_size decides which records are delivered (only when set: old states keep their fingerprint)

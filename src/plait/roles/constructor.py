@@ -6,7 +6,8 @@ padding-free fields (packing.py). TP/PP ranks of a replica share the result; CP 
 The payload contract (`PayloadSource.fetch(items)`): the items' tokens concatenated in request order,
 as an int32 array (text), or a `Payload(tokens, images)` where `images` (an ImagePayload or None) holds
 the uint8 patches of the items' images concatenated in item order, each image's grid and the index of
-its item. The Constructor then adds `pixel_values`, `image_grid`, `image_cu_seqlens` and
+its item, and the items dropped (an image that failed to decode after planning, under on_error: skip:
+the whole sample leaves its micro-batch, which gets shorter). The Constructor then adds `pixel_values`, `image_grid`, `image_cu_seqlens` and
 `image_document` to each micro-batch and sets the labels that would predict a placeholder to -100.
 """
 
@@ -16,8 +17,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from plait.batch import ImagePayload, MicroBatch, Payload, merge_images
-from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields, ragged_arange
+from plait.batch import ImagePayload, MicroBatch, Payload, merge_payloads
+from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields
 from plait.plan import Items, RankPlan
 
 
@@ -48,19 +49,14 @@ class LoaderPayloads:
             loader = self._loader_for(keys[0][0])
             call = loader.gather_payload if images else loader.gather
             return call(items.source, keys, block_index, items.position, items.offset, items.length)
-        out = np.empty(int(items.length.sum()), dtype=np.int32)
-        starts = np.cumsum(items.length) - items.length
         parts = []
         for blocks in by_loader.values():
             sel = np.flatnonzero(np.isin(block_index, blocks))
             loader = self._loader_for(keys[blocks[0]][0])
             call = loader.gather_payload if images else loader.gather
-            part = call(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
-            if isinstance(part, Payload):
-                parts.append((sel, part.images))
-                part = part.tokens
-            out[ragged_arange(starts[sel], items.length[sel])] = part
-        return Payload(out, merge_images(parts)) if images else out
+            parts.append((sel, call(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel],
+                                    items.length[sel])))
+        return merge_payloads(items.length, parts)
 
 
 class Constructor:
@@ -77,19 +73,26 @@ class Constructor:
         items = plan.items.take(sel)
         tokens = self.payloads.fetch(items)
         images = None
+        stats = plan.stats
+        short = np.zeros(plan.microbatches, dtype=np.int64)  # samples dropped per micro-batch
         if isinstance(tokens, Payload):
-            tokens, images = tokens
+            tokens, images, dropped = tokens
+            if dropped is not None:  # an image failed after planning (skip): its sample is not delivered
+                short = np.bincount(plan.micro[sel[dropped]], minlength=plan.microbatches)
+                items, sel, images = without_dropped(items, sel, images, dropped)
         # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
         cu_all, positions, labels = fields["cu_seqlens"], fields["position_ids"], fields["labels"]
-        if images is not None:  # a label predicting a placeholder is not trained on
-            labels[labels == images.token_id] = IGNORE_INDEX
+        # a label predicting a placeholder is not trained on; only inside documents with images (where the
+        # id means nothing else: multimodal.ImageDocs), so that the Planner's global_label_tokens is exact
+        in_images = np.repeat(items.patches > 0, items.length) if images is not None else None
+        if images is not None:
+            labels[in_images & (labels == images.token_id)] = IGNORE_INDEX
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
         source_ids = items.source.astype(np.int32)
-        stats = plan.stats
         out = []
         for m in micros:
             a, b = item_bounds[m], item_bounds[m + 1]
@@ -99,7 +102,8 @@ class Constructor:
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
-                    stats=stats, **image_fields(images, a, b),
+                    stats={**stats, "dropped_samples": int(short[m])} if short[m] else stats,
+                    **image_fields(images, a, b),
                 )
             )
         horizon = int(stats.get("label_horizon", 1))
@@ -107,8 +111,22 @@ class Constructor:
             for mb in out:
                 mb.mtp_labels = multi_token_labels(mb.input_ids, mb.cu_seqlens, horizon)
                 if images is not None:
-                    mb.mtp_labels[mb.mtp_labels == images.token_id] = IGNORE_INDEX
+                    t0 = cu_all[item_bounds[mb.microbatch]]
+                    mine = in_images[t0:t0 + len(mb.input_ids)]
+                    mb.mtp_labels[mine[None, :] & (mb.mtp_labels == images.token_id)] = IGNORE_INDEX
         return out
+
+
+def without_dropped(items: Items, sel: np.ndarray, images: ImagePayload | None, dropped: np.ndarray):
+    """The request's items, their indices into the rank plan and their images, less the dropped items
+    (each micro-batch keeps its other samples, in order; image item numbers follow the kept items)."""
+    keep = np.ones(len(items), dtype=bool)
+    keep[dropped] = False
+    kept = np.flatnonzero(keep)
+    if images is not None:
+        renumber = np.cumsum(keep) - 1
+        images = images._replace(item=renumber[images.item])
+    return items.take(kept), sel[kept], images
 
 
 def image_fields(images: ImagePayload | None, a: int, b: int) -> dict:

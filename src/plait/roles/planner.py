@@ -30,6 +30,7 @@ from plait.roles import phases
 from plait.roles.spec_change import carry_over, split_fingerprint
 from plait.roles.state_schema import STATE_VERSION, check_data_state, parse_data_state
 from plait.roles.weights import RunWeights
+from plait.sources.multimodal import placeholder_leads
 from plait.spec import Spec
 
 
@@ -236,7 +237,16 @@ class Planner:
         """Patches per micro-batch and the encoder's share of the cost."""
         micro_patches = result.micro_patches if result.micro_patches is not None else np.zeros_like(result.micro_tokens)
         return {"micro_patches": micro_patches, "encoder_cost": float(encoder[placed].sum()),
-                "cost": float(costs[placed].sum())}
+                "cost": float(costs[placed].sum()), "masked_labels": self._masked_labels(items.take(placed))}
+
+    def _masked_labels(self, items: Items) -> int:
+        """Labels the Constructor sets to -100 over image placeholders in these items: one per placeholder
+        (patches / merge**2 of them), less the first one where a document starts with a placeholder
+        (nothing predicts it: multimodal.placeholder_leads). Text items mask none."""
+        merge = self.spec.images.merge
+        leads = np.array([placeholder_leads(s) for s in self.spec.sources], dtype=np.int64)
+        with_images = items.patches > 0
+        return int((items.patches // (merge * merge)).sum() - (leads[items.source] * with_images).sum())
 
     def _hold_outliers(self, items: Items) -> np.ndarray:
         """Which items to delay: outliers (cost > outlier_factor x mean rank load), held until enough

@@ -188,10 +188,11 @@ class SourceLoader:
     ) -> Payload:
         """`gather`'s tokens, and the images of the requested documents, each decoded here exactly once
         (only documents holding images are looked at; a document with images is never cut, so it is
-        one span from offset 0)."""
+        one span from offset 0). A document with an image that fails to decode (on_error: skip) is
+        dropped whole: its tokens and images left out, its index in `Payload.dropped`."""
         tokens = self.gather(source, keys, block_index, position, offset, length)
         t0 = time.perf_counter()
-        pixels, grids, owner = [], [], []
+        pixels, grids, owner, dropped = [], [], [], []
         token_id = patch = 0
         for b in np.unique(block_index):
             full = keys[int(b)]
@@ -205,19 +206,32 @@ class SourceLoader:
             doc = np.searchsorted(block.positions, position[sel])
             for i, d in zip(sel, doc):
                 first, count = int(block.images.start[d]), int(block.images.count[d])
+                got = []
                 for j in range(first, first + count):
-                    pixels.append(src.image_pixels(block, j))
-                    grids.append(block.images.grid[j])
-                    owner.append(int(i))
+                    got.append(src.image_pixels(block, j))
+                    if got[-1] is None:
+                        break
+                if got and got[-1] is None:
+                    dropped.append(int(i))
+                    continue
+                pixels += got
+                grids += [block.images.grid[j] for j in range(first, first + count)]
+                owner += [int(i)] * count
             count_production(self, full[0], time.perf_counter() - t_images, images=len(pixels) - before)
         self.images_decoded += len(pixels)
         self.busy_seconds += time.perf_counter() - t0
+        gone = None
+        if dropped:
+            gone = np.sort(np.asarray(dropped, np.int64))
+            keep = np.ones(len(length), dtype=bool)
+            keep[gone] = False
+            tokens = tokens[np.repeat(keep, np.asarray(length, dtype=np.int64))]
         if not pixels:
-            return Payload(tokens, None)
+            return Payload(tokens, None, gone)
         order = np.argsort(np.asarray(owner), kind="stable")  # blocks were visited in key order: back to item order
         images = ImagePayload(np.concatenate([pixels[k] for k in order]), np.asarray(grids, np.int64)[order],
                               np.asarray(owner, np.int64)[order], int(token_id), int(patch))
-        return Payload(tokens, images)
+        return Payload(tokens, images, gone)
 
     def retain(self, live: set[FullKey]) -> None:
         """Drop cached blocks that no pending or future step needs."""

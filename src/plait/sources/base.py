@@ -342,13 +342,17 @@ class Source:
         return DocBlock(self.index, key, file_idx, kept_pos[order], raw.first_row + ok_index[order].astype(np.int64),
                         tokens, offsets[:-1][order], np.diff(offsets)[order], raw.num_records, table.take_docs(order))
 
-    def image_pixels(self, block: DocBlock, image: int) -> np.ndarray:
+    def image_pixels(self, block: DocBlock, image: int) -> np.ndarray | None:
         """Image `image` (an index into block.images) decoded to uint8 patches, once per delivery. A body
-        that does not decode: an error under `raise`; under `skip` zero pixels, counted and named."""
+        that does not decode: an error under `raise`; under `skip` None (its sample is not delivered),
+        counted once per delivery attempt (per epoch: a later epoch plans it again) and named."""
         path = self.files[block.shard]
         pixels, why = self.images.decode_pixels(path, block.images, image)
         if why is not None:
-            self._bad(path, str(block.images.records[image]), why)
+            record = str(block.images.records[image])
+            if self.spec.on_error != "raise":
+                record, why = f"{record} (epoch {block.key[0]})", f"{why}; its sample is dropped from its micro-batch"
+            self._bad(path, record, why)
         return pixels
 
     def _drop(self, values: pa.Array, ok_index: np.ndarray, bad: np.ndarray, path: str, first_row: int, reason: str):

@@ -26,8 +26,10 @@ Templates (`template:`):
 
 At gather time `decode_pixels` decodes an image exactly once for the batch that delivers it. A body that
 fails to decode after its header planned it (truncated data, a file changed since): under
-`on_error: raise` the run stops naming source, shard, record and image; under `skip` the document is
-still delivered (the plan holds it) with its placeholders and zero pixels, counted and named.
+`on_error: raise` the run stops naming source, shard, record and image; under `skip` its whole sample
+is dropped from its micro-batch (SourceLoader.gather_payload; the micro-batch gets shorter), counted
+once per delivery attempt (each epoch plans it again: the Planner sees headers only, and every data
+plane must plan the same steps, so what one of them found at gather cannot change the plan).
 """
 
 from __future__ import annotations
@@ -62,13 +64,20 @@ class MMRecord:
     name: str
 
 
+def placeholder_leads(source: SourceSpec) -> bool:
+    """Whether this source's documents with images start with a placeholder (no bos, and the caption
+    template puts the images first). Such a first placeholder has no label predicting it, so a document
+    masks one placeholder label fewer than it has placeholders (the Planner's `global_label_tokens`)."""
+    return source.bos is None and source.template != "chat"
+
+
 def policy_of(spec: Spec) -> ImagePolicy | None:
     im = spec.images
     if im is None:
         return None
     return ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
                        max_pixels=im.max_pixels, tile=im.tile, min_tiles=im.min_tiles, max_tiles=im.max_tiles,
-                       thumbnail=im.thumbnail)
+                       thumbnail=im.thumbnail, fast_jpeg=im.fast_jpeg)
 
 
 # ----- templates ---------------------------------------------------------------------------------
@@ -235,8 +244,7 @@ class ImageDocs:
             if eos is not None:
                 parts.append(np.array([eos], np.int32))
             doc = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-            patches = sum(p.patches for p in rec_plans)
-            why = self._check(doc, patches, bool(rec_plans))
+            why = self._check(doc, rec_plans)
             if why:
                 self.bad(path, rec.name, why)
                 continue
@@ -258,7 +266,14 @@ class ImageDocs:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return tokens, offsets, np.asarray(ok, np.int64), table
 
-    def _check(self, doc: np.ndarray, patches: int, has_images: bool) -> str | None:
+    def _check(self, doc: np.ndarray, plans: list) -> str | None:
+        has_images, patches = bool(plans), sum(p.patches for p in plans)
+        placeholders = int(np.count_nonzero(doc == self.token_id))
+        if placeholders != sum(p.tokens for p in plans):  # labels are masked by this id: it must mean an image
+            return (f"its text holds the image token id {self.token_id} outside its images' placeholders "
+                    f"({placeholders - sum(p.tokens for p in plans)} time(s))")
+        if has_images and bool(len(doc) and doc[0] == self.token_id) != placeholder_leads(self.source):
+            return "its first image is not where the template puts it (the text before it tokenizes to nothing)"
         if has_images and len(doc) > self.seq_len:
             return (f"a document holding images is {len(doc)} tokens, more than seq_len {self.seq_len} (documents "
                     "with images are never cut through; raise seq_len, lower the image policy's max_pixels)")
@@ -269,9 +284,9 @@ class ImageDocs:
         return None
 
     # ----- gather: decode ------------------------------------------------------------------------
-    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray, str | None]:
+    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray | None, str | None]:
         """Image j's uint8 patches [patches, patch*patch*3], decoded once; on failure (see the module
-        docstring) zero pixels and the reason (the caller applies the policy)."""
+        docstring) None and the reason (the caller applies the policy)."""
         want = int(table.patches[j])
         try:
             got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy)
@@ -279,6 +294,4 @@ class ImageDocs:
                 raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
             return got.patches, None
         except (BadImage, OSError) as e:
-            why = (f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}; its document was planned "
-                   f"with it, so it is delivered with its placeholders and zero pixels")
-            return np.zeros((want, self.policy.patch * self.policy.patch * 3), np.uint8), why
+            return None, f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"

@@ -10,8 +10,10 @@ pure `ImagePolicy.plan` (transforms/resize.py) on the same oriented header size,
 Decoding (`decode`), in order:
   1. `Image.open` restricted to FORMATS (no EPS/ghostscript & co. on untrusted bytes), with Pillow's
      decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`) enforced as an error, warning included;
-  2. the plan from the oriented header size; for a JPEG shrunk by >= 2x on both sides, `Image.draft`
-     lets libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling), never below the target size;
+  2. the plan from the oriented header size; only with `policy.fast_jpeg`, for a JPEG shrunk by >= 2x
+     on both sides, `Image.draft` lets libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling), never
+     below the target size. Off by default: the draft's pixels differ from the full decode + BICUBIC
+     resize that Hugging Face's processors do (measured in docs/multimodal-correctness.md);
   3. to RGB: alpha (RGBA, LA, PA, P with transparency) is composited onto white, as Qwen2-VL's
      loader does; 16-bit greyscale keeps its top 8 bits; everything else via `convert("RGB")`;
   4. resize with BICUBIC to the plan's size (in stored orientation), then the EXIF transpose (same
@@ -45,6 +47,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from plait.batch import merge_window_order
 from plait.packing import IGNORE_INDEX
 from plait.transforms.resize import (
     MAX_ASPECT,
@@ -108,7 +111,7 @@ DECODES = DecodeCounter()
 
 class Decoded(NamedTuple):
     """`decode`'s result: uint8 patches [plan.patches, patch*patch*3], the plan, and the JPEG draft
-    scale used (1 when no draft: not a JPEG, or not shrunk by 2x or more)."""
+    scale used (1 when no draft: fast_jpeg off, not a JPEG, or not shrunk by 2x or more)."""
 
     patches: np.ndarray
     plan: ImagePlan
@@ -122,6 +125,8 @@ class Decoded(NamedTuple):
 
 def open_image(data: ImageData) -> Image.Image:
     """Open lazily (header only): BadImage for non-images, formats outside FORMATS, bombs, empty images."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and not len(data):
+        raise BadImage("empty file (0 bytes)")
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     with _OPEN_LOCK, warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -205,8 +210,7 @@ def patchify(pixels: np.ndarray, rows: int, cols: int, patch: int, out: np.ndarr
 def merge_order(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
     """Permutation from raster patch order to merge-window order (Qwen2-VL's): `patches[merge_order(...)]`
     puts each merge x merge window's patches next to each other, windows in raster order."""
-    idx = np.arange(grid_h * grid_w, dtype=np.int64).reshape(grid_h // merge, merge, grid_w // merge, merge)
-    return idx.transpose(0, 2, 1, 3).reshape(-1)
+    return merge_window_order(grid_h, grid_w, merge)
 
 
 def upright(img: Image.Image, orient: int) -> Image.Image:
@@ -225,7 +229,7 @@ def decode(data: ImageData, policy: ImagePolicy) -> Decoded:
         stored = img.size
         target = (plan.height, plan.width) if orient in SWAPS else (plan.width, plan.height)
         draft = 1
-        shrink = img.format in ("JPEG", "MPO") and stored[0] >= 2 * target[0] and stored[1] >= 2 * target[1]
+        shrink = policy.fast_jpeg and img.format in ("JPEG", "MPO") and stored[0] >= 2 * target[0] and stored[1] >= 2 * target[1]
         if shrink and img.draft("RGB", target) is not None:
             draft = round(stored[0] / img.size[0])
         try:

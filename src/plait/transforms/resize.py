@@ -127,7 +127,9 @@ class ImagePolicy:
     (LLaVA-NeXT / InternVL). `patch`: the ViT patch side in pixels; `merge`: merge x merge patches become
     one LLM token (Qwen2-VL's spatial merge, InternVL's pixel shuffle). Dynamic uses `min_pixels` /
     `max_pixels` (defaults: Qwen2-VL's 56*56 and the commonly used 28*28*1280); tiles uses `tile`,
-    `min_tiles`, `max_tiles` and `thumbnail` (defaults: InternVL's 448, 1, 12, True)."""
+    `min_tiles`, `max_tiles` and `thumbnail` (defaults: InternVL's 448, 1, 12, True). `fast_jpeg`: let
+    libjpeg decode a JPEG shrunk by 2x or more at 1/2, 1/4 or 1/8 scale (Pillow's draft): faster, but
+    its pixels differ from the reference processor's (off by default; docs/multimodal-correctness.md)."""
 
     kind: str = "dynamic"
     patch: int = 14
@@ -138,6 +140,7 @@ class ImagePolicy:
     min_tiles: int = 1
     max_tiles: int = 12
     thumbnail: bool = True
+    fast_jpeg: bool = False
 
     def __post_init__(self):
         problems = []

@@ -62,8 +62,7 @@ class RayPayloads:
     def _fetch(self, items, version: int, pmap: PartitionMap, loaders: list):
         """The payload routed by one routing version, or None when a loader was dead (the routing was
         refreshed: ask again)."""
-        from plait.batch import Payload, merge_images
-        from plait.packing import ragged_arange
+        from plait.batch import merge_payloads
 
         keys, block_index = items.block_keys()
         owner_of_block = np.array([pmap.loader_of(k[0], k[1], k[2]) for k in keys], dtype=np.int64)
@@ -80,13 +79,7 @@ class RayPayloads:
             return None
         if len(parts) == 1:
             return parts[0]
-        out = np.empty(int(items.length.sum()), dtype=np.int32)
-        starts = np.cumsum(items.length) - items.length
-        for sel, part in zip(sels, parts):
-            out[ragged_arange(starts[sel], items.length[sel])] = part.tokens if images else part
-        if not images:
-            return out
-        return Payload(out, merge_images([(sel, part.images) for sel, part in zip(sels, parts)]))
+        return merge_payloads(items.length, list(zip(sels, parts)))
 
     @staticmethod
     def _gather(handle, items, keys, block_index, sel, images: bool = False):
