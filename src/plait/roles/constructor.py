@@ -7,8 +7,10 @@ The payload contract (`PayloadSource.fetch(items)`): the items' tokens concatena
 as an int32 array (text), or a `Payload(tokens, images)` where `images` (an ImagePayload or None) holds
 the uint8 patches of the items' images concatenated in item order, each image's grid and the index of
 its item, and the items dropped (an image that failed to decode after planning, under on_error: skip:
-the whole sample leaves its micro-batch, which gets shorter). The Constructor then adds `pixel_values`, `image_grid`, `image_cu_seqlens` and
-`image_document` to each micro-batch and sets the labels that would predict a placeholder to -100.
+the whole sample leaves its micro-batch, which gets shorter; `stats["dropped_samples"]` counts them).
+The Constructor then adds `pixel_values`, `image_grid`, `image_cu_seqlens` and `image_document` to
+each micro-batch and sets the labels that would predict a placeholder (inside documents with images)
+to -100.
 """
 
 from __future__ import annotations
