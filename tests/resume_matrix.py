@@ -8,7 +8,6 @@ import json
 import warnings
 
 import plait
-from plait.roles.spec_change import SpecChangeWarning
 from helpers import make_spec, token_parquet
 
 HEAD_STEPS = 2  # steps consumed before the checkpoint
@@ -78,5 +77,5 @@ def check_tail(tail: list, reference: list, change: str) -> None:
         assert sources == {0}
 
 
-__all__ = ["CHANGES", "DPS", "SpecChangeWarning", "boundary_state", "check_tail", "local_tail", "make_data",
+__all__ = ["CHANGES", "DPS", "boundary_state", "check_tail", "local_tail", "make_data",
            "resume", "spec_after", "spec_before"]

@@ -76,3 +76,16 @@ def test_every_runtimes_boundary_state_resumes_under_a_spec_change(data, saved_l
     state, tail = saved_and_resumed(runtime, spec_a, spec_b, monkeypatch, tmp_path)
     assert state["data"] == saved_local["data"] and state["next"] == saved_local["next"]
     check_tail(tail, local_tail(spec_b, saved_local), change)
+
+
+def test_an_old_boundary_state_without_next_says_why_it_cannot_change_spec_and_layout_at_once(data, saved_local):
+    """A state written before every runtime wrote `next` (version 1, no checksum): the same-layout spec
+    change is refused as before, and the layout-plus-spec change no longer asks for a flag already given."""
+    old = {k: v for k, v in saved_local.items() if k not in ("next", "checksum")}
+    old["version"] = 1
+    with plait.Loader(spec_after(data, "weights", 1), 0, share="process") as loader:
+        with pytest.raises(plait.PlaitError, match="holds no data state after its step .* at once"):
+            loader.load_state_dict(old, allow_spec_change=True)
+    with plait.Loader(spec_after(data, "weights", 2), 0, share="process") as loader:
+        with pytest.raises(plait.PlaitError, match="in the middle of a step \\(or, written by an older plait"):
+            loader.load_state_dict(old, allow_spec_change=True)

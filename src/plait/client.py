@@ -21,7 +21,7 @@ import warnings
 from typing import Iterator
 
 from plait.errors import PlaitError
-from plait.roles.spec_change import warn_changes
+from plait.roles.spec_change import split_fingerprint, warn_changes
 from plait.roles.state_log import diff_state, resolved
 from plait.roles.weights import merge_pending
 from plait.roles.state_schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
@@ -343,7 +343,8 @@ class Loader:
             topology={"dp": saved["dp"]}, packing={"seq_len": saved["seq_len"], "microbatches": saved["microbatches"],
                                                    "tokens_per_rank": None},
         )
-        if data.get("fingerprint") != f"{old.data_fingerprint()}:{old.mixture_fingerprint()}":
+        saved_fp = split_fingerprint(str(data.get("fingerprint", "")))  # (data, None): before run-time mixing
+        if saved_fp[1] is not None and saved_fp != (old.data_fingerprint(), old.mixture_fingerprint()):
             raise PlaitError(
                 "this step-boundary checkpoint holds no data state after its step (an older plait wrote it), so "
                 "it cannot move to another layout and a changed spec at once: resume it on its own layout or "
