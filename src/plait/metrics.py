@@ -20,6 +20,9 @@ def batch_digest_update(h: "hashlib._Hash", mb: MicroBatch) -> None:
     if mb.pixel_values is not None and len(mb.pixel_values):
         for a in (mb.pixel_values, mb.image_grid.astype(np.int64), mb.image_document.astype(np.int64)):
             h.update(np.ascontiguousarray(a).tobytes())
+    if mb.pixel_values_videos is not None and len(mb.pixel_values_videos):
+        for a in (mb.pixel_values_videos, mb.video_grid.astype(np.int64), mb.video_document.astype(np.int64)):
+            h.update(np.ascontiguousarray(a).tobytes())
 
 
 @dataclass

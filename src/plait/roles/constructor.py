@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from plait.batch import ImagePayload, MicroBatch, Payload, merge_images
+from plait.video_batch import split_videos, video_fields
 from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields, ragged_arange
 from plait.plan import Items, RankPlan
 
@@ -84,7 +85,8 @@ class Constructor:
         fields = pack_fields(tokens, items.length)
         cu_all, positions, labels = fields["cu_seqlens"], fields["position_ids"], fields["labels"]
         if images is not None:  # a label predicting a placeholder is not trained on
-            labels[labels == images.token_id] = IGNORE_INDEX
+            labels[(labels == images.token_id) | (labels == images.video_token_id)] = IGNORE_INDEX
+        media, (images, videos) = images, split_videos(images)
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
@@ -99,15 +101,15 @@ class Constructor:
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
-                    stats=stats, **image_fields(images, a, b),
+                    stats=stats, **image_fields(images, a, b), **video_fields(videos, a, b),
                 )
             )
         horizon = int(stats.get("label_horizon", 1))
         if horizon > 1:  # multi-token prediction: labels k ahead, never across a document or chunk
             for mb in out:
                 mb.mtp_labels = multi_token_labels(mb.input_ids, mb.cu_seqlens, horizon)
-                if images is not None:
-                    mb.mtp_labels[mb.mtp_labels == images.token_id] = IGNORE_INDEX
+                if media is not None:
+                    mb.mtp_labels[np.isin(mb.mtp_labels, (media.token_id, media.video_token_id))] = IGNORE_INDEX
         return out
 
 

@@ -134,7 +134,7 @@ class Source:
         self._bad_files: set[str] = set()  # files found unreadable as a whole (skip policy)
         self._lengths: OrderedDict[BlockKey, BlockLengths] = OrderedDict()
         self.images: ImageDocs | None = None
-        if spec.image_field is not None:
+        if spec.multimodal:
             if job is None or job.images is None:
                 raise SourceError(self.name, None, None, "an image source needs the spec's `images` section")
             self.images = ImageDocs(job, spec, self.encoder, self.reader, self._bad)
