@@ -436,7 +436,7 @@ class Spec(_Model):
     loading: LoadingSpec = Field(default_factory=LoadingSpec)
     images: ImagesSpec | None = Field(None, description="image policy and placeholder id, for image sources")
     videos: VideosSpec | None = Field(None, description="video frame rule and placeholder id, for video sources",
-                                      exclude_if=lambda v: v is None)
+                                      validate_default=True, exclude_if=lambda v: v is None)
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
     @field_validator("sources")
