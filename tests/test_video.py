@@ -230,12 +230,16 @@ def test_bad_videos_are_named(videos, monkeypatch):
         probe(audio_only())
     with pytest.raises(BadVideo, match="cannot give"):
         SMALL.plan(probe(encode("mpeg4", "mp4", 32, 32, 10, 0.1)))  # one frame: no temporal pair
-    # a Matroska file cut short keeps its headers: found at gather, a seek past the end
+    # a Matroska file cut short keeps its headers: its packets end early (demuxed, not decoded)
     mkv = videos[KINDS[3]]
     cut = mkv[: len(mkv) * 2 // 5]
-    plan = SMALL.plan(probe(cut))
+    before = FRAME_DECODES.count
+    with pytest.raises(BadVideo, match="truncated"):
+        probe(cut)
+    assert FRAME_DECODES.count == before
+    # a file cut after it was planned: the gather seeks past its end
     with pytest.raises(BadVideo, match="stream ends|cannot decode"):
-        read_frames(cut, plan)
+        read_frames(cut, SMALL.plan(probe(mkv)))
     # an unsupported codec (no decoder in the FFmpeg build): simulated, as every codec here has one
     real = av.codec.Codec
     monkeypatch.setattr(av.codec, "Codec", lambda name, mode="r": real("nonexistent-codec", mode))

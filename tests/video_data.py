@@ -4,6 +4,7 @@ which frame was decoded."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import tarfile
@@ -34,6 +35,7 @@ def frame_pixels(i: int, width: int, height: int) -> np.ndarray:
     return np.stack([r, g, b], axis=-1).astype(np.uint8)
 
 
+@functools.lru_cache(maxsize=64)  # the same few videos serve many tests: encode each once per process
 def encode(codec: str = "libx264", container: str = "mp4", width: int = 96, height: int = 64, fps: int = 24,
            seconds: float = 2.0, *, vfr: bool = False, gop: int = 12) -> bytes:
     """An encoded video in memory. `vfr`: frame times jitter (intervals of 1/2, 1 and 3/2 frames)."""
@@ -113,3 +115,29 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
+
+
+def parquet_video(folder: Path, n: int = 6, *, inline: bool = True) -> dict:
+    """A Parquet file with a caption column and a video column of bytes (`inline`) or of paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    kinds = [KINDS[(i + 2) % len(KINDS)] for i in range(n)]
+    if inline:
+        column = pa.array([encode(*k) for k in kinds], pa.binary())
+    else:
+        column = pa.array([p.name for p in write_videos(folder, kinds)], pa.string())
+    table = pa.table({"caption": [f"parquet clip {i}" for i in range(n)], "video": column})
+    pq.write_table(table, folder / "data.parquet", row_group_size=4)
+    return {"name": "pq_video" if inline else "pq_video_paths", "path": str(folder / "data.parquet"), "format": "parquet", "text_field": "caption",
+            "video_field": "video", "eos": EOS, **({} if inline else {"image_root": str(folder)})}
+
+
+def video_spec(sources: list[dict], *, seq_len: int = 512, microbatches: int = 2, dp: int = 2,
+               max_patches: int = 800, **extra) -> dict:
+    spec = {"sources": sources, "images": dict(IMAGES), "videos": dict(VIDEOS),
+            "packing": {"seq_len": seq_len, "microbatches": microbatches, "max_patches": max_patches},
+            "topology": {"dp": dp}, "cost": {"linear": 1.0, "quadratic": 0.001, "encoder": {"linear": 2.0, "quadratic": 0.01}}}
+    spec.update(extra)
+    return spec

@@ -53,6 +53,7 @@ __all__ = ["FRAME_DECODES", "VIDEO_DECODES", "VIDEO_EXTENSIONS", "BadVideo", "Vi
            "VideoPolicy", "VideoRef", "decode_video", "patchify_frames", "probe"]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi")
+END_SLACK = 0.5  # seconds a stream's last packet may end before the duration its headers give
 SEEK_GAP = 1.0  # seconds: a wanted frame further ahead than this is reached by seeking, not decoding through
 FRAME_DECODES = DecodeCounter()  # frames produced by a decoder (planning must add none)
 VIDEO_DECODES = DecodeCounter()  # decode passes (one per delivered video)
@@ -159,7 +160,26 @@ def probe(data: VideoData) -> VideoInfo:
         if width <= 0 or height <= 0:
             raise BadVideo(f"empty frame size ({width}x{height})")
         variable = bool(s.base_rate) and abs(float(s.base_rate) - fps) > 0.01 * fps
+        _check_end(c, s, duration, fps)
         return VideoInfo(width, height, frames, fps, duration, name, variable)
+
+
+def _check_end(container, stream, duration: float, fps: float) -> None:
+    """A file cut short often keeps its headers (Matroska, WebM, fragmented MP4): seek to its last
+    keyframe and read the packets after it (demuxing, not decoding), so that a body shorter than its
+    headers say is found while planning, where skipping it drops the sample cleanly."""
+    start = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+    end = None
+    try:
+        container.seek(int((start + max(duration - 1.0 / fps, 0.0)) / stream.time_base), stream=stream, backward=True)
+        for packet in container.demux(stream):
+            if packet.pts is not None:
+                t = float(packet.pts * stream.time_base) - start
+                end = t if end is None else max(end, t)
+    except Exception as e:  # noqa: BLE001 - corrupt data near the end
+        raise BadVideo(f"unreadable near its end: {type(e).__name__}: {e}") from None
+    if end is None or end + 1.0 / fps < duration - END_SLACK:
+        raise BadVideo(f"its packets end at {end or 0:.3f} s of the {duration:.3f} s its headers give: truncated")
 
 
 @dataclass(frozen=True)
