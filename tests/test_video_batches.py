@@ -253,3 +253,27 @@ def test_same_stream_on_ray(sources):
         ray.shutdown()
     assert combined_digest(remote["digests"]) == combined_digest(local["digests"])
     assert IGNORE_INDEX == -100
+
+
+def test_clip_windows_are_samples_of_their_own(tmp_path):
+    """clip: a video whose frames at fps 2 exceed max_frames 4 becomes one sample per window, each with
+    its own id (epoch 0 holds every window of every record once), and the windows' frames together are
+    the unclipped rule's frames."""
+    src = llava_video(tmp_path, n=5, with_images=False)
+    spec = video_spec([src], dp=1, microbatches=1, seq_len=1024, max_patches=2000,
+                      videos={**VIDEOS, "clip": True, "max_frames": 4, "min_frames": 2})
+    steps, _, rt = stream(spec, 3)
+    docs = [(tuple(mb.sample_ids[d]), mb.video_grid[mb.video_document == d])
+            for step in steps for mb in step for d in range(len(mb.cu_seqlens) - 1)]
+    ids = [i for i, _ in docs]
+    assert len(ids) == len(set(ids))
+    clip = VideoPolicy(**{**POLICY.__dict__, "clip": True, "max_frames": 4, "min_frames": 2})
+    recs = json.loads((tmp_path / "data.json").read_text())
+    infos = [probe(str(tmp_path / r["video"])) for r in recs]
+    windows = [clip.windows(info) for info in infos]
+    assert max(windows) >= 2  # some records are clipped
+    assert sorted(i[3] for i in ids if i[1] == 0) == list(range(sum(windows)))  # epoch 0: every window once
+    for info in infos:
+        frames = [i for w in range(clip.windows(info)) for i in clip.plan(info, w).indices]
+        assert frames == list(np.linspace(0, info.frames - 1, len(frames)).round().astype(int))
+    assert all(g[:, 0].sum() * 2 <= 4 for _, g in docs)  # no window over max_frames

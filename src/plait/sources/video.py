@@ -10,8 +10,7 @@ A reader that reads a `video_field` puts each video of a record among the record
   decode  open the video again at gather, seek and decode the planned frames only, patchify
           (one decode pass per delivered video);
   clips   with `videos.clip`, a record holding one video whose frames exceed `max_frames` becomes one
-          record per window (`expand_clips`): each window is its own sample, with its own sample id
-          (its row is the record's row * MAX_WINDOWS + window, so ids stay unique across blocks).
+          record per window (`clip_block`): each window is its own sample, with its own sample id.
 
 Where the bytes come from: `FormatReader.video_input` (a local path is handed to FFmpeg as a path, so a
 probe reads only the headers; a WebDataset member, a remote file or inline bytes are read into memory).
@@ -19,9 +18,12 @@ probe reads only the headers; a WebDataset member, a remote file or inline bytes
 
 from __future__ import annotations
 
-import numpy as np
 from dataclasses import replace
 
+import numpy as np
+import pyarrow as pa
+
+from plait.sources.reader import RawBlock
 from plait.spec import Spec
 from plait.transforms.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video, probe
 
@@ -84,25 +86,38 @@ class VideoDocs:
         """The grid of its pixel rows in a payload: (frames, h, w), t*temporal_patch frames."""
         return len(plan.indices), plan.grid[1], plan.grid[2]
 
-    def expand_clips(self, path: str, records: list, ok_index: np.ndarray, bad: list):
-        """With `clip`: every record holding exactly one video becomes one record per window of its
-        frames (others stay whole). Returns (records, ok_index in window rows, num_records); a video
-        whose headers fail is reported into `bad` (record name, reason) and its record dropped."""
-        out, rows = [], []
-        for rec, row in zip(records, ok_index):
+    def clip_block(self, path: str, raw: RawBlock, bad) -> RawBlock:
+        """With `clip`: the block with every record that holds exactly one video replaced by one record per
+        clip window of its frames (others stay whole). A block's positions are then its windows: record r
+        takes positions offset_r .. offset_r + windows_r - 1 (a bad record one), and its windows' rows are
+        first_row * MAX_WINDOWS + those positions (unique across blocks while a record has at most
+        MAX_WINDOWS windows). A video whose headers fail is reported (`bad(path, name, reason)`) and its
+        record dropped."""
+        windows = np.ones(raw.num_records, np.int64)
+        plans: dict[int, list] = {}
+        for rec, r in zip(raw.records or [], raw.ok_index):
             videos = [m for m in rec.images if isinstance(m, VideoRef)]
-            try:
-                if len(videos) != 1:
-                    windows, info = 1, None
-                else:
-                    info = probe(self.reader.video_input(path, videos[0].ref))
-                    windows = min(self.policy.windows(info), MAX_WINDOWS)
-            except BadVideo as e:
-                bad.append((rec.name, f"video {videos[0].ref if isinstance(videos[0].ref, str) else '<bytes>'}: {e}"))
+            if len(videos) != 1:
                 continue
-            for w in range(windows):
-                media = [replace(m, window=w, plan=self.policy.plan(info, w)) if isinstance(m, VideoRef) else m
-                         for m in rec.images] if info is not None else rec.images
-                out.append(replace(rec, images=media, name=rec.name if windows == 1 else f"{rec.name}#clip{w}"))
-                rows.append(int(row) * MAX_WINDOWS + w)
-        return out, np.asarray(rows, np.int64)
+            try:
+                info = probe(self.reader.video_input(path, videos[0].ref))
+                n = min(self.policy.windows(info), MAX_WINDOWS)
+                plans[int(r)] = [self.policy.plan(info, w) for w in range(n)]
+            except BadVideo as e:
+                bad(path, rec.name, f"video {videos[0].ref if isinstance(videos[0].ref, str) else '<bytes>'}: {e}")
+                plans[int(r)] = []
+            windows[int(r)] = max(1, len(plans[int(r)]))
+        offset = np.cumsum(windows) - windows
+        records, ok = [], []
+        for rec, r in zip(raw.records or [], raw.ok_index):
+            r = int(r)
+            if r not in plans:
+                records.append(rec)
+                ok.append(offset[r])
+                continue
+            for w, plan in enumerate(plans[r]):
+                media = [replace(m, window=w, plan=plan) if isinstance(m, VideoRef) else m for m in rec.images]
+                records.append(replace(rec, images=media, name=rec.name if len(plans[r]) == 1 else f"{rec.name}#clip{w}"))
+                ok.append(offset[r] + w)
+        return RawBlock(raw.first_row * MAX_WINDOWS, int(windows.sum()), np.asarray(ok, np.int64),
+                        pa.array([""] * len(records), pa.string()), [], records)

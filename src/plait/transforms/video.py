@@ -272,11 +272,12 @@ def read_frames(data: VideoData, plan: VideoPlan) -> np.ndarray:
         s = _stream(c)
         s.thread_type = "AUTO"
         start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base is not None else 0.0
-        k, pos = 0, None
+        k, pos, sought = 0, None, -1
         try:
             while k < len(times):
                 if pos is None or times[k] - pos > SEEK_GAP:
                     c.seek(int((start + times[k]) / s.time_base), stream=s, backward=True, any_frame=False)
+                    sought = k  # decode forward to frame k whatever the seek landed on (no second seek for it)
                 ended = True
                 for frame in c.decode(s):
                     FRAME_DECODES.add()
@@ -285,7 +286,7 @@ def read_frames(data: VideoData, plan: VideoPlan) -> np.ndarray:
                         out[k] = frame.to_ndarray(width=plan.width, height=plan.height, format="rgb24",
                                                   interpolation="BICUBIC")
                         k += 1
-                    if k == len(times) or times[k] - pos > SEEK_GAP:
+                    if k == len(times) or (k != sought and times[k] - pos > SEEK_GAP):
                         ended = False
                         break
                 if ended and k < len(times):
