@@ -277,3 +277,26 @@ def test_clip_windows_are_samples_of_their_own(tmp_path):
         frames = [i for w in range(clip.windows(info)) for i in clip.plan(info, w).indices]
         assert frames == list(np.linspace(0, info.frames - 1, len(frames)).round().astype(int))
     assert all(g[:, 0].sum() * 2 <= 4 for _, g in docs)  # no window over max_frames
+
+
+def test_encoder_cost_of_a_video_is_per_temporal_patch(sources):
+    """The Planner's quadratic encoder term of a video document is t * (h*w)**2 (attention per temporal
+    patch), its patch count t*h*w; the cost probe decodes videos, so a video source costs more than text."""
+    from plait.runtime.scaling import probe_costs
+    from plait.sources import Source
+
+    spec = plait.load_spec(video_spec(sources[:1]))
+    src = Source.of_job(spec, 0)
+    block = src.read_block(src.first_key())
+    t = block.images
+    for d in range(len(t.start)):
+        grids = t.grid[t.start[d]: t.start[d] + t.count[d]]
+        assert t.doc_sums(1)[d] == int(grids.prod(axis=1).sum())
+        assert t.doc_sums(2)[d] == int((grids[:, 0] * (grids[:, 1] * grids[:, 2]) ** 2).sum())
+    before = FRAME_DECODES.count
+    text = {"name": "text", "path": str(Path(sources[0]["path"]).parent / "t.jsonl"), "format": "jsonl",
+            "text_field": "text"}
+    Path(text["path"]).write_text("\n".join(json.dumps({"text": "words " * 40}) for _ in range(200)))
+    costs, _ = probe_costs(plait.load_spec(video_spec([sources[0], text])), budget_s=1.0)
+    assert FRAME_DECODES.count > before  # the probe decodes frames: what a loader does per delivered video
+    assert costs[0] > 10 * costs[1]

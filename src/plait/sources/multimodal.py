@@ -190,8 +190,13 @@ class ImageTable:
                           self.refs, self.records)
 
     def doc_sums(self, power: int = 1) -> np.ndarray:
-        """Per document: the sum of its images' patches (power 1) or squared patches (power 2)."""
-        acc = np.concatenate([[0], np.cumsum(self.patches.astype(np.int64) ** power)])
+        """Per document: the sum of its images' patches (power 1) or squared patches (power 2; a video's
+        is t * (h*w)**2: the encoder attends within each temporal patch, as Qwen2-VL's does)."""
+        values = self.patches.astype(np.int64) ** power
+        if power == 2 and any(isinstance(r, VideoRef) for r in self.refs):  # a video attends per temporal patch:
+            video = np.fromiter((isinstance(r, VideoRef) for r in self.refs), bool, len(self.refs))
+            values[video] //= np.maximum(self.grid[video, 0], 1)  # t * (h*w)**2, not (t*h*w)**2
+        acc = np.concatenate([[0], np.cumsum(values)])
         return acc[self.start + self.count] - acc[self.start]
 
     @property
