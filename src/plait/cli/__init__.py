@@ -39,6 +39,7 @@ BENCH_MODULES = {
     "mixing": "plait.cli.bench.mixing",
     "multimodal": "plait.cli.bench.multimodal",
     "images": "plait.cli.bench.images",
+    "video": "plait.cli.bench.video",
     "e2e": "plait.cli.bench.e2e",
     "autoscale": "plait.cli.bench.autoscale",
 }
