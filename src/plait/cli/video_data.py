@@ -69,3 +69,22 @@ def video_source_spec(path: Path, *, name: str = "video") -> dict:
     """The source entry of `write_video_source`'s JSON (byte-level text: eos 257)."""
     return {"name": name, "path": str(path), "format": "jsonl", "text_field": "conversations", "video_field": "video",
             "image_root": str(path.parent), "template": "chat", "eos": 257}
+
+
+def demo_video_spec(cache: Path, image_token_id: int) -> Path:
+    """`plait demo --video`: demo-video.yaml beside demo.yaml, its sources plus 12 short videos (LLaVA-
+    Video JSON in cache/video, written once). demo.yaml and its digest stay as they are."""
+    import yaml
+
+    path = cache / "demo-video.yaml"
+    if path.exists():
+        return path
+    write_video_source(cache / "video", 12)
+    spec = yaml.safe_load((cache / "demo.yaml").read_text())
+    spec["sources"].append({"name": "video", "path": "video/videos.json", "format": "jsonl",
+                            "text_field": "conversations", "video_field": "video", "image_root": "video",
+                            "template": "chat", "tokenizer": "tokenizer.json", "bos": 0, "eos": 1, "weight": 0.08})
+    spec["videos"] = {"video_token_id": image_token_id + 1, "fps": 2.0, "min_frames": 4, "max_frames": 16,
+                      "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 64, "total_pixels": 28 * 28 * 512}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path

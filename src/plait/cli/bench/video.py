@@ -59,9 +59,11 @@ def video_spec(path: Path, args):
 
 def measure_loader(spec, steps: int, root: Path) -> dict:
     """Plan and build `steps` steps; the delivered videos (path, frame indices, size) in delivery order."""
+    from plait.kernels import warm_up
     from plait.runtime import make_runtime
     from plait.transforms.video import FRAME_DECODES, VIDEO_DECODES
 
+    warm_up()  # the planner's compiled kernels: once per process, not per video
     rt = make_runtime(spec, "local")
     delivered, frames, planning_frames = [], 0, 0
     passes = VIDEO_DECODES.count
