@@ -46,6 +46,7 @@ class RunStats:
     patches: int = 0
     cost: float = 0.0  # summed item cost of the steps with images, and the encoder's part of it
     encoder_cost: float = 0.0
+    videos: int = 0  # videos delivered in batches
 
     def __post_init__(self):
         n = len(self.source_names)
@@ -71,6 +72,7 @@ class RunStats:
         self.microbatch_padding.append(mb.padding_fraction)
         self.images += mb.num_images
         self.patches += mb.num_patches
+        self.videos += 0 if mb.video_grid is None else len(mb.video_grid)
         batch_digest_update(self.digests.setdefault(mb.dp_rank, hashlib.sha256()), mb)
 
     @property
@@ -106,7 +108,7 @@ class RunStats:
     def _image_summary(self) -> dict:
         if not self.images and not self.encoder_cost:
             return {}
-        return {"images": self.images, "patches": self.patches,
+        return {"images": self.images, "patches": self.patches, **({"videos": self.videos} if self.videos else {}),
                 "images_per_s": self.images / max(self.elapsed, 1e-9),
                 "encoder_share": self.encoder_cost / self.cost if self.cost else 0.0}
 
