@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
@@ -304,7 +303,3 @@ def decode_video(data: VideoData, plan: VideoPlan, patch: int, temporal_patch: i
     any failure; the caller checks nothing else (the plan came from the same headers)."""
     return patchify_frames(read_frames(data, plan), patch, temporal_patch)
 
-
-def frame_indices(total: int, frames: int) -> Sequence[int]:
-    """Evenly spaced indices over `total` frames (the rule's linspace, rounded half to even)."""
-    return np.linspace(0, total - 1, frames).round().astype(np.int64).tolist()
