@@ -299,3 +299,24 @@ def test_encoder_cost_of_a_video_is_per_temporal_patch(sources):
     costs, _ = probe_costs(plait.load_spec(video_spec([sources[0], text])), budget_s=1.0)
     assert FRAME_DECODES.count > before  # the probe decodes frames: what a loader does per delivered video
     assert costs[0] > 10 * costs[1]
+
+
+def test_webdataset_sample_with_an_image_and_a_video(tmp_path):
+    """A WebDataset sample holding key.jpg and key.mp4 beside key.json (caption template): the image's
+    run, then the video's, then the caption."""
+    from mm_data import image_bytes
+    from video_data import KINDS, encode
+
+    src = webdataset_video(tmp_path, shards=1, per_shard=0, extra={0: [
+        item for k in range(4) for item in ((f"s{k}.jpg", image_bytes(60 + 10 * k, 40, "JPEG", seed=k)),
+                                             (f"s{k}.mp4", encode(*KINDS[0])),
+                                             (f"s{k}.json", json.dumps({"caption": f"sample {k}"}).encode()))]})
+    steps, _, _ = stream(video_spec([{**src, "image_field": "jpg"}], dp=1), 1)
+    docs = 0
+    for mb in steps[0]:
+        for d in range(len(mb.cu_seqlens) - 1):
+            ids = mb.input_ids[mb.cu_seqlens[d]: mb.cu_seqlens[d + 1]]
+            img, vid = np.flatnonzero(ids == TOKEN_ID), np.flatnonzero(ids == VIDEO_TOKEN_ID)
+            assert len(img) and len(vid) and img.max() < vid.min() and vid.max() < len(ids) - 2
+            docs += 1
+    assert docs >= 4
