@@ -201,7 +201,7 @@ class ImageTable:
 
     @property
     def nbytes(self) -> int:
-        inline = sum(len(r) for r in self.refs if isinstance(r, bytes) or isinstance(r, VideoRef))
+        inline = sum(len(r) for r in self.refs if isinstance(r, bytes) or isinstance(getattr(r, "ref", None), bytes))
         return inline + sum(a.nbytes for a in (self.start, self.count, self.patches, self.tokens, self.grid, self.at))
 
 

@@ -73,7 +73,7 @@ class VideoRef:
     window: int = 0
     plan: "VideoPlan | None" = None
 
-    def __len__(self) -> int:  # describe_ref and byte accounting treat a reference like its bytes
+    def __len__(self) -> int:  # byte accounting: an inline video's bytes (a path's length otherwise)
         return len(self.ref)
 
 
