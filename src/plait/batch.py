@@ -30,6 +30,11 @@ class ImagePayload(NamedTuple):
     item: np.ndarray  # int64 [images], increasing
     token_id: int
     patch: int
+    # video sources (plait.video_batch): per entry 0 (image) or 1 (video: grid (frames, h, w), one
+    # patch*patch*3 row per frame patch), the video placeholder id and frames per temporal patch
+    kind: np.ndarray | None = None
+    video_token_id: int = -1
+    temporal_patch: int = 1
 
 
 class Payload(NamedTuple):
@@ -77,8 +82,11 @@ def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePa
     sizes = grid.prod(axis=1)
     starts = np.cumsum(sizes) - sizes
     rows = ragged_arange(starts[order], sizes[order])  # each image's patch rows, in item order
-    first = parts[0][1]
-    return ImagePayload(pixels[rows], grid[order], item[order], first.token_id, first.patch)
+    first = next((p for _, p in parts if p.kind is not None), parts[0][1])
+    kind = None if first.kind is None else np.concatenate(
+        [p.kind if p.kind is not None else np.zeros(len(p.item), np.int64) for _, p in parts])[order]
+    return ImagePayload(pixels[rows], grid[order], item[order], first.token_id, first.patch, kind,
+                        first.video_token_id, first.temporal_patch)
 
 
 @dataclass
@@ -113,6 +121,13 @@ class MicroBatch:
     image_cu_seqlens: np.ndarray | None = None  # int32 [sequences + 1]
     image_document: np.ndarray | None = None  # int64 [images]
     mtp_labels: np.ndarray | None = None  # int32 [k, tokens] with packing.label_horizon k > 1 (row 0 = labels)
+    # Videos (None without video sources; plait.video_batch): uint8 patches [t*h*w, tp*patch*patch*3]
+    # ((tp, patch, patch, 3) each), per video its grid (t, h, w) and document; video_cu_seqlens: one
+    # encoder sequence per temporal patch (h*w patches), as Qwen2-VL's vision tower attends.
+    pixel_values_videos: np.ndarray | None = None
+    video_grid: np.ndarray | None = None  # int64 [videos, 3]
+    video_cu_seqlens: np.ndarray | None = None  # int32 [sequences + 1]
+    video_document: np.ndarray | None = None  # int64 [videos]
 
     @property
     def num_images(self) -> int:
@@ -189,6 +204,11 @@ class MicroBatch:
             out["image_grid"] = t(self.image_grid, torch.long)
             out["image_cu_seqlens"] = t(self.image_cu_seqlens, torch.int32)
             out["image_document"] = t(self.image_document, torch.long)
+        if self.pixel_values_videos is not None:
+            out["pixel_values_videos"] = t(self.pixel_values_videos, torch.uint8)
+            for name in ("video_grid", "video_document"):
+                out[name] = t(getattr(self, name), torch.long)
+            out["video_cu_seqlens"] = t(self.video_cu_seqlens, torch.int32)
         if self.mtp_labels is not None:
             out["mtp_labels"] = t(self.mtp_labels, torch.long)
         out.max_seqlen = self.max_seqlen

@@ -18,6 +18,29 @@ class SpecError(PlaitError):
         super().__init__("\n".join(lines))
 
 
+def field_path(loc: tuple, data) -> str:
+    """Turn pydantic's location into a readable path, naming sources by their name."""
+    parts: list[str] = []
+    node = data
+    for item in loc:
+        if isinstance(item, int):
+            name = None
+            if isinstance(node, list) and 0 <= item < len(node) and isinstance(node[item], dict):
+                name = node[item].get("name")
+            label = f"[{item}]" + (f"({name})" if name else "")
+            if parts:
+                parts[-1] += label
+            else:
+                parts.append(label)
+        else:
+            parts.append(str(item))
+        try:
+            node = node[item]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return ".".join(parts) or "<spec>"
+
+
 class SourceError(PlaitError):
     """Bad input data: names the source, the shard (file) and the record (row / line / row group)."""
 

@@ -20,6 +20,9 @@ def batch_digest_update(h: "hashlib._Hash", mb: MicroBatch) -> None:
     if mb.pixel_values is not None and len(mb.pixel_values):
         for a in (mb.pixel_values, mb.image_grid.astype(np.int64), mb.image_document.astype(np.int64)):
             h.update(np.ascontiguousarray(a).tobytes())
+    if mb.pixel_values_videos is not None and len(mb.pixel_values_videos):
+        for a in (mb.pixel_values_videos, mb.video_grid.astype(np.int64), mb.video_document.astype(np.int64)):
+            h.update(np.ascontiguousarray(a).tobytes())
 
 
 @dataclass
@@ -43,6 +46,7 @@ class RunStats:
     patches: int = 0
     cost: float = 0.0  # summed item cost of the steps with images, and the encoder's part of it
     encoder_cost: float = 0.0
+    videos: int = 0  # videos delivered in batches
 
     def __post_init__(self):
         n = len(self.source_names)
@@ -68,6 +72,7 @@ class RunStats:
         self.microbatch_padding.append(mb.padding_fraction)
         self.images += mb.num_images
         self.patches += mb.num_patches
+        self.videos += 0 if mb.video_grid is None else len(mb.video_grid)
         batch_digest_update(self.digests.setdefault(mb.dp_rank, hashlib.sha256()), mb)
 
     @property
@@ -103,7 +108,7 @@ class RunStats:
     def _image_summary(self) -> dict:
         if not self.images and not self.encoder_cost:
             return {}
-        return {"images": self.images, "patches": self.patches,
+        return {"images": self.images, "patches": self.patches, **({"videos": self.videos} if self.videos else {}),
                 "images_per_s": self.images / max(self.elapsed, 1e-9),
                 "encoder_share": self.encoder_cost / self.cost if self.cost else 0.0}
 

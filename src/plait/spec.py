@@ -26,7 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from plait.errors import SpecError
+from plait.errors import SpecError, field_path
+from plait.video_spec import VIDEO_FIELD_HELP, VideosSpec, check_video_field, videos_used
 
 Format = Literal["parquet", "jsonl", "megatron", "arrow", "mds", "webdataset"]
 IMAGE_FORMATS = ("parquet", "jsonl", "webdataset")  # formats that read an image_field
@@ -77,6 +78,7 @@ class SourceSpec(_Model):
         "path or a list of paths (relative to image_root). Needs the top-level `images` section",
     )
     image_root: str | None = Field(None, description="the folder image paths are relative to (LLaVA)")
+    video_field: str | None = Field(None, description=VIDEO_FIELD_HELP, exclude_if=lambda v: v is None)
     max_chunk: int | None = Field(
         None, ge=8, description="longest chunk of this source: its documents are cut into chunks of at most "
         "min(max_chunk, seq_len) tokens", exclude_if=lambda v: v is None,  # unset: fingerprints as before
@@ -127,6 +129,10 @@ class SourceSpec(_Model):
         return self
 
     def _image_checks(self) -> None:
+        if self.video_field is not None:
+            check_video_field(self)
+        if self.image_field is None and self.video_field is not None:
+            return
         if self.image_field is None:
             if self.image_root is not None or self.template is not None:
                 raise ValueError("image_root and template apply to image sources only: set image_field")
@@ -144,10 +150,15 @@ class SourceSpec(_Model):
             if bad or not self.image_extensions:
                 raise ValueError(f"image_field: unknown image extension(s) {bad} (known: {', '.join(IMAGE_EXTENSIONS)})")
 
+    multimodal = property(lambda self: self.image_field is not None or self.video_field is not None)  # images/videos
+
     @property
     def image_extensions(self) -> list[str]:
         """webdataset: the image members' extensions, lower case, in the order given."""
         return [e.strip().lower().lstrip(".") for e in (self.image_field or "").split(";") if e.strip()]
+
+    video_extensions = property(lambda self: [e.strip().lower().lstrip(".") for e in (self.video_field or "").split(";")
+                                              if e.strip()])  # webdataset: the video members' extensions
 
     @property
     def paths(self) -> list[str]:
@@ -425,6 +436,8 @@ class Spec(_Model):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     loading: LoadingSpec = Field(default_factory=LoadingSpec)
     images: ImagesSpec | None = Field(None, description="image policy and placeholder id, for image sources")
+    videos: VideosSpec | None = Field(None, description="video frame rule and placeholder id, for video sources",
+                                      validate_default=True, exclude_if=lambda v: v is None)
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
     @field_validator("sources")
@@ -479,6 +492,11 @@ class Spec(_Model):
             raise ValueError(f"image_token_id {v.image_token_id} is outside the vocabulary (vocab_size {vocab})")
         return v
 
+    @field_validator("videos")
+    @classmethod
+    def _videos_used(cls, v: VideosSpec | None, info: ValidationInfo) -> VideosSpec | None:
+        return videos_used(v, info)
+
     @model_validator(mode="after")
     def _patches_need_images(self) -> "Spec":
         if self.packing.max_patches is not None and self.images is None:
@@ -500,7 +518,7 @@ class Spec(_Model):
         source's cursor only where this is unchanged."""
         source = next(s for s in self.sources if s.name == name)
         return _digest({"source": self._order_fields(source), "seed": self.seed, **self._vocab(),
-                        **(self._images() if source.image_field else {})})[:12]
+                        **(self._images() if source.multimodal else {})})[:12]
 
     def mixture_fingerprint(self) -> str:
         """Digest of what decides the sources' shares: the mixture section and the sources' weights/windows."""
@@ -534,7 +552,8 @@ class Spec(_Model):
 
     def _images(self) -> dict:
         # the image policy decides placeholder counts, hence documents' tokens (only when set; fast_jpeg: pixels only)
-        return {"images": self.images.model_dump(mode="json", exclude={"fast_jpeg"})} if self.images is not None else {}
+        out = {"images": self.images.model_dump(mode="json", exclude={"fast_jpeg"})} if self.images is not None else {}
+        return {**out, "videos": self.videos.model_dump(mode="json")} if self.videos is not None else out
 
     def _vocab(self) -> dict:
         # vocab_size decides which records are delivered (only when set: old states keep their fingerprint)
@@ -555,34 +574,11 @@ class Spec(_Model):
 
 _MIXING_FIELDS = ("weight", "start_step", "stop_step")
 _NEW_SOURCE_FIELDS = ("start_step", "stop_step")  # absent from the legacy fingerprint
-_IMAGE_FIELDS = ("image_field", "image_root", "template")  # in fingerprints only when set
+_IMAGE_FIELDS = ("image_field", "image_root", "template", "video_field")  # in fingerprints only when set
 
 
 def _digest(core: dict) -> str:
     return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _format_location(loc: tuple[Any, ...], data: Any) -> str:
-    """Turn pydantic's location into a readable path, naming sources by their name."""
-    parts: list[str] = []
-    node = data
-    for item in loc:
-        if isinstance(item, int):
-            name = None
-            if isinstance(node, list) and 0 <= item < len(node) and isinstance(node[item], dict):
-                name = node[item].get("name")
-            label = f"[{item}]" + (f"({name})" if name else "")
-            if parts:
-                parts[-1] += label
-            else:
-                parts.append(label)
-        else:
-            parts.append(str(item))
-        try:
-            node = node[item]
-        except (KeyError, IndexError, TypeError):
-            node = None
-    return ".".join(parts) or "<spec>"
 
 
 def load_spec(source: str | os.PathLike | dict | Spec, *, base_dir: str | None = None) -> Spec:
@@ -619,7 +615,7 @@ def load_spec(source: str | os.PathLike | dict | Spec, *, base_dir: str | None =
         problems = []
         for err in e.errors():
             msg = err["msg"].removeprefix("Value error, ")
-            problems.append((_format_location(err["loc"], data), msg))
+            problems.append((field_path(err["loc"], data), msg))
         raise SpecError(problems, origin) from None
 
 

@@ -35,6 +35,7 @@ BENCH_MODULES = {
     "memory": "plait.cli.bench.memory",
     "multimodal": "plait.cli.bench.multimodal",
     "images": "plait.cli.bench.images",
+    "video": "plait.cli.bench.video",
     "e2e": "plait.cli.bench.e2e",
 }
 

@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cache", metavar="DIR", help="where the sample dataset lives (default: ~/.cache/plait/demo-v2, or $PLAIT_CACHE/demo-v2)")
     p.add_argument("--plot", metavar="PATH", help="draw per-step mixture and balance to a PNG (needs matplotlib)")
     p.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
+    p.add_argument("--video", action="store_true", help="also stream 12 short generated videos (demo-video.yaml; "
+                   "needs plait[video]); the default demo and its digest are unchanged")
 
 
 def run(args) -> int:
@@ -34,6 +36,11 @@ def run(args) -> int:
     existed = (cache / "demo.yaml").exists() and (cache / "demo-text.yaml").exists()
     with console.status("generating the demo dataset (once)…", spinner="dots"):
         spec_path = generate(cache, images=True)
+        if args.video:
+            from plait.cli.demo_data import IMAGE_TOKEN_ID
+            from plait.cli.video_data import demo_video_spec
+
+            spec_path = demo_video_spec(cache, IMAGE_TOKEN_ID)
     console.print(f"dataset: {cache} ({'cached' if existed else 'generated'}); spec: {spec_path}")
     spec = load_spec(spec_path)
     summary = stream(spec, steps=args.steps or spec.steps or 50, runtime=args.runtime, progress=True, plot=args.plot)

@@ -134,6 +134,8 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     head.add_row("padding, worst micro-batch", f"{s['padding_fraction_worst_microbatch']:.4f}")
     if "images" in s:
         head.add_row("images delivered", f"{s['images']:,}")
+        if s.get("videos"):
+            head.add_row("videos delivered", f"{s['videos']:,}")
         head.add_row("images/s", f"{s['images_per_s']:,.1f}")
         head.add_row("encoder share of the cost", f"{s['encoder_share']:.4f}")
     skipped = sum(s.get("errors", {}).values())

@@ -21,6 +21,7 @@ import numpy as np
 
 from plait.batch import ImagePayload, MicroBatch, Payload, merge_payloads
 from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields
+from plait.video_batch import split_videos, video_fields
 from plait.plan import Items, RankPlan
 
 
@@ -86,11 +87,14 @@ class Constructor:
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
         cu_all, positions, labels = fields["cu_seqlens"], fields["position_ids"], fields["labels"]
-        # a label predicting a placeholder is not trained on; only inside documents with images (where the
-        # id means nothing else: multimodal.ImageDocs), so that the Planner's global_label_tokens is exact
+        # a label predicting a placeholder is not trained on; only inside documents with images or videos
+        # (where the id means nothing else: multimodal.ImageDocs), so that the Planner's
+        # global_label_tokens is exact
         in_images = np.repeat(items.patches > 0, items.length) if images is not None else None
+        placeholders = (images.token_id, images.video_token_id) if images is not None else ()
         if images is not None:
-            labels[in_images & (labels == images.token_id)] = IGNORE_INDEX
+            labels[in_images & np.isin(labels, placeholders)] = IGNORE_INDEX
+        media, (images, videos) = images, split_videos(images)
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
@@ -105,17 +109,17 @@ class Constructor:
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
                     stats={**stats, "dropped_samples": int(short[m])} if short[m] else stats,
-                    **image_fields(images, a, b),
+                    **image_fields(images, a, b), **video_fields(videos, a, b),
                 )
             )
         horizon = int(stats.get("label_horizon", 1))
         if horizon > 1:  # multi-token prediction: labels k ahead, never across a document or chunk
             for mb in out:
                 mb.mtp_labels = multi_token_labels(mb.input_ids, mb.cu_seqlens, horizon)
-                if images is not None:
+                if media is not None:
                     t0 = cu_all[item_bounds[mb.microbatch]]
                     mine = in_images[t0:t0 + len(mb.input_ids)]
-                    mb.mtp_labels[mine[None, :] & (mb.mtp_labels == images.token_id)] = IGNORE_INDEX
+                    mb.mtp_labels[mine[None, :] & np.isin(mb.mtp_labels, placeholders)] = IGNORE_INDEX
         return out
 
 

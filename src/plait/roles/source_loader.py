@@ -192,7 +192,8 @@ class SourceLoader:
         dropped whole: its tokens and images left out, its index in `Payload.dropped`."""
         tokens = self.gather(source, keys, block_index, position, offset, length)
         t0 = time.perf_counter()
-        pixels, grids, owner, dropped = [], [], [], []
+        pixels, grids, owner, kinds, dropped = [], [], [], [], []
+        video_token_id, temporal_patch = -1, 1
         token_id = patch = 0
         for b in np.unique(block_index):
             full = keys[int(b)]
@@ -200,6 +201,8 @@ class SourceLoader:
             if src.images is None:
                 continue
             token_id, patch = src.images.token_id, src.images.policy.patch
+            if src.images.videos is not None:
+                video_token_id, temporal_patch = src.images.videos.token_id, src.images.videos.policy.temporal_patch
             block = self.block(full[0], full[1:])
             t_images, before = time.perf_counter(), len(pixels)
             sel = np.flatnonzero(block_index == b)
@@ -215,7 +218,10 @@ class SourceLoader:
                     dropped.append(int(i))
                     continue
                 pixels += got
-                grids += [block.images.grid[j] for j in range(first, first + count)]
+                for j in range(first, first + count):
+                    grid, kind = src.images.payload_entry(block.images, j)
+                    grids.append(grid)
+                    kinds.append(kind)
                 owner += [int(i)] * count
             count_production(self, full[0], time.perf_counter() - t_images, images=len(pixels) - before)
         self.images_decoded += len(pixels)
@@ -230,7 +236,8 @@ class SourceLoader:
             return Payload(tokens, None, gone)
         order = np.argsort(np.asarray(owner), kind="stable")  # blocks were visited in key order: back to item order
         images = ImagePayload(np.concatenate([pixels[k] for k in order]), np.asarray(grids, np.int64)[order],
-                              np.asarray(owner, np.int64)[order], int(token_id), int(patch))
+                              np.asarray(owner, np.int64)[order], int(token_id), int(patch),
+                              np.asarray(kinds, np.int64)[order] if any(kinds) else None, video_token_id, temporal_patch)
         return Payload(tokens, images, gone)
 
     def retain(self, live: set[FullKey]) -> None:

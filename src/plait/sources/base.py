@@ -134,7 +134,7 @@ class Source:
         self._bad_files: set[str] = set()  # files found unreadable as a whole (skip policy)
         self._lengths: OrderedDict[BlockKey, BlockLengths] = OrderedDict()
         self.images: ImageDocs | None = None
-        if spec.image_field is not None:
+        if spec.multimodal:
             if job is None or job.images is None:
                 raise SourceError(self.name, None, None, "an image source needs the spec's `images` section")
             self.images = ImageDocs(job, spec, self.encoder, self.reader, self._bad)
@@ -335,6 +335,8 @@ class Source:
     def _decode_images(self, key: BlockKey, raw: RawBlock, path: str, where: tuple[int, int, int]) -> DocBlock:
         """An image source's block: documents with placeholder runs, and their image table (headers only)."""
         epoch, file_idx, block_idx = where
+        if self.images.videos is not None and self.images.videos.policy.clip:
+            raw = self.images.videos.clip_block(path, raw, self._bad)
         records = raw.records or []
         tokens, offsets, kept, table = self.images.build(path, records)
         ok_index = raw.ok_index[kept] if len(kept) else np.zeros(0, np.int64)

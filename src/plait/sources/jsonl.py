@@ -69,7 +69,7 @@ class JsonlReader(FormatReader):
         data = self._read_bytes(path)
         if not data.strip():
             raise SourceError(self.spec.name, path, None, EMPTY_FILE)
-        if self.spec.image_field is not None:
+        if self.spec.multimodal:
             return self._read_records(path, data)
         try:
             table = pajson.read_json(
@@ -126,7 +126,7 @@ class JsonlReader(FormatReader):
                     recs.append(None)
         if not recs:
             raise SourceError(self.spec.name, path, None, EMPTY_FILE)
-        texts, images, index = [], [], []
+        texts, images, videos, index = [], [], [], []
         for i, rec in enumerate(recs):
             if rec is None:
                 continue
@@ -134,9 +134,11 @@ class JsonlReader(FormatReader):
                 bad.append((i, "record is not a JSON object"))
                 continue
             texts.append(rec.get(self.field))
-            images.append(rec.get(self.spec.image_field))
+            images.append(rec.get(self.spec.image_field) if self.spec.image_field else None)
+            videos.append(rec.get(self.spec.video_field) if self.spec.video_field else None)
             index.append(i)
-        records, kept, more = records_from_values(texts, images, self.spec, [str(i) for i in index])
+        records, kept, more = records_from_values(texts, images, self.spec, [str(i) for i in index],
+                                                  videos if self.spec.video_field else None)
         bad += [(int(name), why) for name, why in more]
         ok_index = np.asarray(index, dtype=np.int64)[kept] if len(kept) else np.zeros(0, np.int64)
         return RawBlock(0, len(recs), ok_index, pa.array([""] * len(records), pa.string()), sorted(bad), records)

@@ -36,17 +36,21 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
 
 from plait.spec import SourceSpec, Spec
+from plait.sources.video import VIDEO_KIND, VideoDocs, video_list
 from plait.transforms.images import BadImage, ImagePolicy, decode, image_size
+from plait.transforms.video import VideoRef
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 HEAD_BYTES = 1 << 16  # header prefix read at planning time (the whole image if its header needs more)
 
@@ -102,8 +106,11 @@ def render_chat(turns) -> str:
     return "".join(out)
 
 
-def make_record(text, images: list[ImageRef], template: str | None, name: str) -> MMRecord:
-    """Segments and images of a record under the source's template; BadRecord when they disagree."""
+def make_record(text, images: list[ImageRef], template: str | None, name: str, videos: list | None = None) -> MMRecord:
+    """Segments and images of a record under the source's template; BadRecord when they disagree.
+    `videos` (a video source): the record's VideoRefs, placed at `<video>` markers (sources/video.py)."""
+    if videos is not None:
+        return _with_videos(text, images, videos, template, name)
     if template == "chat":
         segments = render_chat(text).split(IMAGE_MARKER)
         if len(segments) - 1 != len(images):
@@ -112,6 +119,22 @@ def make_record(text, images: list[ImageRef], template: str | None, name: str) -
     if not isinstance(text, str):
         raise BadRecord(f"text is {type(text).__name__}, not a string")
     return MMRecord([""] * len(images) + [text], images, name)
+
+
+def _with_videos(text, images: list, videos: list, template: str | None, name: str) -> MMRecord:
+    """make_record for a video source: media in marker order (chat), or images then videos (caption)."""
+    if template != "chat":
+        if not isinstance(text, str):
+            raise BadRecord(f"text is {type(text).__name__}, not a string")
+        media = [*images, *videos]
+        return MMRecord([""] * len(media) + [text], media, name)
+    parts = re.split(f"({IMAGE_MARKER}|{VIDEO_MARKER})", render_chat(text))
+    markers = parts[1::2]
+    for marker, refs, what in ((IMAGE_MARKER, images, "image"), (VIDEO_MARKER, videos, "video")):
+        if markers.count(marker) != len(refs):
+            raise BadRecord(f"conversation has {markers.count(marker)} {marker} marker(s) for {len(refs)} {what}(s)")
+    queues = {IMAGE_MARKER: iter(images), VIDEO_MARKER: iter(videos)}
+    return MMRecord(parts[0::2], [next(queues[m]) for m in markers], name)
 
 
 def image_list(value, root: str | None) -> list[ImageRef]:
@@ -133,21 +156,24 @@ def image_list(value, root: str | None) -> list[ImageRef]:
     return out
 
 
-def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str]):
-    """MMRecords of rows (texts[i], images[i]); returns (records, kept indices, bad (name, reason))."""
+def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str], videos: list | None = None):
+    """MMRecords of rows (texts[i], images[i], videos[i]); returns (records, kept indices, bad (name, reason))."""
     records, kept, bad = [], [], []
     for i, (text, img) in enumerate(zip(texts, images)):
         try:
             if text is None:
                 raise BadRecord(f"field {spec.text_field!r} is null or missing")
-            records.append(make_record(text, image_list(img, spec.image_root), spec.template, names[i]))
+            vids = None if videos is None else video_list(videos[i], spec.image_root)
+            records.append(make_record(text, image_list(img, spec.image_root), spec.template, names[i], vids))
             kept.append(i)
-        except BadRecord as e:
+        except (BadRecord, ValueError) as e:
             bad.append((names[i], str(e)))
     return records, np.asarray(kept, dtype=np.int64), bad
 
 
 def describe_ref(ref: ImageRef) -> str:
+    if isinstance(ref, VideoRef):
+        return "video " + describe_ref(ref.ref) + (f" (clip window {ref.window})" if ref.window else "")
     return f"<{len(ref)} inline bytes>" if isinstance(ref, bytes) else ref
 
 
@@ -173,13 +199,18 @@ class ImageTable:
                           self.refs, self.records)
 
     def doc_sums(self, power: int = 1) -> np.ndarray:
-        """Per document: the sum of its images' patches (power 1) or squared patches (power 2)."""
-        acc = np.concatenate([[0], np.cumsum(self.patches.astype(np.int64) ** power)])
+        """Per document: the sum of its images' patches (power 1) or squared patches (power 2; a video's
+        is t * (h*w)**2: the encoder attends within each temporal patch, as Qwen2-VL's does)."""
+        values = self.patches.astype(np.int64) ** power
+        if power == 2 and any(isinstance(r, VideoRef) for r in self.refs):  # a video attends per temporal patch:
+            video = np.fromiter((isinstance(r, VideoRef) for r in self.refs), bool, len(self.refs))
+            values[video] //= np.maximum(self.grid[video, 0], 1)  # t * (h*w)**2, not (t*h*w)**2
+        acc = np.concatenate([[0], np.cumsum(values)])
         return acc[self.start + self.count] - acc[self.start]
 
     @property
     def nbytes(self) -> int:
-        inline = sum(len(r) for r in self.refs if isinstance(r, bytes))
+        inline = sum(len(r) for r in self.refs if isinstance(r, bytes) or isinstance(getattr(r, "ref", None), bytes))
         return inline + sum(a.nbytes for a in (self.start, self.count, self.patches, self.tokens, self.grid, self.at))
 
 
@@ -190,6 +221,7 @@ class ImageDocs:
     def __init__(self, spec: Spec, source: SourceSpec, encoder, reader, bad: Callable[[str, str, str], None]):
         self.policy = policy_of(spec)
         self.token_id = spec.images.image_token_id
+        self.videos = VideoDocs(spec, reader) if source.video_field is not None else None
         self.seq_len = spec.packing.seq_len
         self.max_patches = spec.packing.max_patches
         self.vocab_size = spec.vocab_size
@@ -199,7 +231,10 @@ class ImageDocs:
         self.bad = bad
 
     def plan(self, path: str, ref: ImageRef):
-        """The image's plan from its header (a prefix of its bytes; all of them if the header needs more)."""
+        """The image's plan from its header (a prefix of its bytes; all of them if the header needs more);
+        a video's from its container headers (sources/video.py)."""
+        if isinstance(ref, VideoRef):
+            return self.videos.plan(path, ref)
         head, whole = self.reader.image_head(path, ref, HEAD_BYTES)
         try:
             return self.policy.plan(*image_size(head))
@@ -239,7 +274,8 @@ class ImageDocs:
                 parts.append(flat[seg_off[seg_no]:seg_off[seg_no + 1]].astype(np.int32))
                 if j < len(rec_plans):
                     at.append(sum(len(p) for p in parts))
-                    parts.append(np.full(rec_plans[j].tokens, self.token_id, np.int32))
+                    token_id = self.videos.token_id if isinstance(rec.images[j], VideoRef) else self.token_id
+                    parts.append(np.full(rec_plans[j].tokens, token_id, np.int32))
             s += len(rec.segments)
             if eos is not None:
                 parts.append(np.array([eos], np.int32))
@@ -256,7 +292,7 @@ class ImageDocs:
             img_tokens += [p.tokens for p in rec_plans]
             img_grid += [p.grid for p in rec_plans]
             img_at += at
-            refs += rec.images
+            refs += [replace(r, plan=p) if isinstance(r, VideoRef) else r for r, p in zip(rec.images, rec_plans)]
             names += [rec.name] * len(rec_plans)
         counts = np.asarray(img_counts, np.int64)
         table = ImageTable(np.cumsum(counts) - counts, counts, np.asarray(img_patches, np.int64),
@@ -286,7 +322,10 @@ class ImageDocs:
     # ----- gather: decode ------------------------------------------------------------------------
     def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray | None, str | None]:
         """Image j's uint8 patches [patches, patch*patch*3], decoded once; on failure (see the module
-        docstring) None and the reason (the caller applies the policy)."""
+        docstring) None and the reason (the caller applies the policy: a sample whose image or video
+        fails after planning never reaches a trainer)"""
+        if isinstance(table.refs[j], VideoRef):
+            return self._decode_video(path, table.refs[j])
         want = int(table.patches[j])
         try:
             got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy)
@@ -295,3 +334,16 @@ class ImageDocs:
             return got.patches, None
         except (BadImage, OSError) as e:
             return None, f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
+
+    def _decode_video(self, path: str, vref: VideoRef) -> tuple[np.ndarray | None, str | None]:
+        try:
+            return self.videos.decode(path, vref), None
+        except (BadImage, OSError) as e:
+            return None, f"{describe_ref(vref)}: {str(e) or type(e).__name__}"
+
+    def payload_entry(self, table: ImageTable, j: int) -> tuple[np.ndarray, int]:
+        """Media j's grid in a payload and its kind (0 image; VIDEO_KIND: a video, grid (frames, h, w))."""
+        ref = table.refs[j]
+        if isinstance(ref, VideoRef):
+            return np.asarray(self.videos.payload_grid(ref.plan), np.int64), VIDEO_KIND
+        return table.grid[j], 0

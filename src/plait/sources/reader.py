@@ -141,6 +141,13 @@ class FormatReader:
         with fsspec.open(ref, "rb", **self.spec.storage_options) as f:
             return f.read()
 
+    def video_input(self, path: str, ref):
+        """What FFmpeg opens for a video: a local path as is (a probe then reads only its headers), else
+        its bytes (inline, or read whole through fsspec). WebDataset overrides it (a shard's member)."""
+        if isinstance(ref, bytes) or ("://" not in ref and not self.spec.storage_options):
+            return ref
+        return self.image_bytes(path, ref)
+
     def close(self) -> None:
         pass
 

@@ -33,6 +33,7 @@ import pyarrow as pa
 from plait.errors import SourceError
 from plait.sources.multimodal import BadRecord, make_record
 from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock
+from plait.transforms.video import VideoRef
 
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)\}")
 
@@ -151,6 +152,9 @@ class WebDatasetReader(FormatReader):
     def image_bytes(self, path: str, ref) -> bytes:
         return ref if isinstance(ref, bytes) else self._member(path, ref)
 
+    def video_input(self, path: str, ref) -> bytes:
+        return self.image_bytes(path, ref)
+
     def read_block(self, path: str, block: int) -> RawBlock:
         samples = self._shard(path)[0]
         first = block * self.SAMPLES_PER_BLOCK
@@ -162,6 +166,15 @@ class WebDatasetReader(FormatReader):
                 if self.text_ext not in members:
                     raise BadRecord(f"sample {key!r} has no {self.text_ext!r} member (has: {', '.join(sorted(members))})")
                 images = [members[e] for e in exts if e in members]
+                videos = [VideoRef(members[e]) for e in self.spec.video_extensions if e in members]
+                if self.spec.video_field is not None:
+                    if not images and not videos:
+                        raise BadRecord(f"sample {key!r} has no video or image member "
+                                        f"({', '.join(exts + self.spec.video_extensions)}); has: {', '.join(sorted(members))}")
+                    text = self._text(path, members[self.text_ext])
+                    records.append(make_record(text, images, self.spec.template, key, videos))
+                    ok.append(i)
+                    continue
                 if not images:
                     raise BadRecord(f"sample {key!r} has no image member ({', '.join(exts)}); "
                                     f"has: {', '.join(sorted(members))}")

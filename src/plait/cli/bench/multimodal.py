@@ -16,7 +16,10 @@ the capacity-aware bound), max/mean, token fill, and plait's planning time (CPU 
 thread, kernels compiled beforehand).
 
 Workloads: `caption` (one image of 256-16k patches, dynamic resolution, and a short caption), `interleaved`
-(documents of 2-8 images and long text), `hires` (captions with high-resolution images, 30% text-only).
+(documents of 2-8 images and long text), `hires` (captions with high-resolution images, 30% text-only),
+`video` (60% samples with one clip of 2 s to 10 min, 640x360, under the Qwen2-VL rule with its defaults,
+20% with an image, the rest text; a video of grid (t, h, w) enters as t encoder sequences of h*w patches,
+as Qwen2-VL's vision tower attends per temporal patch: its cost grows with t*h*w).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ DESCRIPTION = (
     "capacity-aware lower bound of the total cost, max/mean, token fill and planning time."
 )
 
-WORKLOADS = ("caption", "interleaved", "hires")
+WORKLOADS = ("caption", "interleaved", "hires", "video")
 DPS = (8, 64, 512)
 STRATEGIES = ("naive", "llm-only", "plait")
 PATCHES_PER_TOKEN = 4  # an image of P patches takes P / 4 placeholder tokens (2x2 merge)
@@ -76,6 +79,16 @@ def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng:
         elif workload == "interleaved":
             k = rng.integers(2, 9, n)
             text = np.clip(rng.lognormal(np.log(2500), 0.8, n), 64, seq_len).astype(np.int64)
+        elif workload == "video":
+            toks_v, pats_v, counts_v = video_samples(rng, n, seq_len, max_patches)
+            for L, p in zip(toks_v, pats_v):
+                toks.append(L)
+                pats.append(p)
+                counts.append(len(p))
+                total += L
+                if total >= budget:
+                    break
+            continue
         elif workload == "hires":
             k = (rng.random(n) < 0.7).astype(np.int64)
             text = np.where(k > 0, np.clip(rng.lognormal(np.log(120), 0.8, n), 8, 2000),
@@ -104,6 +117,32 @@ def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng:
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     per_image = np.concatenate(pats).astype(np.int64) if pats else np.zeros(0, dtype=np.int64)
     return np.asarray(toks, dtype=np.int64), per_image, offsets
+
+
+def video_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int):
+    """n samples of the `video` workload that fit one micro-batch: (tokens, per-sequence patches) each."""
+    from plait.transforms.video import VideoInfo, VideoPolicy
+
+    policy = VideoPolicy()
+    toks, pats = [], []
+    draw = rng.random(n)
+    text = np.clip(rng.lognormal(np.log(150), 0.9, n), 8, 4000).astype(np.int64)
+    seconds = np.clip(rng.lognormal(np.log(30), 1.3, n), 2, 600)
+    image = (np.clip(rng.lognormal(np.log(1200), 1.0, n), 256, 16384) // 4 * 4).astype(np.int64)
+    for i in range(n):
+        if draw[i] < 0.6:
+            plan = policy.plan(VideoInfo(640, 360, int(seconds[i] * 30), 30.0, float(seconds[i]), "h264"))
+            t, h, w = plan.grid
+            p = np.full(t, h * w, np.int64)
+        elif draw[i] < 0.8:
+            p = image[i:i + 1]
+        else:
+            p = np.zeros(0, np.int64)
+        L = int(text[i] + p.sum() // PATCHES_PER_TOKEN)
+        if L <= seq_len and p.sum() <= max_patches:
+            toks.append(L)
+            pats.append(p)
+    return toks, pats, None
 
 
 def per_sample(per_image, offsets):

@@ -1,0 +1,123 @@
+"""Videos in image-text records: references, header-only planning, decode at gather, clip windows.
+
+A reader that reads a `video_field` puts each video of a record among the record's media as a
+`VideoRef` (transforms/video.py), in the order of the conversation's `<video>` / `<image>` markers
+(caption template: images, then videos, then the text). `VideoDocs` is what the record pipeline
+(sources/multimodal.py) calls for them:
+
+  plan    probe the container's headers (no frame is decoded) and apply the spec's `videos` rule; the
+          plan travels with the reference in the block's media table, so the gather needs no probe;
+  decode  open the video again at gather, seek and decode the planned frames only, patchify
+          (one decode pass per delivered video);
+  clips   with `videos.clip`, a record holding one video whose frames exceed `max_frames` becomes one
+          record per window (`clip_block`): each window is its own sample, with its own sample id.
+
+Where the bytes come from: `FormatReader.video_input` (a local path is handed to FFmpeg as a path, so a
+probe reads only the headers; a WebDataset member, a remote file or inline bytes are read into memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+
+from plait.sources.reader import RawBlock
+from plait.spec import Spec
+from plait.transforms.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video, probe
+
+MAX_WINDOWS = 4096  # clip windows per record (a 2-hour video at 2 fps and 768 frames a window needs 19)
+VIDEO_KIND = 1  # ImagePayload.kind of a video (0: an image)
+
+
+def video_policy(spec: Spec) -> VideoPolicy | None:
+    v, im = spec.videos, spec.images
+    if v is None or im is None:
+        return None
+    return VideoPolicy(fps=v.fps, min_frames=v.min_frames, max_frames=v.max_frames, min_pixels=v.min_pixels,
+                       max_pixels=v.max_pixels, total_pixels=v.total_pixels, temporal_patch=v.temporal_patch,
+                       nframes=v.nframes, patch=im.patch, merge=im.merge, clip=v.clip)
+
+
+def video_list(value, root: str | None) -> list[VideoRef]:
+    """A record's video field as references: None -> none; a path, bytes, or a list of them (relative
+    paths joined to `root`). ValueError for anything else."""
+    import posixpath
+
+    if value is None:
+        return []
+    out = []
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, dict):
+            v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
+        if isinstance(v, (bytes, bytearray)):
+            out.append(VideoRef(bytes(v)))
+        elif isinstance(v, str) and v:
+            out.append(VideoRef(v if (root is None or "://" in v or posixpath.isabs(v)) else posixpath.join(root, v)))
+        else:
+            raise ValueError(f"video field holds {type(v).__name__}, not a path or video bytes")
+    return out
+
+
+class VideoDocs:
+    """Plans and decodes a source's videos (module docstring)."""
+
+    def __init__(self, spec: Spec, reader):
+        self.policy = video_policy(spec)
+        self.token_id = spec.videos.video_token_id
+        self.reader = reader
+
+    def plan(self, path: str, vref: VideoRef) -> VideoPlan:
+        """From the headers (BadVideo when unusable); a reference planned while clips were expanded keeps
+        that plan."""
+        if vref.plan is not None:
+            return vref.plan
+        return self.policy.plan(probe(self.reader.video_input(path, vref.ref)), vref.window)
+
+    def decode(self, path: str, vref: VideoRef) -> np.ndarray:
+        """The planned frames as uint8 patch rows [plan.rows, patch*patch*3] (BadVideo on failure)."""
+        if vref.plan is None:
+            raise BadVideo("a video reference reached the gather unplanned")
+        return decode_video(self.reader.video_input(path, vref.ref), vref.plan, self.policy.patch,
+                            self.policy.temporal_patch)
+
+    def payload_grid(self, plan: VideoPlan) -> tuple[int, int, int]:
+        """The grid of its pixel rows in a payload: (frames, h, w), t*temporal_patch frames."""
+        return len(plan.indices), plan.grid[1], plan.grid[2]
+
+    def clip_block(self, path: str, raw: RawBlock, bad) -> RawBlock:
+        """With `clip`: the block with every record that holds exactly one video replaced by one record per
+        clip window of its frames (others stay whole). A block's positions are then its windows: record r
+        takes positions offset_r .. offset_r + windows_r - 1 (a bad record one), and its windows' rows are
+        first_row * MAX_WINDOWS + those positions (unique across blocks while a record has at most
+        MAX_WINDOWS windows). A video whose headers fail is reported (`bad(path, name, reason)`) and its
+        record dropped."""
+        windows = np.ones(raw.num_records, np.int64)
+        plans: dict[int, list] = {}
+        for rec, r in zip(raw.records or [], raw.ok_index):
+            videos = [m for m in rec.images if isinstance(m, VideoRef)]
+            if len(videos) != 1:
+                continue
+            try:
+                info = probe(self.reader.video_input(path, videos[0].ref))
+                n = min(self.policy.windows(info), MAX_WINDOWS)
+                plans[int(r)] = [self.policy.plan(info, w) for w in range(n)]
+            except BadVideo as e:
+                bad(path, rec.name, f"video {videos[0].ref if isinstance(videos[0].ref, str) else '<bytes>'}: {e}")
+                plans[int(r)] = []
+            windows[int(r)] = max(1, len(plans[int(r)]))
+        offset = np.cumsum(windows) - windows
+        records, ok = [], []
+        for rec, r in zip(raw.records or [], raw.ok_index):
+            r = int(r)
+            if r not in plans:
+                records.append(rec)
+                ok.append(offset[r])
+                continue
+            for w, plan in enumerate(plans[r]):
+                media = [replace(m, window=w, plan=plan) if isinstance(m, VideoRef) else m for m in rec.images]
+                records.append(replace(rec, images=media, name=rec.name if len(plans[r]) == 1 else f"{rec.name}#clip{w}"))
+                ok.append(offset[r] + w)
+        return RawBlock(raw.first_row * MAX_WINDOWS, int(windows.sum()), np.asarray(ok, np.int64),
+                        pa.array([""] * len(records), pa.string()), [], records)

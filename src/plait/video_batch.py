@@ -1,0 +1,50 @@
+"""The video fields of a micro-batch: a payload's videos apart from its images, and their layout.
+
+A SourceLoader's payload holds a fetch's images and videos together (plait.batch.ImagePayload with
+`kind`): both are rows of patch*patch*3 uint8, a video's grid counted in frames (frames, h, w). Here the
+Constructor separates them once per rank fetch (`split_videos`) and cuts each micro-batch's share
+(`video_fields`): a video's rows become Qwen2-VL's video patches, [t*h*w, tp*patch*patch*3] with
+t = frames / tp (each row a (tp, patch, patch, 3) block), its grid (t, h, w), and `video_cu_seqlens`
+one encoder sequence of h*w patches per temporal patch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from plait.batch import ImagePayload
+from plait.ragged import ragged_arange
+
+
+def _subset(p: ImagePayload, keep: np.ndarray, kind) -> ImagePayload:
+    sizes = p.grid.prod(axis=1)
+    starts = np.cumsum(sizes) - sizes
+    rows = ragged_arange(starts[keep], sizes[keep])
+    return p._replace(pixels=p.pixels[rows], grid=p.grid[keep], item=p.item[keep], kind=kind)
+
+
+def split_videos(p: ImagePayload | None) -> tuple[ImagePayload | None, ImagePayload | None]:
+    """(the images, the videos) of a payload; either None when it holds none (images stay None-kind)."""
+    if p is None or p.kind is None or not p.kind.any():
+        return p, None
+    video = p.kind != 0
+    images = _subset(p, np.flatnonzero(~video), None) if (~video).any() else None
+    return images, _subset(p, np.flatnonzero(video), p.kind[video])
+
+
+def video_fields(videos: ImagePayload | None, a: int, b: int) -> dict:
+    """The video fields of the micro-batch holding items a..b-1: none when the rank fetched no video,
+    empty arrays when this micro-batch holds none of them."""
+    if videos is None:
+        return {}
+    tp = videos.temporal_patch
+    lo, hi = np.searchsorted(videos.item, [a, b])
+    row = np.concatenate([[0], np.cumsum(videos.grid.prod(axis=1))])
+    grid = videos.grid[lo:hi].copy()
+    grid[:, 0] //= tp
+    pixels = videos.pixels[row[lo]:row[hi]]
+    seqs = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+    cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(seqs, out=cu[1:])
+    return {"pixel_values_videos": pixels.reshape(len(pixels) // tp, tp * pixels.shape[1]), "video_grid": grid,
+            "video_cu_seqlens": cu, "video_document": videos.item[lo:hi] - a}
