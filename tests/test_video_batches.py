@@ -235,6 +235,25 @@ def test_video_cut_after_planning_is_found_at_gather(tmp_path):
             rt.build(plan, 0)
 
 
+def test_video_cut_after_planning_is_dropped_under_skip(tmp_path):
+    """Under skip, a video that fails at gather (after planning) never reaches a trainer: its whole sample
+    leaves its micro-batch (no zeroed frames), the error names it, the other samples are delivered."""
+    src = llava_video(tmp_path, n=5, with_images=False)
+    recs = json.loads((tmp_path / "data.json").read_text())
+    path = tmp_path / recs[3]["video"]
+    rt = LocalRuntime(plait.load_spec(video_spec([{**src, "on_error": "skip"}], dp=1)))
+    plans = [rt.plan() for _ in range(3)]
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) * 2 // 5])
+    batches = [mb for plan in plans for mb in rt.build(plan, 0)]
+    delivered = [(int(r[1]), int(r[3])) for mb in batches for r in mb.sample_ids]
+    assert all(row != 3 for _, row in delivered) and delivered
+    for mb in batches:  # no zero frame was delivered
+        pixels = getattr(mb, "pixel_values_videos", None)
+        if pixels is not None and len(pixels):
+            assert (pixels.reshape(len(pixels), -1).max(axis=1) > 0).all()
+    assert any("record 3" in line for line in rt.loader.sources[0].error_log)
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_same_stream_on_ray(sources):

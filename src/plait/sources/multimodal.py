@@ -46,7 +46,7 @@ import pyarrow as pa
 from plait.spec import SourceSpec, Spec
 from plait.sources.video import VIDEO_KIND, VideoDocs, video_list
 from plait.transforms.images import BadImage, ImagePolicy, decode, image_size
-from plait.transforms.video import VideoRef
+from plait.transforms.video import VideoPlan, VideoRef
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
 IMAGE_MARKER = "<image>"
@@ -302,13 +302,23 @@ class ImageDocs:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return tokens, offsets, np.asarray(ok, np.int64), table
 
+    def _placeholder_ids(self, plans: list) -> list[tuple[int, str, int]]:
+        """(token id, kind, placeholders planned) for images, and for videos when the source has them."""
+        videos = [p for p in plans if isinstance(p, VideoPlan)]
+        image_tokens, video_tokens = sum(p.tokens for p in plans) - sum(p.tokens for p in videos), sum(p.tokens for p in videos)
+        if self.videos is None or self.videos.token_id == self.token_id:
+            return [(self.token_id, "image", image_tokens + video_tokens)]
+        return [(self.token_id, "image", image_tokens), (self.videos.token_id, "video", video_tokens)]
+
     def _check(self, doc: np.ndarray, plans: list) -> str | None:
         has_images, patches = bool(plans), sum(p.patches for p in plans)
-        placeholders = int(np.count_nonzero(doc == self.token_id))
-        if placeholders != sum(p.tokens for p in plans):  # labels are masked by this id: it must mean an image
-            return (f"its text holds the image token id {self.token_id} outside its images' placeholders "
-                    f"({placeholders - sum(p.tokens for p in plans)} time(s))")
-        if has_images and bool(len(doc) and doc[0] == self.token_id) != placeholder_leads(self.source):
+        # labels are masked by these ids: each must mean an image (a video) of this document
+        for token_id, kind, planned in self._placeholder_ids(plans):
+            extra = int(np.count_nonzero(doc == token_id)) - planned
+            if extra:
+                return f"its text holds the {kind} token id {token_id} outside its {kind}s' placeholders ({extra} time(s))"
+        leads = bool(len(doc)) and any(doc[0] == token_id for token_id, _, _ in self._placeholder_ids(plans))
+        if has_images and leads != placeholder_leads(self.source):
             return "its first image is not where the template puts it (the text before it tokenizes to nothing)"
         if has_images and len(doc) > self.seq_len:
             return (f"a document holding images is {len(doc)} tokens, more than seq_len {self.seq_len} (documents "
