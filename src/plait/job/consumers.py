@@ -30,7 +30,9 @@ class Consumer:
     seen: float = field(default_factory=time.monotonic)
 
     def describe(self) -> str:
-        who = f"DP rank {self.dp_rank}" if self.dp_rank >= 0 else f"client {self.key[:8]}"
+        if self.dp_rank < 0:
+            return f"trainer process {self.pid} (joined, has not asked for a step yet)"
+        who = f"DP rank {self.dp_rank}"
         if self.cp_rank:
             who += f" (CP rank {self.cp_rank})"
         return who + (f", pid {self.pid}" if self.pid is not None else "")

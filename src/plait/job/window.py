@@ -110,8 +110,8 @@ class PlanWindow:
         while self.next_step() <= step:
             plan = self.plan_next()
             self.steps[plan.step] = plan
-        self.longest = max(self.longest, len(self.steps))
         self.evict()
+        self.longest = max(self.longest, len(self.steps))
         return self.steps[step]
 
     def evict(self) -> int:

@@ -256,6 +256,11 @@ class NodeRuntime:
         """The node's SourceLoader where this process hosts it (LOCAL_RANK 0), else None."""
         return None if self._host is None else self._host.server.service.roles.loader
 
+    def serving_stats(self) -> dict | None:
+        """The node's plan window and builds (plait.job.service.JobService.stats) where this process hosts
+        them, else None."""
+        return None if self._host is None else self._host.server.service.stats()
+
     # ----- the runtime interface: the thin client's -------------------------------------------------------
     def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
                   cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
