@@ -123,3 +123,25 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # another user's process of that id: alive
         return True
     return True
+
+
+class RankProgress:
+    """How far each DP rank's builds got, for a runtime that sees builds, not readers (the Ray Planner:
+    its Constructors report each build). A rank holds the window back from its first build of a
+    generation until it has built nothing for `silent_s` seconds."""
+
+    def __init__(self, silent_s: float = SILENT_S):
+        self.silent_s = float(silent_s)
+        self.last: dict[int, tuple[int, int, float]] = {}  # DP rank -> (generation, highest step built, when)
+
+    def built(self, gen: int, step: int, dp_rank: int) -> None:
+        g, s, _ = self.last.get(dp_rank, (gen, step, 0.0))
+        self.last[dp_rank] = (gen, max(s, step) if g == gen else step, time.monotonic())
+
+    def slowest(self, gen: int) -> tuple[int | None, str]:
+        """(the highest step the slowest reading rank of `gen` has built, that rank), or (None, "")."""
+        now, low, who = time.monotonic(), None, ""
+        for rank, (g, s, t) in self.last.items():
+            if g == gen and now - t <= self.silent_s and (low is None or s < low):
+                low, who = s, f"DP rank {rank}"
+        return low, who

@@ -11,6 +11,7 @@ CP rank is served its shard of the shared build: the cut happens here, so only t
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ import numpy as np
 
 from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
+from plait.job.window import POLL_S, REPORT_S
 from plait.roles.constructor import Constructor
 from plait.runtime.placement import PartitionMap
 from plait.runtime.ray import standby_planner
@@ -36,6 +38,9 @@ from plait.runtime.ray.common import (
     use_numpy_kernels,
 )
 from plait.telemetry import Stopwatch, Telemetry
+
+
+log = logging.getLogger("plait.serving")
 
 
 class RayPayloads:
@@ -133,6 +138,9 @@ class ConstructorActor:
         self.requests = 0
         self.consumed: dict[int, int] = {}  # DP rank -> steps its trainer asked for (last step + 1)
         self.wait_seconds: dict[int, float] = {}  # DP rank -> seconds its requests waited for a build
+        self.edge: tuple[int, int] = (-1, 0)  # (generation, first step not known to be within the plan window)
+        self.window_waits = 0  # requests that waited for a slower rank (the Planner's window was full)
+        self.lagging = ""  # the rank the last wait was for
 
     def _build(self, gen: int, step: int, dp_rank: int, with_state: bool) -> tuple[dict | None, list[MicroBatch]]:
         while True:
@@ -152,6 +160,33 @@ class ConstructorActor:
         self.counts.observe_build(batches, t.seconds)
         self.planner.mark_built.remote(gen, step, dp_rank)
         return state, batches
+
+    def _within(self, gen: int, step: int, ask: bool = True) -> bool:
+        """Whether `step` is within the Planner's window (`horizon`); asks the Planner when `ask` and the
+        edge known here is not past it."""
+        if self.edge[0] == gen and step < self.edge[1]:
+            return True
+        if not ask:
+            return False
+        edge, self.lagging = get(self.planner.horizon.remote(gen))
+        if edge is None:  # no rank has built in this generation yet: this one and its build-ahead may go
+            edge = step + self.prefetch + 1
+        self.edge = (gen, edge)
+        return step < edge
+
+    def _pace(self, gen: int, step: int, dp_rank: int) -> None:
+        """Backpressure: wait while `step` is more than the Planner's window ahead of the slowest reading
+        rank (instead of that rank's steps leaving the window); a long wait is logged, naming that rank."""
+        if self._within(gen, step):
+            return
+        self.window_waits += 1
+        t0, reported = time.monotonic(), False
+        while not self._within(gen, step):
+            time.sleep(POLL_S)
+            if not reported and time.monotonic() - t0 >= REPORT_S:
+                reported = True
+                log.warning("plait: DP rank %d's step %d waits for %s (the Planner keeps a window of planned "
+                            "steps) for %.0f s", dp_rank, step, self.lagging, time.monotonic() - t0)
 
     def _ensure(self, gen: int, step: int, dp_rank: int, with_state: bool) -> Future:
         key = (gen, step, dp_rank)
@@ -199,6 +234,7 @@ class ConstructorActor:
     def stats(self) -> dict:
         return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds),
                 "rss": process_rss(), "consumed": dict(self.consumed), "wait_s": dict(self.wait_seconds),
+                "window_waits": self.window_waits,
                 "routing_version": self.route.version}
 
     def telemetry(self) -> dict:
