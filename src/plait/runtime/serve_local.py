@@ -27,15 +27,8 @@ from typing import Any
 from plait.errors import PlaitError
 from plait.job.consumers import Consumers
 from plait.job.service import JobService
-from plait.runtime.flight import PROTOCOL, loads, location_of
-from plait.runtime.flight_serving import (
-    ActionServer,
-    as_flight_error,
-    grpc_location,
-    split_address,
-    step_stream,
-    wants_state,
-)
+from plait.runtime.flight import PROTOCOL, location_of
+from plait.runtime.flight_serving import ActionServer, grpc_location, serve_step, split_address
 from plait.runtime.local import LocalRuntime
 from plait.spec import Spec, load_spec
 
@@ -73,13 +66,7 @@ class LocalFlight(ActionServer):
         return self.info["endpoints"][str(dp_rank)]
 
     def do_get(self, context, ticket):
-        t = loads(ticket.ticket)
-        try:
-            state, batches = self.job.get(int(t["gen"]), int(t["step"]), int(t["dp_rank"]), t.get("limit"),
-                                          tuple(int(c) for c in t["cp"]), wants_state(t), t.get("client"))
-        except PlaitError as e:
-            raise as_flight_error(e) from None
-        return step_stream(state, batches)
+        return serve_step(self.job.get, ticket)
 
 
 class LocalJobServer:

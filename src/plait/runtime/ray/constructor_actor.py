@@ -197,7 +197,8 @@ class ConstructorActor:
         return fut
 
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
-            cp: tuple[int, int] = (1, 0), with_state: bool = True) -> tuple[dict | None, list[MicroBatch]]:
+            cp: tuple[int, int] = (1, 0), with_state: bool = True,
+            client: str | None = None) -> tuple[dict | None, list[MicroBatch]]:
         """(state at the start of `step`, the rank's micro-batches of `step`), each cut to CP rank cp[1]
         of cp[0] (the build is shared by the replica's ranks; only the shard travels to the trainer).
         Without `with_state` the state is None and the Planner sends none for the build: a thin client
