@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from plait.errors import PlaitError
 from plait.job.consumers import RankProgress
-from plait.job.window import WINDOW
+from plait.job.window import WINDOW, StaleGeneration
 from plait.plan import RankPlan, StepPlan
 from plait.runtime.placement import Layout, PartitionMap
 from plait.runtime.ray.common import (
@@ -47,10 +47,6 @@ from plait.telemetry import Stopwatch
 scale_log = logging.getLogger("plait.scaling")
 job_log = logging.getLogger("plait.jobs")
 PLAN_WINDOW = WINDOW  # planned steps the Planner keeps (Constructors wait at its edge: `horizon`)
-
-
-class StaleGeneration(PlaitError):
-    """The plan stream was reset (a client resumed from another data state) under this request."""
 
 
 class LoaderMetadata:
