@@ -93,7 +93,7 @@ class Consumers:
             if missing > 0 and time.monotonic() < self.grace_until:
                 low, who = base_step, f"{missing} process{'es' if missing > 1 else ''} of the node not joined yet"
             for c in self.readers.values():
-                if c.done and c.gen == gen:
+                if c.done:  # past its last step (asked again after a seek, it counts again)
                     continue
                 at = c.step if c.gen == gen else base_step
                 if low is None or at < low:
