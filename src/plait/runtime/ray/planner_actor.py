@@ -15,6 +15,7 @@ autoscaling loop of `RayOptions.autoscale`): plait.runtime.ray.routing and plait
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -46,7 +47,8 @@ from plait.telemetry import Stopwatch
 
 scale_log = logging.getLogger("plait.scaling")
 job_log = logging.getLogger("plait.jobs")
-PLAN_WINDOW = WINDOW  # planned steps the Planner keeps (Constructors wait at its edge: `horizon`)
+# planned steps the Planner keeps (Constructors wait at its edge: `horizon`); docs/serving.md
+PLAN_WINDOW = int(os.environ.get("PLAIT_PLAN_WINDOW") or WINDOW)
 
 
 class LoaderMetadata:
