@@ -13,6 +13,7 @@ during a build's gather, so the packing of different ranks' builds overlaps.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from typing import Any, Protocol
@@ -45,12 +46,7 @@ class JobRoles(Protocol):
 
 def same_state(a: dict, b: dict) -> bool:
     """Equal as a client sees them (a state that went through JSON has lists for tuples)."""
-    import json
-
-    def norm(x):
-        return json.loads(json.dumps(x, default=_plain))
-
-    return norm(a) == norm(b)
+    return json.loads(json.dumps(a, default=_plain)) == json.loads(json.dumps(b, default=_plain))
 
 
 def _plain(x: Any) -> Any:
