@@ -123,22 +123,84 @@ def test_share_choices_and_errors(spec_dict, tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 30
 
 
+def single_process_digests(spec) -> dict[int, str]:
+    """Every rank's stream from one in-process Planner (each step planned once, every rank built)."""
+    from plait.runtime.local import LocalRuntime
+
+    rt = LocalRuntime(spec)
+    out: dict[int, list] = {r: [] for r in range(spec.topology.dp)}
+    while rt.planner.step < spec.steps:
+        plan = rt.plan()
+        for r in out:
+            out[r].extend(rt.build(plan, r))
+        rt.release()
+    rt.close()
+    return {r: batch_digest(b) for r, b in out.items()}
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_ranks_far_apart_wait_for_each_other_instead_of_failing(tmp_path):
+    """Eight torchrun-style processes read one node's data plane at very different speeds: rank 7 joins,
+    pauses, then reads slowly, rank 0 (the host) as fast as it can, i.e. it would be 200 steps ahead. With a
+    plan window of 8 steps the fast ranks wait (backpressure), nobody fails, every rank gets the
+    single-process stream, the host never holds more than the window, and the lagging rank is logged."""
+    ds = token_parquet(tmp_path / "data", files=2, docs_per_file=400, row_group_size=50, lo=4, hi=30)
+    spec_dict = make_spec([ds], seq_len=32, microbatches=1, dp=8, steps=220)
+    window = 8
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": f"far-{os.getpid()}",
+           "PLAIT_NODE_DIR": str(tmp_path / "rdzv"), "PLAIT_PLAN_WINDOW": str(window), "PLAIT_LAG_REPORT_S": "0.5"}
+    env.pop("PLAIT_LOCAL_SHARE", None)
+    procs, mark = [], str(tmp_path / "rank0-is-reading")
+    for r in range(8):
+        cfg = {"spec": spec_dict, "rank": r, "slow": 0.02 if r == 7 else 0.002 * (r % 3), "close": True,
+               "stats": r == 0}
+        if r == 0:
+            cfg["mark"] = mark  # written once it has its first batches
+        if r == 7:
+            cfg["pause_after"] = mark  # then it waits 2 s more: rank 0 runs into the window's edge meanwhile
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env={**env, "LOCAL_RANK": str(r)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=Path(__file__).parent))
+    outs, errs = [], []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+        errs.append(err)
+    expected = single_process_digests(plait.load_spec(spec_dict))
+    assert [o["digest"] for o in outs] == [expected[r] for r in range(8)]
+    assert all(o["batches"] == 220 for o in outs)
+    stats = outs[0]["stats"]
+    assert stats["window_size"] == window and stats["longest"] <= window  # bounded host memory
+    assert stats["waits"] > 0  # the fast ranks waited
+    assert "step" in errs[0] and "waits for" in errs[0]  # the host logged whom it waited for
+    assert f"pid {procs[7].pid}" in errs[0] or f"process {procs[7].pid}" in errs[0]  # rank 7 named
+
+
 def _worker(cfg: dict) -> None:
     import hashlib  # noqa: F401
 
     from helpers import batch_digest as digest
 
     loader = plait.Loader(cfg["spec"], dp_rank=cfg["rank"])
+    if cfg.get("pause_after"):  # joined, not reading yet (e.g. a trainer still loading its model)
+        while not os.path.exists(cfg["pause_after"]):
+            time.sleep(0.05)
+        time.sleep(2.0)
     batches = []
     for mb in loader:
         batches.append(mb)
+        if cfg.get("mark") and len(batches) == 2:
+            Path(cfg["mark"]).touch()
         time.sleep(cfg["slow"])
     runtime = loader.runtime
     hosts = getattr(runtime, "loader", None) is not None
+    stats = runtime.serving_stats() if cfg.get("stats") else None
     if cfg["close"]:
         loader.close()
     print(json.dumps({"runtime": type(runtime).__name__, "hosts": hosts, "digest": digest(batches),
-                      "batches": len(batches), "ended": time.time()}), flush=True)
+                      "batches": len(batches), "ended": time.time(), "stats": stats}), flush=True)
 
 
 if __name__ == "__main__":

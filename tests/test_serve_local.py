@@ -73,8 +73,8 @@ def test_thin_clients_get_every_ranks_local_stream_from_one_process(spec):
             got[1].append(mb1)
         a.close()
         b.close()
-        assert server.local.gen == 0  # the second rank's seek found the stream already there
-        assert server.local.runtime.planner.step == 5  # each step planned once, for both ranks
+        assert server.service.gen == 0  # the second rank's seek found the stream already there
+        assert server.service.roles.planner.step == 5  # each step planned once, for both ranks
     for r in (0, 1):
         assert ids(got[r]) == ids(local[r]) and len(got[r]) == 10
         for x, y in zip(got[r], local[r]):
@@ -119,8 +119,8 @@ def test_steps_carry_no_data_state_a_checkpoint_fetches_it(spec, monkeypatch):
         next(local_it)
     with LocalJobServer(spec, JOB) as server:
         asked = []
-        real = server.local.state_at
-        monkeypatch.setattr(server.local, "state_at", lambda gen, step: asked.append(step) or real(gen, step))
+        real = server.service.state_at
+        monkeypatch.setattr(server.service, "state_at", lambda gen, step: asked.append(step) or real(gen, step))
         with thin(spec, server, 0) as loader:
             it = iter(loader)
             for _ in range(3):
@@ -130,11 +130,11 @@ def test_steps_carry_no_data_state_a_checkpoint_fetches_it(spec, monkeypatch):
             assert asked == [1]  # the step in progress, once
             assert json.loads(json.dumps(state)) == json.loads(json.dumps(local.state_dict()))
         channel = Channel(location_of(server.address), server.token, 30)
-        ticket = {"gen": server.local.gen, "step": 0, "dp_rank": 1, "limit": 5, "cp": [1, 0]}
+        ticket = {"gen": server.service.gen, "step": 0, "dp_rank": 1, "limit": 5, "cp": [1, 0]}
         with_state, _ = channel.step(ticket)  # a ticket without "state" (protocol 1's) still gets it
         without, batches = channel.step({**ticket, "state": False})
         channel.close()
-        assert with_state == json.loads(json.dumps(server.local.state_at(server.local.gen, 0)))
+        assert with_state == json.loads(json.dumps(server.service.state_at(server.service.gen, 0)))
         assert without is None and len(batches) == 2 and STATE_KEY == b"plait.state"
 
 
@@ -151,7 +151,7 @@ def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
         with thin(spec, server) as loader:
             assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}
             loader.set_weights({"tok": 1.0}, at_step=4)
-            assert server.local.runtime.state_dict()["overrides"]  # applied by the server's one Planner
+            assert server.service.roles.state_dict()["overrides"]  # applied by the server's one Planner
             with pytest.raises(plait.PlaitError, match="dp_rank 9 is not one of this job's 2 DP ranks"):
                 loader.runtime.control.action("attach", {"dp_rank": 9})
 

@@ -16,7 +16,7 @@ Protocol (version `PROTOCOL`; requests and replies of actions are JSON):
               action `reconnect` {dp_rank, step} -> endpoints: asked by a client whose Constructor
               stopped answering; the server replaces it if it died (it rebuilds the step from the
               Planner's window), and the client repeats the step (at most RECONNECTS times)
-  constructor do_get(ticket)    ticket = JSON {gen, step, dp_rank, limit, cp: [size, rank], state}: one step's
+  constructor do_get(ticket)    ticket = JSON {gen, step, dp_rank, limit, cp: [size, rank], state, client}: one step's
               micro-batches of that rank, one record batch (one row) per micro-batch. Columns: each
               array field of `plait.Batch` as list<T> (1-D) or list<fixed_size_list<T, k>> (2-D:
               sample_ids [docs, 5]); null where the field is None. Schema metadata `plait.state`: the
@@ -24,7 +24,9 @@ Protocol (version `PROTOCOL`; requests and replies of actions are JSON):
               this client asks without it and fetches it with `state_at` when the trainer checkpoints
               (StateRef): a step then carries tokens, not the state of every source. Each record
               batch's app_metadata:
-              JSON {step, microbatch, num_microbatches, dp_rank, stats, shapes, dtypes}.
+              JSON {step, microbatch, num_microbatches, dp_rank, stats, shapes, dtypes}. `client` (optional)
+              names the reader: a one-process server's plan window waits for its slowest live reader
+              (docs/serving.md).
 
 The client hands numpy views of the received Arrow buffers (`to_numpy(zero_copy_only=True)`): no copy
 after the wire; they are read-only (`Batch.to_torch()` copies them, as it does Ray's object-store views).
@@ -36,6 +38,7 @@ import dataclasses
 import functools
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -298,6 +301,8 @@ class FlightRuntime:
         self._timeout = timeout
         self._closed = False
         self.reconnects = 0  # steps asked again after their Constructor was lost
+        self.client_id = uuid.uuid4().hex  # names this reader to the job (its window waits for slow readers)
+        self._reads_control = False  # the job's one server also serves the steps (`plait serve --runtime local`)
         self._attached: set[int] = set()  # DP ranks whose endpoint was asked for this trainer's node
         self._data: dict[str, Channel] = {}
         self.control = Channel(location_of(address), self._token, timeout, self.hints)
@@ -340,6 +345,7 @@ class FlightRuntime:
         if location is None:
             raise PlaitError(f"job {self.job!r} serves no Constructor for DP rank {dp_rank}")
         if location == self.control.location:  # one server for both (`plait serve --runtime local`)
+            self._reads_control = True
             return self.control
         if location not in self._data:
             self._data[location] = Channel(location, self._token, self._timeout, self.hints)
@@ -355,7 +361,7 @@ class FlightRuntime:
         channel = self._channel(dp_rank)
         while max_steps is None or step < max_steps:
             ticket = {"gen": self._gen, "step": step, "dp_rank": dp_rank, "limit": max_steps,
-                      "cp": [self.spec.topology.cp, cp_rank], "state": False}
+                      "cp": [self.spec.topology.cp, cp_rank], "state": False, "client": self.client_id}
             state, batches, channel = self._fetch_step(channel, ticket)
             if state is None:  # fetched only if the trainer checkpoints during this step
                 state = StateRef(step, functools.partial(self.state_at, self._gen, step))
@@ -445,6 +451,11 @@ class FlightRuntime:
         if self._closed:
             return
         self._closed = True
+        if self._reads_control:  # a one-process server stops holding its plan window for this reader
+            try:
+                self.control.action("leave", {"id": self.client_id})
+            except PlaitError:
+                pass  # the job is gone already
         for channel in [self.control, *self._data.values()]:
             try:
                 channel.close()

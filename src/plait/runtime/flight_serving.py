@@ -5,6 +5,7 @@ reads them, and one step as a Flight stream (plait.runtime.flight describes the 
 from __future__ import annotations
 
 import hmac
+from typing import Callable
 
 import pyarrow.flight as flight
 
@@ -55,6 +56,18 @@ def step_stream(state: dict | None, batches: list[MicroBatch]) -> flight.Generat
 def wants_state(ticket: dict) -> bool:
     """Whether a do_get ticket asks for the data state with the step (absent: yes, as protocol 1 began)."""
     return bool(ticket.get("state", True))
+
+
+def serve_step(get: Callable, ticket: flight.Ticket) -> flight.GeneratorStream:
+    """do_get of every plait Flight server: the ticket's step of one rank from `get(gen, step, dp_rank,
+    limit, cp, with_state, client)` (plait.job.service.JobService.get, or a Ray Constructor's), as a stream."""
+    t = loads(ticket.ticket)
+    try:
+        state, batches = get(int(t["gen"]), int(t["step"]), int(t["dp_rank"]), t.get("limit"),
+                             tuple(int(c) for c in t["cp"]), wants_state(t), t.get("client"))
+    except PlaitError as e:
+        raise as_flight_error(e) from None
+    return step_stream(state, batches)
 
 
 ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its start state"),

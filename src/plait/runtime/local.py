@@ -11,6 +11,7 @@ from typing import Iterator
 from plait.plan import StepPlan
 from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
+from plait.job.builds import GuardedPayloads
 from plait.roles.constructor import Constructor, LoaderPayloads
 from plait.roles.planner import Planner
 from plait.roles.source_loader import SourceLoader
@@ -26,7 +27,10 @@ class LocalRuntime:
         self.spec = spec
         self.loader = SourceLoader(spec)
         self.planner = Planner(spec, self.loader, dp=dp)
-        self.constructor = Constructor(LoaderPayloads(lambda source: self.loader))
+        # set_weights / report come from the trainer's thread while prefetch plans in another, and a shared
+        # job (plait.job.service) builds several ranks at once: the loader is touched under this lock only
+        self._lock = threading.Lock()
+        self.constructor = Constructor(GuardedPayloads(LoaderPayloads(lambda source: self.loader), self._lock))
         self.telemetry = Telemetry(spec.source_names)
         self.telemetry.watch_loader(self.loader.telemetry)
         port = metrics_port if metrics_port is not None else spec.metrics.port
@@ -35,8 +39,6 @@ class LocalRuntime:
         except BaseException:  # a port in use: release the loader's threads before saying so
             self.loader.close()
             raise
-        # set_weights / report come from the trainer's thread while prefetch plans in another
-        self._lock = threading.Lock()
         self._after: dict[int, dict] = {}  # step -> data state after it (the last few iterated)
 
     def plan(self) -> StepPlan:
@@ -53,10 +55,11 @@ class LocalRuntime:
 
     def release(self, *in_flight: StepPlan) -> None:
         """Let the loader drop blocks that neither the Planner nor the given plans still need."""
-        live = self.planner.live_blocks()
-        for plan in in_flight:
-            live.update(plan.items.block_keys()[0])
-        self.loader.retain(live)
+        with self._lock:
+            live = self.planner.live_blocks()
+            for plan in in_flight:
+                live.update(plan.items.block_keys()[0])
+            self.loader.retain(live)
 
     def iter_rank(
         self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None, cp_rank: int = 0

@@ -25,9 +25,13 @@ node that joined has left (or died), or until all LOCAL_WORLD_SIZE processes hav
 seconds to join: its process waits for that at exit, so a rank that finishes first does not cut the
 others off.
 
-The trade-off: one process builds the node's batches (one build thread, as `plait serve --runtime local`),
-where each process built its own before. For sources whose preprocessing is heavy (many images), use the
-ray runtime (loaders scaled per source) or share="process".
+Ranks may read at different speeds: the host's plan window (plait.job.window) makes a rank that runs
+more than the window ahead of the slowest live one wait, and logs whom it waits for; a rank whose process
+died or that left stops holding it (docs/serving.md).
+
+The trade-off: one process builds the node's batches (a few build threads, as `plait serve --runtime
+local`), where each process built its own before. For sources whose preprocessing is heavy (many images),
+use the ray runtime (loaders scaled per source) or share="process".
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ import signal
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -123,7 +126,7 @@ class _Host:
     def __init__(self, spec: Spec, job: str, path: Path, expected: int, metrics_port: int | None):
         from plait.runtime.serve_local import LocalJobServer  # pyarrow.flight: loaded only where it serves
 
-        self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port)
+        self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port, expected=expected)
         self.path, self.expected, self.users = path, expected, 0
         remove_stale_rendezvous(path.parent)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -165,7 +168,7 @@ class _Host:
 def remove_stale_rendezvous(folder: Path) -> None:
     """Remove the rendezvous files (and half-written ones) of hosts that died without removing theirs
     (SIGKILL, a crash): a process that waits for its node's host must never find a dead one's address."""
-    from plait.runtime.processes import process_alive
+    from plait.job.consumers import process_alive
 
     for path in folder.glob("node-*"):
         try:
@@ -252,7 +255,7 @@ def node_client_class():
 
 
 def _join(spec: Spec, job: str, path: Path, timeout: float):
-    from plait.runtime.processes import process_alive
+    from plait.job.consumers import process_alive
 
     client = node_client_class()
 
@@ -298,10 +301,9 @@ class NodeRuntime:
         path = rendezvous_path(launch, job, spec)
         self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
                       if launch.local_rank == 0 else None)
-        self._id = uuid.uuid4().hex
         try:
             self.client = _join(spec, job, path, timeout)
-            self.client.control.action("join", {"id": self._id, "pid": os.getpid()})
+            self.client.control.action("join", {"id": self.client.client_id, "pid": os.getpid()})
         except BaseException:
             if self._host is not None:
                 _release_host(self._host)
@@ -311,7 +313,12 @@ class NodeRuntime:
     @property
     def loader(self):
         """The node's SourceLoader where this process hosts it (LOCAL_RANK 0), else None."""
-        return None if self._host is None else self._host.server.local.runtime.loader
+        return None if self._host is None else self._host.server.service.roles.loader
+
+    def serving_stats(self) -> dict | None:
+        """The node's plan window and builds (plait.job.service.JobService.stats) where this process hosts
+        them, else None."""
+        return None if self._host is None else self._host.server.service.stats()
 
     # ----- the runtime interface: the thin client's -------------------------------------------------------
     def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
@@ -356,7 +363,7 @@ class NodeRuntime:
             return
         self._closed = True
         try:
-            self.client.control.action("leave", {"id": self._id})
+            self.client.control.action("leave", {"id": self.client.client_id})
         except PlaitError:
             pass  # the host is gone already
         self.client.close()

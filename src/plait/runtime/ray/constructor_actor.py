@@ -11,15 +11,16 @@ CP rank is served its shard of the shared build: the cut happens here, so only t
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from plait.batch import MicroBatch
-from plait.context_parallel import shard_for_rank
+from plait.job.builds import BuildCache
+from plait.job.window import POLL_S, REPORT_S
 from plait.roles.constructor import Constructor
 from plait.runtime.placement import PartitionMap
 from plait.runtime.ray import standby_planner
@@ -36,6 +37,9 @@ from plait.runtime.ray.common import (
     use_numpy_kernels,
 )
 from plait.telemetry import Stopwatch, Telemetry
+
+
+log = logging.getLogger("plait.serving")
 
 
 class RayPayloads:
@@ -119,13 +123,15 @@ class ConstructorActor:
         self.constructor = Constructor(self.payloads)
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="plait-build")
+        self.cache = BuildCache(self._build, prefetch, threads=max(1, threads))
         self.lock = threading.Lock()
-        self.builds: dict[tuple[int, int, int], Future] = {}
         self.waits = 0  # requests that found their build not finished yet
         self.requests = 0
         self.consumed: dict[int, int] = {}  # DP rank -> steps its trainer asked for (last step + 1)
         self.wait_seconds: dict[int, float] = {}  # DP rank -> seconds its requests waited for a build
+        self.edge: tuple[int, int] = (-1, 0)  # (generation, first step not known to be within the plan window)
+        self.window_waits = 0  # requests that waited for a slower rank (the Planner's window was full)
+        self.lagging = ""  # the rank the last wait was for
 
     def _build(self, gen: int, step: int, dp_rank: int, with_state: bool) -> tuple[dict | None, list[MicroBatch]]:
         while True:
@@ -146,29 +152,47 @@ class ConstructorActor:
         self.planner.mark_built.remote(gen, step, dp_rank)
         return state, batches
 
-    def _ensure(self, gen: int, step: int, dp_rank: int, with_state: bool) -> Future:
-        key = (gen, step, dp_rank)
-        fut = self.builds.get(key)
-        if fut is None:
-            fut = self.pool.submit(self._build, gen, step, dp_rank, with_state)
-            self.builds[key] = fut
-        return fut
+    def _within(self, gen: int, step: int, ask: bool = True) -> bool:
+        """Whether `step` is within the Planner's window (`horizon`); asks the Planner when `ask` and the
+        edge known here is not past it."""
+        if self.edge[0] == gen and step < self.edge[1]:
+            return True
+        if not ask:
+            return False
+        edge, self.lagging = get(self.planner.horizon.remote(gen))
+        if edge is None:  # no rank has built in this generation yet: this one and its build-ahead may go
+            edge = step + self.prefetch + 1
+        self.edge = (gen, edge)
+        return step < edge
+
+    def _pace(self, gen: int, step: int, dp_rank: int) -> None:
+        """Backpressure: wait while `step` is more than the Planner's window ahead of the slowest reading
+        rank (instead of that rank's steps leaving the window); a long wait is logged, naming that rank."""
+        if self._within(gen, step):
+            return
+        self.window_waits += 1
+        t0, reported = time.monotonic(), False
+        while not self._within(gen, step):
+            time.sleep(POLL_S)
+            if not reported and time.monotonic() - t0 >= REPORT_S:
+                reported = True
+                log.warning("plait: DP rank %d's step %d waits for %s (the Planner keeps a window of planned "
+                            "steps) for %.0f s", dp_rank, step, self.lagging, time.monotonic() - t0)
 
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
-            cp: tuple[int, int] = (1, 0), with_state: bool = True) -> tuple[dict | None, list[MicroBatch]]:
+            cp: tuple[int, int] = (1, 0), with_state: bool = True,
+            client: str | None = None) -> tuple[dict | None, list[MicroBatch]]:
         """(state at the start of `step`, the rank's micro-batches of `step`), each cut to CP rank cp[1]
         of cp[0] (the build is shared by the replica's ranks; only the shard travels to the trainer).
         Without `with_state` the state is None and the Planner sends none for the build: a thin client
         fetches it only for a checkpoint (the Planner -> Constructors traffic per step is then the rank's
-        plan alone)."""
+        plan alone). Waits while `step` is beyond the Planner's window (`_pace`). `client` (the reader's
+        name) is not used here: the Planner follows the ranks by their builds."""
+        self._pace(gen, step, dp_rank)
         with self.lock:
-            fut = self._ensure(gen, step, dp_rank, with_state)
-            for k in range(1, self.prefetch + 1):
-                if limit is None or step + k < limit:
-                    self._ensure(gen, step + k, dp_rank, with_state)
-            # Keep a little history: other TP/PP/CP ranks of the replica may still ask for it.
-            for key in [k for k in self.builds if k[2] == dp_rank and (k[0] != gen or k[1] < step - self.prefetch - 1)]:
-                self.builds.pop(key).cancel()
+            # The build-ahead stops at the window's edge; the last few builds stay for the replica's other ranks.
+            fut = self.cache.request((gen, step, dp_rank), lambda s: (limit is None or s < limit) and
+                                     self._within(gen, s, ask=False), with_state)
             self.requests += 1
             self.consumed[dp_rank] = max(self.consumed.get(dp_rank, 0), step + 1)
             waited = not fut.done()
@@ -179,7 +203,7 @@ class ConstructorActor:
             state, batches = fut.result()
         except BaseException:
             with self.lock:
-                self.builds.pop((gen, step, dp_rank), None)
+                self.cache.forget((gen, step, dp_rank))
             raise
         finally:
             if waited:
@@ -187,11 +211,12 @@ class ConstructorActor:
                     self.wait_seconds[dp_rank] = self.wait_seconds.get(dp_rank, 0.0) + time.perf_counter() - t0
         if with_state and state is None:  # built for a client that did not ask for it
             state = get(self.planner.state_at.remote(gen, step))
-        return state if with_state else None, shard_for_rank(batches, *cp)
+        return BuildCache.served((state, batches), cp, with_state)
 
     def stats(self) -> dict:
-        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.builds),
+        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.cache.builds),
                 "rss": process_rss(), "consumed": dict(self.consumed), "wait_s": dict(self.wait_seconds),
+                "window_waits": self.window_waits,
                 "routing_version": self.route.version}
 
     def telemetry(self) -> dict:

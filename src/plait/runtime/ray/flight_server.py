@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pyarrow.flight as flight
 
 from plait.errors import PlaitError
-from plait.runtime.flight import PROTOCOL, loads
+from plait.runtime.flight import PROTOCOL
 from plait.runtime.ray.common import ray_module
 from plait.runtime.flight_serving import (
     ActionServer,
@@ -27,15 +27,15 @@ from plait.runtime.flight_serving import (
     as_flight_error,
     grpc_location,
     peer_host,
-    step_stream,
-    wants_state,
+    serve_step,
 )
 
 __all__ = ["ConstructorFlight", "RendezvousFlight", "TokenCheck", "as_flight_error", "grpc_location"]
 
 
 class ConstructorFlight(flight.FlightServerBase):
-    """A Constructor's builds over Flight. `build(gen, step, dp_rank, limit, cp)` is the actor's `get`.
+    """A Constructor's builds over Flight. `build(gen, step, dp_rank, limit, cp, with_state, client)` is the
+    actor's `get`.
     Listens from construction on (bound to `host`, a free port) until `shutdown()` or the process ends."""
 
     def __init__(self, build: Callable, host: str, token: str):
@@ -47,14 +47,9 @@ class ConstructorFlight(flight.FlightServerBase):
         self.streams = 0
 
     def do_get(self, context, ticket):
-        t = loads(ticket.ticket)
-        try:
-            state, batches = self.build(int(t["gen"]), int(t["step"]), int(t["dp_rank"]), t.get("limit"),
-                                        tuple(int(c) for c in t["cp"]), wants_state(t))
-        except PlaitError as e:
-            raise as_flight_error(e) from None
+        stream = serve_step(self.build, ticket)
         self.streams += 1
-        return step_stream(state, batches)
+        return stream
 
 
 class RendezvousFlight(ActionServer):

@@ -15,14 +15,17 @@ autoscaling loop of `RayOptions.autoscale`): plait.runtime.ray.routing and plait
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from plait.errors import PlaitError
+from plait.job.consumers import RankProgress
+from plait.job.window import WINDOW, StaleGeneration
 from plait.plan import RankPlan, StepPlan
-from plait.runtime.placement import Layout, PartitionMap, decide_layout
+from plait.runtime.placement import Layout, PartitionMap
 from plait.runtime.ray.common import (
     NAMESPACE,
     actor_options,
@@ -34,22 +37,18 @@ from plait.runtime.ray.common import (
 )
 from plait.runtime.ray.autoscaler import Autoscaler, ControlLoop, ScalingRecord, collect_figures
 from plait.runtime.ray.job_metrics import JobMetrics
+from plait.runtime.ray.layout_probe import layout_for
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.recovery import LoaderFleet
 from plait.runtime.ray.routing import Routing, RoutingTable, check_layout
 from plait.runtime.ray.standby_planner import StandbyLink
-from plait.runtime.scaling import format_layout, probe_costs
-from plait.spec import Spec, load_spec
+from plait.spec import load_spec
 from plait.telemetry import Stopwatch
 
 scale_log = logging.getLogger("plait.scaling")
 job_log = logging.getLogger("plait.jobs")
-PLAN_WINDOW = 64  # planned steps the Planner keeps (ranks of one job are at most `prefetch` apart)
-PROBE_TIMEOUT_S = 600.0
-
-
-class StaleGeneration(PlaitError):
-    """The plan stream was reset (a client resumed from another data state) under this request."""
+# planned steps the Planner keeps (Constructors wait at its edge: `horizon`); docs/serving.md
+PLAN_WINDOW = int(os.environ.get("PLAIT_PLAN_WINDOW") or WINDOW)
 
 
 class JobNameTaken(PlaitError):
@@ -120,6 +119,7 @@ class PlannerActor:
         self.window: OrderedDict[int, StepPlan] = OrderedDict()
         self.base_state = self.planner.state_dict()
         self.built: dict[int, set[int]] = {}
+        self.progress = RankProgress()  # how far each rank's builds got: the window's edge (`horizon`)
         self.planned = 0  # steps planned in total (each exactly once per generation)
         self.clients = 0
         self.constructors: set[str] = set()
@@ -351,7 +351,16 @@ class PlannerActor:
             return self.planner.state_dict()
         return self._plan(gen, step).state_before
 
+    def horizon(self, gen: int) -> tuple[int | None, str]:
+        """The first step of `gen` a Constructor may not have planned yet (None: any) and the rank it waits
+        for: the window keeps the slowest reading rank's steps, so a rank far ahead waits (docs/serving.md)."""
+        low, who = self.progress.slowest(gen)
+        if low is None or gen != self.gen:
+            return None, ""
+        return low + max(2, PLAN_WINDOW - int(self.options.get("prefetch", 2)) - 2), who
+
     def mark_built(self, gen: int, step: int, dp_rank: int) -> None:
+        self.progress.built(gen, step, dp_rank)
         self.routes.built(gen, step, dp_rank)
         if gen != self.gen or step not in self.window:
             return
@@ -584,34 +593,3 @@ class PlannerRecipe:
         cls = self.actor or PlannerActor
         opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0, **getattr(cls, "ACTOR_OPTIONS", {}))
         return ray.remote(cls).options(**opts).remote(self.spec_dict, self.job, self.options)
-
-
-# ----- the layout decision, with the cost probe in a process of its own -------------------------------
-def layout_for(spec: Spec, options: dict) -> Layout:
-    """plait.runtime.placement.decide_layout, measuring costs in a throw-away process; logs auto layouts."""
-    t0 = time.perf_counter()
-    layout = decide_layout(spec, options, probe=probe_elsewhere)
-    if options.get("layout") or options["loaders"] != "auto":
-        return layout
-    scale_log.info("auto layout: %d loader(s) for %d source(s), probed in %.2f s", layout.loaders,
-                   len(spec.sources), time.perf_counter() - t0)
-    for line in format_layout(layout, spec.source_names):
-        scale_log.info("  %s", line)
-    return layout
-
-
-def probe_elsewhere(spec: Spec) -> tuple[list[float], list[int]]:
-    """probe_costs in a one-off Ray worker process that exits afterwards: what reading and decoding the
-    probe's blocks leaves behind (allocator pages, file-system and footer caches: ~60 MiB for 64
-    sources) goes with it instead of staying in the Planner for the whole job."""
-    ray = ray_module()
-    task = ray.remote(num_cpus=0, max_calls=1)(probe_task)
-    try:
-        return get(task.remote(spec.model_dump(mode="json")), timeout=PROBE_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise PlaitError(f"the cost probe (each source's first blocks) took over {PROBE_TIMEOUT_S:.0f} s: is the "
-                         "storage reachable? Pass loaders=N to skip the probe") from None
-
-
-def probe_task(spec_dict: dict) -> tuple[list[float], list[int]]:
-    return probe_costs(load_spec(spec_dict))

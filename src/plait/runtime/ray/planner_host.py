@@ -63,8 +63,8 @@ class PlannerHostActor(PlannerActor):
 
     # ----- the Constructor's side (not under the lock: a build waits for the Planner's side) ------------
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0),
-            with_state: bool = True):
-        return self.builder.get(gen, step, dp_rank, limit, cp, with_state)
+            with_state: bool = True, client: str | None = None):
+        return self.builder.get(gen, step, dp_rank, limit, cp, with_state, client)
 
     def telemetry(self) -> dict:
         return self.builder.telemetry()

@@ -1,0 +1,87 @@
+"""The plan window of a shared stream (plait.job): a reader far ahead waits for the slowest live one
+(backpressure) instead of the slow one failing; gone readers (left, dead process) stop holding it; the
+window stays within its size."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+
+from helpers import batch_digest, make_spec, token_parquet
+
+import plait
+from plait.job.consumers import Consumers, RankProgress
+from plait.job.service import JobService
+from plait.runtime.local import LocalRuntime
+
+
+def small_spec(tmp_path, steps: int = 16):
+    ds = token_parquet(tmp_path / "data", files=2, docs_per_file=60, row_group_size=10, lo=4, hi=30)
+    return plait.load_spec(make_spec([ds], seq_len=32, microbatches=1, dp=2, steps=steps))
+
+
+def test_fast_reader_waits_for_the_slow_one_and_goes_on_when_it_leaves(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PLAIT_LAG_REPORT_S", "0.2")
+    spec = small_spec(tmp_path)
+    expected = {r: batch_digest(plait.Loader(spec, dp_rank=r, prefetch=0, share="process")) for r in range(2)}
+    svc = JobService(LocalRuntime(spec), prefetch=1, window=4)
+    got: dict[int, list] = {0: [], 1: []}
+    try:
+        got[1] += svc.get(0, 0, 1, limit=16, client="slow")[1]
+        for s in range(4):  # within the window of the slow reader's step 0
+            got[0] += svc.get(0, s, 0, limit=16, client="fast")[1]
+        ahead = threading.Thread(target=lambda: got[0].extend(svc.get(0, 4, 0, limit=16, client="fast")[1]))
+        with caplog.at_level(logging.WARNING, logger="plait.serving"):
+            ahead.start()
+            ahead.join(1.0)
+            assert ahead.is_alive() and svc.window.waits == 1  # step 4 is 4 ahead of step 0: it waits
+            assert "waits for DP rank 1" in caplog.text  # the lagging reader is named
+        got[1] += svc.get(0, 1, 1, limit=16, client="slow")[1]  # the slow reader moves on: the fast one goes
+        ahead.join(30)
+        assert not ahead.is_alive()
+        for s in range(2, 8):
+            got[1] += svc.get(0, s, 1, limit=16, client="slow")[1]
+        svc.leave("slow")  # gone: it holds nothing back any more
+        for s in range(5, 16):
+            got[0] += svc.get(0, s, 0, limit=16, client="fast")[1]
+        assert svc.window.longest <= 4 and len(svc.window.steps) <= 4
+        assert svc.window.waits == 1
+    finally:
+        svc.close()
+    assert batch_digest(got[0]) == expected[0]  # the single-process stream, bit for bit
+    assert batch_digest(got[1]) == batch_digest(list(plait.Loader(spec, dp_rank=1, prefetch=0, share="process"))[:8])
+    assert expected[1]
+
+
+def test_a_reader_whose_process_died_holds_nothing_back():
+    consumers = Consumers()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    consumers.join("gone", proc.pid)
+    consumers.asked("gone", 1, 0, 0, 3, None)
+    consumers.join("here", 1)  # pid 1 runs
+    consumers.asked("here", 0, 0, 0, 9, None)
+    assert consumers.slowest(0, 0) == (9, "DP rank 0, pid 1")
+    consumers.asked("here", 0, 0, 0, 15, 16)  # its last step: done
+    assert consumers.slowest(0, 0) == (None, "")
+
+
+def test_missing_processes_of_a_node_hold_the_stream_at_its_start():
+    consumers = Consumers(expected=2, grace_s=60)
+    consumers.join("a", 1)
+    consumers.asked("a", 0, 0, 0, 30, None)
+    low, who = consumers.slowest(0, 0)
+    assert low == 0 and "not joined yet" in who
+
+
+def test_rank_progress_is_the_ray_planners_view_of_the_slowest_rank():
+    progress = RankProgress()
+    assert progress.slowest(0) == (None, "")
+    progress.built(0, 5, 0)
+    progress.built(0, 2, 1)
+    progress.built(0, 1, 1)  # an older step built late (a CP peer's rebuild): progress does not go back
+    progress.built(1, 9, 2)  # another generation
+    assert progress.slowest(0) == (2, "DP rank 1")
+    assert RankProgress(silent_s=-1).slowest(0) == (None, "")  # silent ranks are taken for gone
