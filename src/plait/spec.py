@@ -400,6 +400,17 @@ class LoadingSpec(_Model):
                                          "between pieces (its data page and dictionary, ~1 MiB); one SourceLoader "
                                          "keeps at most this many, least recently used closed first (a closed one "
                                          "is read up to its piece again: decode time, not memory); null: no limit")
+    workers: Literal["auto"] | int = Field("auto", description="threads one SourceLoader decodes and transforms "
+                                           "on (images decode in parallel; batches are identical for any number); "
+                                           "auto: the CPUs left after the trainers (local: this machine's CPUs "
+                                           "less LOCAL_WORLD_SIZE under torchrun; ray: the loader actor's CPUs)")
+
+    @field_validator("workers")
+    @classmethod
+    def _positive_workers(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError(f"workers must be 'auto' or a whole number >= 1 (got {v})")
+        return v
 
 
 class MetricsSpec(_Model):

@@ -23,6 +23,7 @@ from plait.roles.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
 from plait.sources.reader import OpenStreams
+from plait.sources.workers import WorkerPool, resolve_workers
 from plait.spec import Spec
 
 TRIM_EVERY = 16 << 20  # bytes of dropped blocks between two heap trims
@@ -80,15 +81,18 @@ class BlockMeta:
 class SourceLoader:
     def __init__(
         self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256,
-        partitions: dict[int, tuple[int, set[int]]] | None = None,
+        partitions: dict[int, tuple[int, set[int]]] | None = None, workers: int | None = None,
     ):
         """`partitions` (optional): source -> (its number of partitions, the partitions owned here).
 
         A loader owning only some partitions of a source decodes only the blocks of the files those
         partitions own (`partition_of`); it still reads other files' footers when the source's order
         crosses them (block counts are metadata, needed to step a key past a file's end).
+        `workers`: threads of the preprocessing pool (default: the spec's loading.workers, resolved here).
         """
         self.spec = spec
+        self.workers = workers if workers is not None else resolve_workers(spec.loading.workers)
+        self.pool = WorkerPool(self.workers)
         idx = range(len(spec.sources)) if source_indices is None else source_indices
         if partitions is not None:
             idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
@@ -173,33 +177,30 @@ class SourceLoader:
         one span from offset 0)."""
         tokens = self.gather(source, keys, block_index, position, offset, length)
         t0 = time.perf_counter()
-        pixels, grids, owner = [], [], []
-        token_id = patch = 0
+        work = ImageWork()
         for b in np.unique(block_index):
             full = keys[int(b)]
             src = self.sources[full[0]]
-            if src.images is None:
-                continue
-            token_id, patch = src.images.token_id, src.images.policy.patch
-            block = self.block(full[0], full[1:])
-            t_images, before = time.perf_counter(), len(pixels)
-            sel = np.flatnonzero(block_index == b)
-            doc = np.searchsorted(block.positions, position[sel])
-            for i, d in zip(sel, doc):
-                first, count = int(block.images.start[d]), int(block.images.count[d])
-                for j in range(first, first + count):
-                    pixels.append(src.image_pixels(block, j))
-                    grids.append(block.images.grid[j])
-                    owner.append(int(i))
-            count_production(self, full[0], time.perf_counter() - t_images, images=len(pixels) - before)
-        self.images_decoded += len(pixels)
-        self.busy_seconds += time.perf_counter() - t0
-        if not pixels:
+            if src.images is not None:
+                block = self.block(full[0], full[1:])
+                sel = np.flatnonzero(block_index == b)
+                work.add(full[0], src, block, sel, np.searchsorted(block.positions, position[sel]))
+        if not work.tasks:
             return Payload(tokens, None)
-        order = np.argsort(np.asarray(owner), kind="stable")  # blocks were visited in key order: back to item order
-        images = ImagePayload(np.concatenate([pixels[k] for k in order]), np.asarray(grids, np.int64)[order],
-                              np.asarray(owner, np.int64)[order], int(token_id), int(patch))
-        return Payload(tokens, images)
+        # Item order (the payload's), then each image's slice of one pixel buffer: every image is decoded
+        # straight into its place, by any worker, so the bytes never depend on the number of workers.
+        work.tasks.sort(key=lambda t: t[0])
+        patches = np.asarray([t[2].images.patches[t[3]] for t in work.tasks], np.int64)
+        pixels = np.empty((int(patches.sum()), work.patch * work.patch * 3), np.uint8)
+        bounds = np.concatenate([[0], np.cumsum(patches)])
+        spent = self.pool.map(lambda k: decode_task(work.tasks[k], pixels[bounds[k]:bounds[k + 1]]), range(len(work.tasks)))
+        for (_, source_idx, *_), seconds in zip(work.tasks, spent):
+            count_production(self, source_idx, seconds, images=1)
+        self.images_decoded += len(work.tasks)
+        self.busy_seconds += max(time.perf_counter() - t0, float(np.sum(spent)))
+        grids = np.asarray([t[2].images.grid[t[3]] for t in work.tasks], np.int64).reshape(-1, 3)
+        owner = np.asarray([t[0] for t in work.tasks], np.int64)
+        return Payload(tokens, ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch)))
 
     def retain(self, live: set[FullKey]) -> None:
         """Drop cached blocks that no pending or future step needs."""
@@ -294,6 +295,7 @@ class SourceLoader:
         return out
 
     def close(self) -> None:
+        self.pool.close()
         for s in self.sources.values():
             s.close()
 
@@ -321,6 +323,29 @@ class SourceLoader:
 
     def buffered_keys(self) -> list[FullKey]:
         return list(self._blocks)
+
+
+class ImageWork:
+    """A gather's images to decode: (item, source index, block, image index, source) per image, and the
+    image sources' placeholder id and patch size."""
+
+    def __init__(self):
+        self.tasks: list[tuple[int, int, DocBlock, int, Source]] = []
+        self.token_id = self.patch = 0
+
+    def add(self, source: int, src: Source, block: DocBlock, items: np.ndarray, docs: np.ndarray) -> None:
+        self.token_id, self.patch = src.images.token_id, src.images.policy.patch
+        for i, d in zip(items, docs):
+            first, count = int(block.images.start[d]), int(block.images.count[d])
+            self.tasks += [(int(i), source, block, j, src) for j in range(first, first + count)]
+
+
+def decode_task(task: tuple[int, int, DocBlock, int, Source], out: np.ndarray) -> float:
+    """Decode one image of ImageWork into `out` (on a worker thread); the seconds it took."""
+    t0 = time.perf_counter()
+    _, _, block, j, src = task
+    src.image_pixels(block, j, out)
+    return time.perf_counter() - t0
 
 
 PRODUCED_FIELDS = ("busy_s", "tokens", "samples", "images")  # SourceLoader.telemetry()["produced"][source]

@@ -269,16 +269,19 @@ class ImageDocs:
         return None
 
     # ----- gather: decode ------------------------------------------------------------------------
-    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray, str | None]:
-        """Image j's uint8 patches [patches, patch*patch*3], decoded once; on failure (see the module
-        docstring) zero pixels and the reason (the caller applies the policy)."""
+    def decode_pixels(self, path: str, table: ImageTable, j: int, out: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
+        """Image j's uint8 patches [patches, patch*patch*3], decoded once (into `out` when given); on failure
+        (see the module docstring) zero pixels and the reason (the caller applies the policy)."""
         want = int(table.patches[j])
         try:
-            got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy)
+            got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy, out)
             if got.plan.patches != want:
                 raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
             return got.patches, None
         except (BadImage, OSError) as e:
             why = (f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}; its document was planned "
                    f"with it, so it is delivered with its placeholders and zero pixels")
+            if out is not None:
+                out[...] = 0
+                return out, why
             return np.zeros((want, self.policy.patch * self.policy.patch * 3), np.uint8), why
