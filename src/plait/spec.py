@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -400,17 +400,7 @@ class LoadingSpec(_Model):
                                          "between pieces (its data page and dictionary, ~1 MiB); one SourceLoader "
                                          "keeps at most this many, least recently used closed first (a closed one "
                                          "is read up to its piece again: decode time, not memory); null: no limit")
-    workers: Literal["auto"] | int = Field("auto", description="threads one SourceLoader decodes and transforms "
-                                           "on (images decode in parallel; batches are identical for any number); "
-                                           "auto: the CPUs left after the trainers (local: this machine's CPUs "
-                                           "less LOCAL_WORLD_SIZE under torchrun; ray: the loader actor's CPUs)")
-
-    @field_validator("workers")
-    @classmethod
-    def _positive_workers(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError(f"workers must be 'auto' or a whole number >= 1 (got {v})")
-        return v
+    workers: Literal["auto"] | Annotated[int, Field(ge=1)] = Field("auto", description="threads a SourceLoader decodes images on (same batches for any number); auto: the CPUs left after the trainers")
 
 
 class MetricsSpec(_Model):
