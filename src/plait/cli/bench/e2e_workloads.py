@@ -102,7 +102,7 @@ def per_rank_steps(spec, steps: int):
 
 def simulated_row(steps_iter, clock) -> dict:
     """Rates on the simulated clock: a step takes its slowest rank's compute (data read ahead)."""
-    from plait.cli.bench.e2e import balance_loss
+    from plait.cli.bench.e2e_run import balance_loss
 
     computes, tokens, data_s = [], 0, []
     t = time.perf_counter()
@@ -118,7 +118,7 @@ def simulated_row(steps_iter, clock) -> dict:
 
 
 def run_long_context(args, err) -> list[dict]:
-    from plait.cli.bench.e2e import GpuClock
+    from plait.cli.bench.e2e_run import GpuClock
 
     root = long_data(Path(args.cache) if args.cache else None)
     seqs = [int(x) for x in str(args.long_seq).split(",")]
@@ -142,7 +142,7 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from plait.cli.bench.e2e import run_per_rank, run_plait
+    from plait.cli.bench.e2e_run import run_per_rank, run_plait, start_ray
 
     saved = os.sched_getaffinity(0)
     cores = sorted(saved)
@@ -161,7 +161,7 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
         os.sched_setaffinity(0, pool)
         cluster.add_node(num_cpus=args.cpus)  # the CPU pool: loaders (1 CPU each) run only here
         os.sched_setaffinity(0, trainer)
-        ray.init(address=cluster.address, namespace="plait", log_to_driver=False, configure_logging=False)
+        start_ray(address=cluster.address)
         try:
             err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on {sorted(pool)} ...")
             rows.append({**base, "strategy": "plait", **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
