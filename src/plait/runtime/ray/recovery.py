@@ -74,7 +74,9 @@ class LoaderFleet:
         # A successor Planner (plait.runtime.ray.standby_planner) finds its predecessor's loaders by name.
         self.generation = list(options.get("loader_generations") or [0] * n)
         self.owners: dict[str, int] = previous.owners if previous is not None else {}
-        self.adopted = unchanged_loaders(previous.config.layout, config.layout) if previous is not None else {}
+        # Not in a shared job: there a successor Planner finds the loaders by their layout version's names.
+        handover = previous is not None and not config.lifetime
+        self.adopted = unchanged_loaders(previous.config.layout, config.layout) if handover else {}
         self.handles, self.names = [], []
         self.shadows: list[list] = [[] for _ in range(n)]
         for k in range(n):
