@@ -60,12 +60,12 @@ def test_node_images_runs_torchrun_style_processes_both_ways(tmp_path):
 
     out = tmp_path / "e2e.json"
     argv = ["bench", "e2e", "--quick", "--workloads", "node-images", "--node-dp", "2", "--node-workers", "2",
-            "--node-steps", "2", "--seq-len", "2048", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+            "--node-steps", "3", "--seq-len", "4096", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     rows = {r["strategy"]: r for r in result["rows"]}
     assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "node-images" for r in rows.values())
-    assert all(r["images_per_s"] > 0 and r["workers"] == 2 for r in rows.values())
+    assert all(r["images_per_s"] > 0 and r["workers"] == 2 for r in rows.values()), rows
     [q] = result["ratios"]
     assert q["steps_per_s_ratio"] == pytest.approx(rows["plait"]["images_per_s"] / rows["per-rank"]["images_per_s"])
 
