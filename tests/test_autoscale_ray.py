@@ -132,10 +132,13 @@ def test_a_shadowed_source_rescaled_then_a_new_loader_killed(ray_session, data, 
         def on_step(step):
             if step == 2:
                 rt.rescale(THREE)
-            if step == 6:  # a loader of the new layout dies: the shadow started for it takes over
-                ray.kill(ray.get(rt.planner.get_loaders.remote())[0], no_restart=True)
+            if step == 6:  # a loader started for the new layout dies: the shadow started for it takes over
+                started = [h for h in ray.get(rt.planner.get_loaders.remote()) if h not in old]  # (not handed over)
+                ray.kill(started[0], no_restart=True)
 
         ids, digest = drive(rt, on_step)
+        kept = set(ray.get(rt.planner.get_loaders.remote())) & set(old)  # handed over: same partitions
+        kept_shadows = {sh for group in ray.get(rt.planner.get_shadows.remote()) for sh in group} & set(old_shadows)
         shadows = ray.get(rt.planner.get_shadows.remote())
         events = rt.recovery_events()
         stats = rt.stats()
@@ -148,7 +151,8 @@ def test_a_shadowed_source_rescaled_then_a_new_loader_killed(ray_session, data, 
     assert "@v1" in loader_events[0]["actor"]  # the dead one was of the new layout
     assert len(shadows) == 3  # one standby group per loader of the new layout
     assert stats["retiring"] == []
-    for handle in old + old_shadows:  # the old layout's loaders and shadows were ended
+    assert len(kept) < len(old)
+    for handle in [h for h in old + old_shadows if h not in kept and h not in kept_shadows]:  # the others ended
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(handle.stats.remote() if handle in old else handle.shadow_stats.remote(), timeout=30)
 

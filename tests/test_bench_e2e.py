@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from plait.cli.bench.e2e import (
+from plait.cli.bench.e2e_run import (
     GpuClock,
     Trace,
     balance_loss,
@@ -20,18 +20,26 @@ from plait.cost import CostModel, EncoderCost
 from plait.errors import PlaitError
 
 
+ROW_KEYS = {"workload", "dp", "seq_len", "strategy", "steps_per_s", "tokens_per_s", "wait_fraction", "balance_loss"}
+
+
+@pytest.mark.ray
 def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_better(tmp_path):
     from plait.cli import main
 
     out = tmp_path / "e2e.json"
     # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
-    argv = ["bench", "e2e", "--quick", "--dp", "4", "--steps", "4", "--warmup", "1", "--gpu-tflops", "4000",
+    argv = ["bench", "e2e", "--quick", "--workloads", "gpu-bound,long-context", "--dp", "4", "--steps", "4",
+            "--warmup", "1", "--gpu-tflops", "4000", "--long-seq", "4096", "--long-dp", "4", "--long-steps", "2",
             "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    rows = {(r["strategy"], r["dp"]): r for r in result["rows"]}
-    assert set(rows) == {("per-rank", 4), ("plait", 4)}
-    per_rank, plait = rows["per-rank", 4], rows["plait", 4]
+    assert len(result["load_average"]["before"]) == 3 and len(result["load_average"]["after"]) == 3
+    assert all(ROW_KEYS <= set(r) for r in result["rows"])
+    rows = {(r["workload"], r["strategy"], r["dp"], r["seq_len"]): r for r in result["rows"]}
+    assert set(rows) == {("gpu-bound", s, 4, 8192) for s in ("per-rank", "plait")} | {
+        ("long-context", s, 4, 4096) for s in ("per-rank", "plait")}
+    per_rank, plait = rows["gpu-bound", "per-rank", 4, 8192], rows["gpu-bound", "plait", 4, 8192]
     assert per_rank["steps"] == plait["steps"] == 4 and per_rank["measured_steps"] == plait["measured_steps"] == 3
     assert per_rank["processes"] == 4 and per_rank["workers_per_rank"] == 1  # the same 4-CPU budget
     assert plait["balance_loss"] <= per_rank["balance_loss"]
@@ -39,8 +47,43 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
     for r in (per_rank, plait):
         assert 0.5 * capacity < r["tokens_per_step"] <= capacity
         assert 0.0 <= r["wait_fraction"] <= 1.0 and r["steps_per_s"] > 0
-    assert [q["dp"] for q in result["ratios"]] == [4]
-    assert result["ratios"][0]["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
+    long_pr, long_plait = rows["long-context", "per-rank", 4, 4096], rows["long-context", "plait", 4, 4096]
+    assert long_plait["clock"] == long_pr["clock"] == "simulated" and long_plait["steps"] == long_pr["steps"] == 2
+    ratios = {(q["workload"], q["dp"], q["seq_len"]): q for q in result["ratios"]}
+    assert set(ratios) == {("gpu-bound", 4, 8192), ("long-context", 4, 4096)}
+    assert ratios["gpu-bound", 4, 8192]["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
+
+
+@pytest.mark.subprocess
+def test_node_images_runs_torchrun_style_processes_both_ways(tmp_path):
+    from plait.cli import main
+
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--quick", "--workloads", "node-images", "--node-dp", "2", "--node-workers", "2",
+            "--node-steps", "3", "--seq-len", "4096", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "node-images" for r in rows.values())
+    assert all(r["images_per_s"] > 0 and r["workers"] == 2 for r in rows.values()), rows
+    [q] = result["ratios"]
+    assert q["steps_per_s_ratio"] == pytest.approx(rows["plait"]["images_per_s"] / rows["per-rank"]["images_per_s"])
+
+
+def test_ratios_pair_strategies_per_workload_dp_and_seq_len():
+    from plait.cli.bench.e2e import ratios
+
+    rows = [{"workload": "long-context", "dp": 8, "seq_len": 32768, "strategy": "per-rank", "steps_per_s": 2.0,
+             "tokens_per_s": 10.0},
+            {"workload": "long-context", "dp": 8, "seq_len": 32768, "strategy": "plait", "steps_per_s": 3.0,
+             "tokens_per_s": 15.0},
+            {"workload": "node-images", "dp": 8, "seq_len": 4096, "strategy": "per-rank", "steps_per_s": 1.0,
+             "images_per_s": 40.0, "tokens_per_s": None},
+            {"workload": "node-images", "dp": 8, "seq_len": 4096, "strategy": "plait", "steps_per_s": 1.0,
+             "images_per_s": 50.0, "tokens_per_s": None}]
+    assert ratios(rows) == [
+        {"workload": "long-context", "dp": 8, "seq_len": 32768, "steps_per_s_ratio": 1.5, "tokens_per_s_ratio": 1.5},
+        {"workload": "node-images", "dp": 8, "seq_len": 4096, "steps_per_s_ratio": 1.25}]
 
 
 def test_balance_loss_is_one_minus_mean_over_max_averaged_over_steps():
@@ -123,7 +166,8 @@ def test_bad_options_are_named(capsys):
     from plait.cli import main
 
     for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
-                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies")):
+                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies"),
+                       (["--workloads", "mine"], "--workloads"), (["--long-seq", "x"], "--long-seq")):
         assert main(["bench", "e2e", *argv]) == 2
         assert word in capsys.readouterr().err
     with pytest.raises(PlaitError):
@@ -132,7 +176,9 @@ def test_bad_options_are_named(capsys):
         from plait.cli.bench.e2e import parse
 
         parse(SimpleNamespace(quick=False, dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
-                              images=1, gpu_tflops=1.0, image_weight=0.5, strategies="plait"))
+                              images=1, gpu_tflops=1.0, image_weight=0.5, strategies="plait", long_seq="8",
+                              long_dp="2", long_steps=1, node_dp=2, node_workers=2, node_steps=2,
+                              data_bound_tflops=1.0, workloads="gpu-bound"))
 
 
 def test_missing_torch_is_named(monkeypatch):

@@ -34,6 +34,7 @@ A shard is never cut again: sharding one is an error.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -85,10 +86,26 @@ def shard_for_cp(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
 def shard_for_rank(batches: list[MicroBatch], cp: int, cp_rank: int) -> list[MicroBatch]:
     """What CP rank `cp_rank` of `cp` is served of a DP rank's micro-batches: each one's shard (the
     batches themselves when cp == 1). The one call every runtime makes to cut CP shards, where it serves
-    a rank (`iter_rank`): locally in the trainer's process, on Ray in the Constructor actor."""
+    a rank (`iter_rank`): locally in the trainer's process, on Ray in the Constructor actor.
+
+    A shard is cut once per built micro-batch and CP rank: the TP/PP ranks that ask for the same shard get
+    the same arrays, not a copy each (kept while the micro-batch lives)."""
     if cp == 1:
         return list(batches)
-    return [shard_for_cp(mb, cp, cp_rank) for mb in batches]
+    return [cut_once(mb, cp, cp_rank) for mb in batches]
+
+
+_CUTS: dict[tuple[int, int, int], MicroBatch] = {}  # (id of a live micro-batch, cp, cp_rank) -> its shard
+
+
+def cut_once(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
+    """`shard_for_cp(mb, cp, cp_rank)`, cut at the first call and handed out again while `mb` lives."""
+    key = (id(mb), cp, cp_rank)
+    shard = _CUTS.get(key)
+    if shard is None:
+        shard = _CUTS[key] = shard_for_cp(mb, cp, cp_rank)
+        weakref.finalize(mb, _CUTS.pop, key, None)  # before `id(mb)` can name another micro-batch
+    return shard
 
 
 def unshard(shards: list[MicroBatch]) -> MicroBatch:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -412,6 +412,7 @@ class LoadingSpec(_Model):
                                          "between pieces (its data page and dictionary, ~1 MiB); one SourceLoader "
                                          "keeps at most this many, least recently used closed first (a closed one "
                                          "is read up to its piece again: decode time, not memory); null: no limit")
+    workers: Literal["auto"] | Annotated[int, Field(ge=1)] = Field("auto", description="threads a SourceLoader decodes images on (same batches for any number); auto: the CPUs left after the trainers")
 
 
 class MetricsSpec(_Model):

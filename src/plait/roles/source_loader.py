@@ -24,6 +24,7 @@ from plait.roles.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
 from plait.sources.reader import OpenStreams
+from plait.sources.workers import WorkerPool, resolve_workers
 from plait.spec import Spec
 
 log = logging.getLogger("plait.data")
@@ -82,15 +83,18 @@ class BlockMeta:
 class SourceLoader:
     def __init__(
         self, spec: Spec, source_indices: list[int] | None = None, max_cached_blocks: int = 256,
-        partitions: dict[int, tuple[int, set[int]]] | None = None,
+        partitions: dict[int, tuple[int, set[int]]] | None = None, workers: int | None = None,
     ):
         """`partitions` (optional): source -> (its number of partitions, the partitions owned here).
 
         A loader owning only some partitions of a source decodes only the blocks of the files those
         partitions own (`partition_of`); it still reads other files' footers when the source's order
         crosses them (block counts are metadata, needed to step a key past a file's end).
+        `workers`: threads of the preprocessing pool (default: the spec's loading.workers, resolved here).
         """
         self.spec = spec
+        self.workers = workers if workers is not None else resolve_workers(spec.loading.workers)
+        self.pool = WorkerPool(self.workers)
         idx = range(len(spec.sources)) if source_indices is None else source_indices
         if partitions is not None:
             idx = sorted(set(idx) & set(partitions)) if source_indices is not None else sorted(partitions)
@@ -192,52 +196,44 @@ class SourceLoader:
         dropped whole: its tokens and images left out, its index in `Payload.dropped`."""
         tokens = self.gather(source, keys, block_index, position, offset, length)
         t0 = time.perf_counter()
-        pixels, grids, owner, kinds, dropped = [], [], [], [], []
-        video_token_id, temporal_patch = -1, 1
-        token_id = patch = 0
+        work = ImageWork()
         for b in np.unique(block_index):
             full = keys[int(b)]
             src = self.sources[full[0]]
-            if src.images is None:
-                continue
-            token_id, patch = src.images.token_id, src.images.policy.patch
-            if src.images.videos is not None:
-                video_token_id, temporal_patch = src.images.videos.token_id, src.images.videos.policy.temporal_patch
-            block = self.block(full[0], full[1:])
-            t_images, before = time.perf_counter(), len(pixels)
-            sel = np.flatnonzero(block_index == b)
-            doc = np.searchsorted(block.positions, position[sel])
-            for i, d in zip(sel, doc):
-                first, count = int(block.images.start[d]), int(block.images.count[d])
-                got = []
-                for j in range(first, first + count):
-                    got.append(src.image_pixels(block, j))
-                    if got[-1] is None:
-                        break
-                if got and got[-1] is None:
-                    dropped.append(int(i))
-                    continue
-                pixels += got
-                for j in range(first, first + count):
-                    grid, kind = src.images.payload_entry(block.images, j)
-                    grids.append(grid)
-                    kinds.append(kind)
-                owner += [int(i)] * count
-            count_production(self, full[0], time.perf_counter() - t_images, images=len(pixels) - before)
-        self.images_decoded += len(pixels)
-        self.busy_seconds += time.perf_counter() - t0
+            if src.images is not None:
+                block = self.block(full[0], full[1:])
+                sel = np.flatnonzero(block_index == b)
+                work.add(full[0], src, block, sel, np.searchsorted(block.positions, position[sel]))
+        if not work.tasks:
+            return Payload(tokens, None)
+        # Item order (the payload's), then each image's slice of one pixel buffer: every image is decoded
+        # straight into its place, by any worker, so the bytes never depend on the number of workers.
+        work.tasks.sort(key=lambda t: t[0])
+        grids = np.asarray([t[5] for t in work.tasks], np.int64).reshape(-1, 3)
+        rows = grids.prod(axis=1)
+        pixels = np.empty((int(rows.sum()), work.patch * work.patch * 3), np.uint8)
+        bounds = np.concatenate([[0], np.cumsum(rows)])
+        done = self.pool.map(lambda k: decode_task(work.tasks[k], pixels[bounds[k]:bounds[k + 1]]), range(len(work.tasks)))
+        for (_, source_idx, *_), (seconds, _) in zip(work.tasks, done):
+            count_production(self, source_idx, seconds, images=1)
+        self.images_decoded += len(work.tasks)
+        self.busy_seconds += max(time.perf_counter() - t0, float(sum(seconds for seconds, _ in done)))
+        owner = np.asarray([t[0] for t in work.tasks], np.int64)
+        kinds = np.asarray([t[6] for t in work.tasks], np.int64)
         gone = None
-        if dropped:
-            gone = np.sort(np.asarray(dropped, np.int64))
-            keep = np.ones(len(length), dtype=bool)
-            keep[gone] = False
-            tokens = tokens[np.repeat(keep, np.asarray(length, dtype=np.int64))]
-        if not pixels:
-            return Payload(tokens, None, gone)
-        order = np.argsort(np.asarray(owner), kind="stable")  # blocks were visited in key order: back to item order
-        images = ImagePayload(np.concatenate([pixels[k] for k in order]), np.asarray(grids, np.int64)[order],
-                              np.asarray(owner, np.int64)[order], int(token_id), int(patch),
-                              np.asarray(kinds, np.int64)[order] if any(kinds) else None, video_token_id, temporal_patch)
+        failed = np.asarray([not ok for _, ok in done])
+        if failed.any():  # under skip: the whole sample of a media that did not decode leaves the payload
+            gone = np.unique(owner[failed])
+            keep_item = np.ones(len(length), dtype=bool)
+            keep_item[gone] = False
+            tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
+            kept = keep_item[owner]
+            pixels = pixels[np.repeat(kept, rows)]
+            grids, owner, kinds = grids[kept], owner[kept], kinds[kept]
+            if not kept.any():
+                return Payload(tokens, None, gone)
+        images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
+                              kinds if kinds.any() else None, work.video_token_id, work.temporal_patch)
         return Payload(tokens, images, gone)
 
     def retain(self, live: set[FullKey]) -> None:
@@ -333,6 +329,7 @@ class SourceLoader:
         return out
 
     def close(self) -> None:
+        self.pool.close()
         for s in self.sources.values():
             s.close()
 
@@ -360,6 +357,36 @@ class SourceLoader:
 
     def buffered_keys(self) -> list[FullKey]:
         return list(self._blocks)
+
+
+class ImageWork:
+    """A gather's images and videos to decode: (item, source index, block, media index, source, payload
+    grid, kind) per media, and the sources' placeholder ids, patch size and temporal patch."""
+
+    def __init__(self):
+        self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int]] = []
+        self.token_id = self.patch = 0
+        self.video_token_id, self.temporal_patch = -1, 1
+
+    def add(self, source: int, src: Source, block: DocBlock, items: np.ndarray, docs: np.ndarray) -> None:
+        self.token_id, self.patch = src.images.token_id, src.images.policy.patch
+        if src.images.videos is not None:
+            self.video_token_id = src.images.videos.token_id
+            self.temporal_patch = src.images.videos.policy.temporal_patch
+        for i, d in zip(items, docs):
+            first, count = int(block.images.start[d]), int(block.images.count[d])
+            for j in range(first, first + count):
+                grid, kind = src.images.payload_entry(block.images, j)
+                self.tasks.append((int(i), source, block, j, src, grid, kind))
+
+
+def decode_task(task: tuple, out: np.ndarray) -> tuple[float, bool]:
+    """Decode one media of ImageWork into `out` (on a worker thread): the seconds it took, and whether it
+    decoded (False: skipped under on_error skip, its sample is dropped)."""
+    t0 = time.perf_counter()
+    _, _, block, j, src, _, _ = task
+    ok = src.image_pixels(block, j, out) is not None
+    return time.perf_counter() - t0, ok
 
 
 PRODUCED_FIELDS = ("busy_s", "tokens", "samples", "images")  # SourceLoader.telemetry()["produced"][source]

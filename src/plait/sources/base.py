@@ -20,6 +20,7 @@ every file is bad it stops with an error naming them.
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -131,6 +132,7 @@ class Source:
         self.errors: Counter[str] = Counter()
         self.error_log: list[str] = []
         self._seen_bad: set[tuple[str, str | None]] = set()
+        self.report_lock = threading.Lock()  # bad images are reported from a SourceLoader's worker threads
         self._bad_files: set[str] = set()  # files found unreadable as a whole (skip policy)
         self._lengths: OrderedDict[BlockKey, BlockLengths] = OrderedDict()
         self.images: ImageDocs | None = None
@@ -344,17 +346,19 @@ class Source:
         return DocBlock(self.index, key, file_idx, kept_pos[order], raw.first_row + ok_index[order].astype(np.int64),
                         tokens, offsets[:-1][order], np.diff(offsets)[order], raw.num_records, table.take_docs(order))
 
-    def image_pixels(self, block: DocBlock, image: int) -> np.ndarray | None:
-        """Image `image` (an index into block.images) decoded to uint8 patches, once per delivery. A body
-        that does not decode: an error under `raise`; under `skip` None (its sample is not delivered),
-        counted once per delivery attempt (per epoch: a later epoch plans it again) and named."""
+    def image_pixels(self, block: DocBlock, image: int, out: np.ndarray | None = None) -> np.ndarray | None:
+        """Image `image` (an index into block.images) decoded to uint8 patches (into `out` when given), once
+        per delivery. A body that does not decode: an error under `raise`; under `skip` None (its sample is
+        not delivered), counted once per delivery attempt (per epoch: a later epoch plans it again) and
+        named. Thread-safe: a SourceLoader decodes a gather's images on its worker pool."""
         path = self.files[block.shard]
-        pixels, why = self.images.decode_pixels(path, block.images, image)
+        pixels, why = self.images.decode_pixels(path, block.images, image, out)
         if why is not None:
             record = str(block.images.records[image])
             if self.spec.on_error != "raise":
                 record, why = f"{record} (epoch {block.key[0]})", f"{why}; its sample is dropped from its micro-batch"
-            self._bad(path, record, why)
+            with self.report_lock:
+                self._bad(path, record, why)
         return pixels
 
     def _drop(self, values: pa.Array, ok_index: np.ndarray, bad: np.ndarray, path: str, first_row: int, reason: str):

@@ -330,26 +330,31 @@ class ImageDocs:
         return None
 
     # ----- gather: decode ------------------------------------------------------------------------
-    def decode_pixels(self, path: str, table: ImageTable, j: int) -> tuple[np.ndarray | None, str | None]:
-        """Image j's uint8 patches [patches, patch*patch*3], decoded once; on failure (see the module
-        docstring) None and the reason (the caller applies the policy: a sample whose image or video
-        fails after planning never reaches a trainer)"""
+    def decode_pixels(self, path: str, table: ImageTable, j: int,
+                      out: np.ndarray | None = None) -> tuple[np.ndarray | None, str | None]:
+        """Image (or video) j's uint8 patches [rows, patch*patch*3], decoded once (into `out` when given);
+        on failure (see the module docstring) None and the reason (the caller applies the policy: a
+        sample whose image or video fails after planning never reaches a trainer)."""
         if isinstance(table.refs[j], VideoRef):
-            return self._decode_video(path, table.refs[j])
+            return self._decode_video(path, table.refs[j], out)
         want = int(table.patches[j])
         try:
-            got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy)
+            got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy, out)
             if got.plan.patches != want:
                 raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
             return got.patches, None
         except (BadImage, OSError) as e:
             return None, f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
 
-    def _decode_video(self, path: str, vref: VideoRef) -> tuple[np.ndarray | None, str | None]:
+    def _decode_video(self, path: str, vref: VideoRef, out: np.ndarray | None) -> tuple[np.ndarray | None, str | None]:
         try:
-            return self.videos.decode(path, vref), None
+            rows = self.videos.decode(path, vref)
         except (BadImage, OSError) as e:
             return None, f"{describe_ref(vref)}: {str(e) or type(e).__name__}"
+        if out is None:
+            return rows, None
+        out[...] = rows
+        return out, None
 
     def payload_entry(self, table: ImageTable, j: int) -> tuple[np.ndarray, int]:
         """Media j's grid in a payload and its kind (0 image; VIDEO_KIND: a video, grid (frames, h, w))."""

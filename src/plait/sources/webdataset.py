@@ -25,6 +25,7 @@ import json
 import posixpath
 import re
 import tarfile
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -91,6 +92,7 @@ class WebDatasetReader(FormatReader):
         self.text_ext = self.text_ext.lower()
         self._index: OrderedDict[str, tuple[list, dict, set]] = OrderedDict()
         self._open: OrderedDict[str, object] = OrderedDict()
+        self.member_lock = threading.Lock()  # one seek + read at a time: a SourceLoader's workers share the handles
 
     def _shard(self, path: str) -> tuple[list, dict, set]:
         """[(key, {ext: member name})] in tar order, {member name: (data offset, size)}, and the names of
@@ -139,9 +141,10 @@ class WebDatasetReader(FormatReader):
         if name in truncated:
             raise OSError(f"member {name!r} is cut short (truncated shard)")
         offset, size = where[name]
-        f = self._handle(path)
-        f.seek(offset)
-        return f.read(size if n is None else min(n, size))
+        with self.member_lock:
+            f = self._handle(path)
+            f.seek(offset)
+            return f.read(size if n is None else min(n, size))
 
     def image_head(self, path: str, ref, n: int) -> tuple[bytes, bool]:
         if isinstance(ref, bytes):

@@ -218,9 +218,11 @@ def upright(img: Image.Image, orient: int) -> Image.Image:
     return img.transpose(TRANSPOSE[orient]) if orient in TRANSPOSE else img
 
 
-def decode(data: ImageData, policy: ImagePolicy) -> Decoded:
+def decode(data: ImageData, policy: ImagePolicy, out: np.ndarray | None = None) -> Decoded:
     """Decode, orient, resize and patchify one image per `policy` (see the module docstring).
-    The patch count equals `policy.plan(*image_size(data)).patches` exactly. BadImage on any failure."""
+    The patch count equals `policy.plan(*image_size(data)).patches` exactly. BadImage on any failure.
+    `out`: where the patches go (a slice of a payload's pixel buffer, so they are written once), if
+    it has their shape."""
     DECODES.add()
     img = open_image(data)
     try:
@@ -236,7 +238,8 @@ def decode(data: ImageData, policy: ImagePolicy) -> Decoded:
             rgb = to_rgb(img)
         except Exception as e:  # noqa: BLE001 - truncated, corrupt: Pillow raises many types
             raise BadImage(f"cannot decode {img.format} image: {type(e).__name__}: {e}") from None
-        patches = np.empty((plan.patches, policy.patch * policy.patch * 3), dtype=np.uint8)
+        shape = (plan.patches, policy.patch * policy.patch * 3)
+        patches = out if out is not None and out.shape == shape else np.empty(shape, dtype=np.uint8)
         main = plan.patches - (plan.grid[1] * plan.grid[2] if plan.thumbnail else 0)
         if plan.thumbnail:  # from the source, as InternVL does (and far cheaper than from the resized grid)
             thumb = upright(rgb.resize((policy.tile, policy.tile), Image.Resampling.BICUBIC), orient)

@@ -146,6 +146,14 @@ def rank_share_dataset(spec: Spec, rank: int, ranks: int):
     return RankShare()
 
 
+def rank_loaders_for(spec: Spec, rank: int, workers: int, prefetch_factor: int = 2):
+    """Rank `rank`'s started DataLoader iterator (a trainer process of its own)."""
+    torch = require_torch()
+    loader = torch.utils.data.DataLoader(rank_share_dataset(spec, rank, spec.topology.dp), batch_size=None,
+                                         num_workers=workers, prefetch_factor=prefetch_factor if workers else None)
+    return iter(loader)
+
+
 def rank_loaders(spec: Spec, workers: int, prefetch_factor: int = 2) -> list:
     """One started DataLoader iterator per DP rank (workers forked here, before any thread or Ray)."""
     torch = require_torch()

@@ -31,9 +31,12 @@ class LoaderActor:
                  max_cached_blocks: int):
         use_numpy_kernels()
         from plait.roles.source_loader import SourceLoader
+        from plait.sources.workers import resolve_workers
 
-        self.loader = SourceLoader(load_spec(spec_dict), max_cached_blocks=max_cached_blocks,
-                                   partitions=partitions_of(owned, num_partitions))
+        spec = load_spec(spec_dict)
+        cpus = ray_module().get_runtime_context().get_assigned_resources().get("CPU")  # its pool's size, when given
+        self.loader = SourceLoader(spec, max_cached_blocks=max_cached_blocks, partitions=partitions_of(owned, num_partitions),
+                                   workers=resolve_workers(spec.loading.workers, cpus=cpus))
         self.lock = threading.Lock()  # SourceLoader and its readers are not thread-safe
 
     def num_files(self) -> dict[int, int]:

@@ -158,11 +158,12 @@ class PlannerActor:
     def pmap(self) -> PartitionMap:
         return self.routes.current.pmap
 
-    def _fleet(self, config: LoaderConfig, options: dict | None = None) -> LoaderFleet:
+    def _fleet(self, config: LoaderConfig, options: dict | None = None, previous=None) -> LoaderFleet:
         """The loaders of `config`'s layout. Only the first fleet takes `loader_generations` (a successor's
         view of the dead Planner's replacements); a new layout's loaders start at generation 0."""
         options = options if options is not None else {k: v for k, v in self.options.items() if k != "loader_generations"}
-        return LoaderFleet(config, self.spec, options, now=lambda: self.planner.step, on_replaced=self._release)
+        return LoaderFleet(config, self.spec, options, now=lambda: self.planner.step, on_replaced=self._release,
+                           previous=previous)
 
     def routing(self) -> dict:
         """The current routing (version, PartitionMap, loader handles), as a Constructor starts with it."""
@@ -185,7 +186,7 @@ class PlannerActor:
             self.last_version += 1
             version = self.last_version
         current = self.loaders
-        fleet = self._fleet(replace(current.config, layout=layout, version=version))
+        fleet = self._fleet(replace(current.config, layout=layout, version=version), previous=current)
         fleet.events, fleet.on_event = current.events, current.on_event  # one recovery log for the job
         try:
             get([ld.num_files.remote() for ld in fleet.handles])  # started and answering before the switch

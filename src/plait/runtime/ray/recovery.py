@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable
 
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
+from plait.runtime.placement import Layout
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.shadow_actor import start_shadow
 from plait.spec import Spec
@@ -56,10 +57,15 @@ class LoaderFleet:
     whoever holds the list (the Planner's metadata provider) sees the new owner. `now()` is the
     Planner's current step (for logs and for scheduling new shadows); `on_replaced()` runs after a loader
     was replaced (the Planner then tells the new owner which blocks are still live).
+
+    `previous`: the fleet of the layout this one replaces (a rescale). A loader whose partitions are the
+    same in both layouts is handed over, running, with its buffer and its shadows (`adopted`: new index ->
+    old index); only loaders whose partitions change start. An actor several fleets share ends with the
+    last of them (`owners`: loader name -> fleets holding it).
     """
 
     def __init__(self, config: LoaderConfig, spec: Spec, options: dict, now: Callable[[], int],
-                 on_replaced: Callable[[], None]):
+                 on_replaced: Callable[[], None], previous: LoaderFleet | None = None):
         self.config = config
         self.spec = spec
         self.now = now
@@ -67,9 +73,22 @@ class LoaderFleet:
         n = config.layout.loaders
         # A successor Planner (plait.runtime.ray.standby_planner) finds its predecessor's loaders by name.
         self.generation = list(options.get("loader_generations") or [0] * n)
-        self.handles = [config.start(k, self.generation[k]) for k in range(n)]
-        self.names = [config.name(k, self.generation[k]) for k in range(n)]
+        self.owners: dict[str, int] = previous.owners if previous is not None else {}
+        # Not in a shared job: there a successor Planner finds the loaders by their layout version's names.
+        handover = previous is not None and not config.lifetime
+        self.adopted = unchanged_loaders(previous.config.layout, config.layout) if handover else {}
+        self.handles, self.names = [], []
         self.shadows: list[list] = [[] for _ in range(n)]
+        for k in range(n):
+            if k in self.adopted:
+                j = self.adopted[k]
+                self.handles.append(previous.handles[j])
+                self.names.append(previous.names[j])
+                self.shadows[k] = list(previous.shadows[j])
+            else:
+                self.handles.append(config.start(k, self.generation[k]))
+                self.names.append(config.name(k, self.generation[k]))
+            self.owners[self.names[k]] = self.owners.get(self.names[k], 0) + 1
         self.events: list[dict] = []
         self.on_event: Callable[[dict], None] | None = None  # told of each event (the job's metrics)
         self.checkpoint_interval = max(1, int(options.get("checkpoint_interval") or 1))
@@ -87,7 +106,8 @@ class LoaderFleet:
             self._respawn += [(k, after_step + self.respawn_delay) for k in range(len(self.handles))
                               for _ in range(self.shadow_count(k))]
             return
-        self.shadows = [[start_shadow(self.config, k, self.names[k]) for _ in range(self.shadow_count(k))]
+        self.shadows = [self.shadows[k] if k in self.adopted else
+                        [start_shadow(self.config, k, self.names[k]) for _ in range(self.shadow_count(k))]
                         for k in range(len(self.handles))]
 
     def shadow_count(self, k: int) -> int:
@@ -134,6 +154,7 @@ class LoaderFleet:
             how = "restarted cold (no shadow left): blocks are re-read on demand"
         self.handles[k] = new  # in place: the metadata provider shares this list
         self.names[k] = self.config.name(k, self.generation[k])
+        self.owners[self.names[k]] = self.owners.get(self.names[k], 0) + 1
         self.on_replaced()
         if self.shadow_count(k):
             # Keep the standby count, but not now: starting a worker process costs a second of CPU
@@ -222,19 +243,39 @@ class LoaderFleet:
         not run on closed readers."""
         ray = ray_module()
         self._respawn = []
+        # A loader handed over to a newer layout's fleet (or adopted from an older one still retiring) keeps
+        # running: only those no other fleet holds end here.
+        ending = []
+        for k, name in enumerate(self.names):
+            self.owners[name] = self.owners.get(name, 1) - 1
+            if self.owners[name] <= 0:
+                self.owners.pop(name)
+                ending.append(k)
         # What they skipped stays in the job's error report (plait.runtime.ray.planner_actor.error_report)
-        refs = [ld.error_report.remote() for ld in self.handles]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        refs = [self.handles[k].error_report.remote() for k in ending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0) if refs else ([], [])
         for ref in ready:
             try:
                 self.final_errors.append(ray.get(ref))
             except Exception:  # noqa: BLE001 - a dead loader: its replacement's report is lost with it
                 pass
-        for ld in self.handles + [sh for group in self.shadows for sh in group]:
+        for ld in [self.handles[k] for k in ending] + [sh for k in ending for sh in self.shadows[k]]:
             try:
                 ray.kill(ld)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+def unchanged_loaders(old: Layout, new: Layout) -> dict[int, int]:
+    """{new loader index: old loader index} for the loaders of `new` that own exactly the partitions of a
+    loader of `old`, their sources cut into as many partitions in both (the same blocks, the same buffer):
+    a rescale hands those over instead of starting them again."""
+    def key(layout: Layout, k: int) -> tuple:
+        pairs = tuple(sorted((int(s), int(p)) for s, p in layout.owned[k]))
+        return pairs, tuple(sorted({(s, int(layout.num_partitions[s])) for s, _ in pairs}))
+
+    old_of = {key(old, j): j for j in range(old.loaders)}
+    return {k: old_of[key(new, k)] for k in range(new.loaders) if key(new, k) in old_of}
 
 
 # ----- driver side: the Planner and the Constructors -----------------------------------------------

@@ -1,0 +1,208 @@
+"""The simulated training job of `plait bench e2e` and its two strategies (plait.cli.bench.e2e explains
+them): the GPU clock, synchronous DP ranks as threads, the summary, and one run of each strategy."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+# ----- the simulated GPU -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuClock:
+    """Seconds a micro-batch computes: its cost-model FLOPs (LLM per document + encoder per image) over
+    the GPU's effective FLOP/s."""
+
+    llm: object  # plait.cost.CostModel
+    encoder: object  # plait.cost.EncoderCost
+    flops_per_s: float
+
+    @classmethod
+    def of_spec(cls, spec, tflops: float) -> GpuClock:
+        from plait.cost import CostModel
+        from plait.roles.planner import encoder_cost
+
+        return cls(CostModel.from_spec(spec.cost), encoder_cost(spec), tflops * 1e12)
+
+    def seconds(self, doc_lengths: np.ndarray, image_patches: np.ndarray) -> float:
+        flops = float(self.llm.text(doc_lengths).sum())
+        if len(image_patches):
+            flops += float(self.encoder(image_patches).sum())
+        return flops / self.flops_per_s
+
+
+def plait_shape(mb) -> tuple[np.ndarray, np.ndarray, int]:
+    """(document lengths, patches per image, tokens) of a plait.Batch."""
+    patches = mb.image_grid.prod(axis=1) if mb.image_grid is not None else np.zeros(0, np.int64)
+    return np.diff(mb.cu_seqlens), patches, mb.num_tokens
+
+
+def torch_shape(mb: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """The same of a per-rank DataLoader's micro-batch (a dict of tensors)."""
+    cu = mb["cu_seqlens"].numpy()
+    return np.diff(cu), mb["image_grid"].numpy().prod(axis=1), int(cu[-1])
+
+
+# ----- the synchronous step clock ----------------------------------------------------------------
+@dataclass
+class Trace:
+    """What the ranks did, per step and rank: seconds waiting for data, seconds computing, tokens; and
+    when each step ended (every rank done), on perf_counter's clock from `start`."""
+
+    start: float
+    waits: np.ndarray  # [steps, ranks]
+    computes: np.ndarray  # [steps, ranks]
+    tokens: np.ndarray  # [steps, ranks]
+    step_ends: np.ndarray  # [steps]
+
+
+def run_synchronous(streams: list, steps: int, microbatches: int, clock: GpuClock, shape) -> Trace:
+    """Run `steps` synchronous steps: rank r takes `microbatches` micro-batches of `streams[r]` per step,
+    computing each for the clock's time (a sleep), then waits at the step's barrier."""
+    ranks = len(streams)
+    waits, computes, tokens = (np.zeros((steps, ranks)) for _ in range(3))
+    ends = np.zeros(steps)
+    done = [0]
+
+    def step_ended():  # run by one thread once all have arrived
+        ends[done[0]] = time.perf_counter()
+        done[0] += 1
+
+    barrier = threading.Barrier(ranks, action=step_ended)
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        it = iter(streams[r])
+        try:
+            for s in range(steps):
+                for _ in range(microbatches):
+                    t = time.perf_counter()
+                    mb = next(it)
+                    waits[s, r] += time.perf_counter() - t
+                    lengths, patches, n = shape(mb)
+                    seconds = clock.seconds(lengths, patches)
+                    time.sleep(seconds)
+                    computes[s, r] += seconds
+                    tokens[s, r] += n
+                barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+            barrier.abort()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return Trace(start, waits, computes, tokens, ends)
+
+
+def balance_loss(computes: np.ndarray) -> float:
+    """Mean over steps of 1 - mean/max of the ranks' compute times (0: perfectly balanced)."""
+    c = np.asarray(computes, dtype=np.float64)
+    top = c.max(axis=1)
+    loss = np.where(top > 0, 1.0 - c.mean(axis=1) / np.where(top > 0, top, 1.0), 0.0)
+    return float(loss.mean()) if len(loss) else 0.0
+
+
+def summarize(trace: Trace, warmup: int) -> dict:
+    """Rates over the steps after `warmup` (at least one step is kept)."""
+    steps, ranks = trace.waits.shape
+    w = max(0, min(warmup, steps - 1))
+    t0 = trace.step_ends[w - 1] if w > 0 else trace.start
+    wall = max(float(trace.step_ends[-1] - t0), 1e-9)
+    measured = steps - w
+    computes = trace.computes[w:]
+    return {
+        "steps": int(steps), "measured_steps": int(measured), "seconds": wall,
+        "steps_per_s": measured / wall,
+        "wait_fraction": float(trace.waits[w:].sum() / (ranks * wall)),
+        "compute_fraction": float(computes.sum() / (ranks * wall)),
+        "balance_loss": balance_loss(computes),
+        "compute_bound_steps_per_s": measured / max(float(computes.max(axis=1).sum()), 1e-9),
+        "tokens_per_s": float(trace.tokens[w:].sum() / wall),
+        "tokens_per_step": float(trace.tokens.sum() / steps),
+        "startup_s": float(trace.step_ends[w - 1] - trace.start) if w > 0 else 0.0,
+    }
+
+
+# ----- the two strategies ------------------------------------------------------------------------
+def run_per_rank(spec, args, clock: GpuClock) -> dict:
+    import gc
+
+    from plait.cli.bench.e2e_per_rank import rank_loaders
+    from plait.kernels import warm_up
+
+    warm_up()  # compiled before the workers fork, as plait's actors compile theirs at start
+    workers = max(1, args.cpus // spec.topology.dp)
+    t0 = time.perf_counter()
+    streams = rank_loaders(spec, workers)
+    trace = run_synchronous(streams, args.steps, args.microbatches, clock, torch_shape)
+    trace.start = t0
+    row = summarize(trace, args.warmup)
+    del streams, trace
+    gc.collect()  # ends the DataLoaders' worker processes now
+    row.update(workers_per_rank=workers, processes=workers * spec.topology.dp)
+    return row
+
+
+def autoscale_available() -> bool:
+    from plait.runtime.ray.runtime import RayRuntime
+
+    return "autoscale" in RayRuntime.option_names()
+
+
+def full_step_seconds(spec, clock: GpuClock) -> float:
+    """The simulated GPU's time for a step of full text micro-batches: the pace the first loader layout
+    must keep (the probe measures each source's cost, images decoded, and sizes the loaders for it)."""
+    n = spec.packing.seq_len
+    return spec.packing.num_microbatches * clock.seconds(np.array([n // 8] * 8), np.zeros(0, np.int64))
+
+
+def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
+    import plait
+
+    ranks = spec.topology.dp
+    options = {"loaders": "auto", "step_time": max(full_step_seconds(spec, clock), 0.01), **options,
+               **({"autoscale": True} if autoscale else {})}
+    job = f"bench-e2e-{os.getpid()}-{time.time_ns()}"
+    t0 = time.perf_counter()
+    loaders = [plait.Loader(spec, dp_rank=r, runtime="ray", job=job, attach=r > 0, steps=args.steps, **options)
+               for r in range(ranks)]  # rank 0 creates the job, the others join it
+    try:
+        trace = run_synchronous(loaders, args.steps, args.microbatches, clock, plait_shape)
+        trace.start = t0
+        row = summarize(trace, args.warmup)
+        layout = loaders[0].runtime.layout
+        report = loaders[0].scaling_report() if hasattr(loaders[0], "scaling_report") else None
+    finally:
+        for ld in loaders:
+            ld.close()
+    events = (report or {}).get("events") or []
+    row.update(loaders_at_start=layout.loaders, autoscale=autoscale,
+               loaders_at_end=events[-1]["loaders"] if events else layout.loaders,
+               rescale_events=None if report is None else len(events))
+    return row
+
+
+def start_ray(tries: int = 3, **options) -> None:
+    """ray.init, tried again when the node does not register within Ray's fixed 30 s (a loaded machine)."""
+    import ray
+
+    for attempt in range(tries):
+        try:
+            ray.init(namespace="plait", log_to_driver=False, configure_logging=False, **options)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+            ray.shutdown()

@@ -1,0 +1,245 @@
+"""The workloads of `plait bench e2e` besides the image mixture on Ray (plait.cli.bench.e2e):
+
+  long-context  pre-tokenized short web documents + long documents (4k..128k tokens), seq_len 32k and
+                128k, DP 8 and 32. Ranks are threads of one simulated clock: each step every rank's
+                micro-batches are taken (both strategies read the same sources: plait's local runtime,
+                per-rank greedy packing of each rank's share) and charged the 7B cost model's time, whose
+                attention term dominates at these lengths; the step takes its slowest rank. The data is
+                pre-tokenized and read ahead, so this row measures what balance buys (the seconds each
+                strategy spent producing a step on this machine are reported beside, not charged).
+  cpu-pool      the image mixture with the GPU fast enough that delivery sets the pace, where the trainers'
+                side is limited to one core (CPU affinity): per-rank DataLoaders must run there, while
+                plait's SourceLoaders run on a second Ray node pinned to the other core. This is
+                disaggregation (a CPU pool beside the trainer nodes), which per-rank loaders cannot use.
+  node-images   the local runtime as torchrun starts it: DP processes with LOCAL_RANK / LOCAL_WORLD_SIZE,
+                LOCAL_RANK 0 hosting the node's data plane (plait.runtime.node_share), images/s against
+                per-rank DataLoaders with as many worker processes as plait's SourceLoader has threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+LONG_SEQ = (32768, 131072)
+LONG_DPS = (8, 32)
+LONG_DATA = "longctx-v1"
+
+
+# ----- long-context --------------------------------------------------------------------------------
+def long_data(cache: Path | None) -> Path:
+    """Pre-tokenized `web` (median 700 tokens) and `long` (median 24k, 4k..128k) Parquet, written once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from plait.cli.demo_data import default_cache_dir
+
+    root = (Path(cache) if cache else default_cache_dir().parent) / LONG_DATA
+    done = root / "long" / "long-007.parquet"
+    if done.exists():
+        return root
+    rng = np.random.default_rng(20261202)
+    for name, files, docs, median, lo, hi in (("web", 8, 600, 700, 32, 16384), ("long", 8, 16, 24000, 4096, 131000)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for f in range(files):
+            lengths = np.clip(rng.lognormal(np.log(median), 0.9, docs), lo, hi).astype(np.int64)
+            flat = rng.integers(2, 32000, int(lengths.sum()), dtype=np.int32)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
+            pq.write_table(table, root / name / f"{name}-{f:03d}.parquet", row_group_size=max(1, docs // 4))
+    return root
+
+
+def long_spec(root: Path, dp: int, seq_len: int, microbatches: int):
+    from plait.spec import load_spec
+
+    return load_spec({
+        "seed": 5,
+        "sources": [{"name": n, "path": str(root / n / "*.parquet"), "tokens_field": "input_ids", "bos": 0, "eos": 1,
+                     "weight": 0.5} for n in ("web", "long")],
+        "packing": {"seq_len": seq_len, "microbatches": microbatches},
+        "topology": {"dp": dp},
+        "cost": {"hidden": 4096, "layers": 32, "ffn": 11008, "heads": 32},
+    })
+
+
+def plait_steps(spec, steps: int):
+    """Per step, per rank: the document lengths of its micro-batches (plait, local runtime)."""
+    from plait.runtime.local import LocalRuntime
+
+    rt = LocalRuntime(spec)
+    try:
+        for _ in range(steps):
+            plan = rt.plan()
+            yield [[np.diff(mb.cu_seqlens) for mb in rt.build(plan, r)] for r in range(plan.ranks)]
+            rt.release()
+    finally:
+        rt.close()
+
+
+def per_rank_steps(spec, steps: int):
+    """The same from per-rank greedy packing of each rank's share (plait.cli.bench.e2e_per_rank)."""
+    from plait.cli.bench.e2e_per_rank import interleave, pack_greedy, source_documents
+    from plait.sources import Source
+
+    ranks, mbs = spec.topology.dp, spec.packing.num_microbatches
+    weights = np.array([s.weight for s in spec.sources], dtype=np.float64)
+    sources = [[Source.of_job(spec, i) for i in range(len(spec.sources))] for _ in range(ranks)]
+    packers = [pack_greedy(interleave([source_documents(s, r, ranks) for s in sources[r]], weights),
+                           spec.packing.seq_len, None) for r in range(ranks)]
+    for _ in range(steps):
+        yield [[np.diff(next(packers[r])["cu_seqlens"]) for _ in range(mbs)] for r in range(ranks)]
+    for group in sources:
+        for s in group:
+            s.close()
+
+
+def simulated_row(steps_iter, clock) -> dict:
+    """Rates on the simulated clock: a step takes its slowest rank's compute (data read ahead)."""
+    from plait.cli.bench.e2e_run import balance_loss
+
+    computes, tokens, data_s = [], 0, []
+    t = time.perf_counter()
+    for per_rank in steps_iter:
+        data_s.append(time.perf_counter() - t)
+        computes.append([sum(clock.seconds(lengths, np.zeros(0, np.int64)) for lengths in mbs) for mbs in per_rank])
+        tokens += sum(int(lengths.sum()) for mbs in per_rank for lengths in mbs)
+        t = time.perf_counter()
+    c = np.asarray(computes)
+    wall = float(c.max(axis=1).sum())
+    return {"steps": len(c), "steps_per_s": len(c) / wall, "tokens_per_s": tokens / wall, "wait_fraction": 0.0,
+            "balance_loss": balance_loss(c), "clock": "simulated", "data_s_per_step": float(np.mean(data_s))}
+
+
+def run_long_context(args, err) -> list[dict]:
+    from plait.cli.bench.e2e_run import GpuClock
+
+    root = long_data(Path(args.cache) if args.cache else None)
+    seqs = [int(x) for x in str(args.long_seq).split(",")]
+    dps = [int(x) for x in str(args.long_dp).split(",")]
+    rows = []
+    for seq_len in seqs:
+        for dp in dps:
+            spec = long_spec(root, dp, seq_len, args.microbatches)
+            clock = GpuClock.of_spec(spec, args.gpu_tflops)
+            for strategy, make in (("per-rank", per_rank_steps), ("plait", plait_steps)):
+                err.print(f"[bold]e2e[/] long-context {strategy}, DP {dp}, seq_len {seq_len} ...")
+                row = simulated_row(make(spec, args.long_steps), clock)
+                rows.append({"workload": "long-context", "dp": dp, "seq_len": seq_len, "strategy": strategy, **row})
+    return rows
+
+
+# ----- cpu-pool: the trainers' core for per-rank loaders, a second Ray node's core for plait's ----------
+def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
+    """The trainers' side pinned to the first core this process may use; plait's SourceLoaders on a second
+    Ray node pinned to the others (its raylet and workers inherit the affinity they were started with)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from plait.cli.bench.e2e_run import run_per_rank, run_plait, start_ray
+
+    saved = os.sched_getaffinity(0)
+    cores = sorted(saved)
+    if len(cores) < 2:
+        err.print("[yellow]cpu-pool needs 2 cores: skipped[/]")
+        return []
+    trainer, pool = {cores[0]}, set(cores[1:])
+    base = {"workload": "cpu-pool", "dp": spec.topology.dp, "seq_len": spec.packing.seq_len,
+            "trainer_cores": sorted(trainer), "pool_cores": sorted(pool)}
+    rows = []
+    try:
+        os.sched_setaffinity(0, trainer)  # the rank threads and the DataLoader workers forked now
+        err.print(f"[bold]e2e[/] cpu-pool per-rank on core {cores[0]} ...")
+        rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # trainers' node: no loader fits
+        os.sched_setaffinity(0, pool)
+        cluster.add_node(num_cpus=args.cpus)  # the CPU pool: loaders (1 CPU each) run only here
+        os.sched_setaffinity(0, trainer)
+        start_ray(address=cluster.address)
+        try:
+            err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on {sorted(pool)} ...")
+            rows.append({**base, "strategy": "plait", **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    finally:
+        os.sched_setaffinity(0, saved)
+    return rows
+
+
+# ----- node-images: the local runtime under torchrun-style processes --------------------------------
+def node_trainer(cfg: dict) -> None:
+    """One trainer process: take `steps` steps of its rank, print images delivered and when (JSON)."""
+    os.environ.update(cfg["env"])
+    rank, steps, mbs = cfg["rank"], cfg["steps"], cfg["microbatches"]
+    loader = None
+    if cfg["strategy"] == "plait":
+        import plait
+
+        loader = plait.Loader(cfg["spec"], dp_rank=rank)
+        stream = iter(loader)
+        count = lambda mb: int(mb.num_images)  # noqa: E731
+    else:
+        from plait.cli.bench.e2e_per_rank import rank_loaders_for
+        from plait.spec import load_spec
+
+        stream = rank_loaders_for(load_spec(cfg["spec"]), rank, cfg["workers"])
+        count = lambda mb: int(len(mb["image_grid"]))  # noqa: E731
+    images, start = 0, None
+    for s in range(steps):
+        if s == cfg["warmup"]:
+            start = time.time()
+        for _ in range(mbs):
+            n = count(next(stream))
+            images += n if start is not None else 0
+    print(json.dumps({"rank": rank, "images": images, "start": start, "end": time.time()}), flush=True)
+    if loader is not None:
+        loader.close()  # the node's host serves the others until they have left (plait.runtime.node_share)
+
+
+def run_node_images(args, spec_of, err) -> list[dict]:
+    """DP processes, torchrun's environment each: plait (one SourceLoader, loading.workers = W threads) vs
+    per-rank (a DataLoader per process, W / DP worker processes each, at least one)."""
+    from plait.cli.bench.memory_realistic import torchrun_env
+
+    dp, workers = args.node_dp, args.node_workers
+    spec = spec_of(dp)
+    rows = []
+    for strategy in ("per-rank", "plait"):
+        err.print(f"[bold]e2e[/] node-images {strategy}, DP {dp} processes, {workers} workers ...")
+        spec_dict = spec.model_dump(mode="json")
+        spec_dict["loading"] = {**spec_dict.get("loading", {}), "workers": workers}
+        spec_dict["steps"] = args.node_steps
+        run_id = f"e2e-{os.getpid()}-{time.time_ns()}"
+        procs = []
+        for r in range(dp):
+            cfg = {"strategy": strategy, "spec": spec_dict, "rank": r, "steps": args.node_steps, "warmup": 1,
+                   "microbatches": spec.packing.num_microbatches, "workers": max(1, workers // dp),
+                   "env": torchrun_env(r, dp, run_id)}
+            procs.append(subprocess.Popen([sys.executable, "-m", __name__, "--node-trainer", json.dumps(cfg)],
+                                          stdout=subprocess.PIPE, text=True))
+        reports = []
+        for p in procs:
+            out, _ = p.communicate(timeout=900)
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if p.returncode != 0 or not lines:
+                raise RuntimeError(f"a node-images {strategy} trainer failed (exit {p.returncode})")
+            reports.append(json.loads(lines[-1]))
+        wall = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+        images = sum(r["images"] for r in reports)
+        rows.append({"workload": "node-images", "dp": dp, "seq_len": spec.packing.seq_len, "strategy": strategy,
+                     "images_per_s": images / wall, "steps_per_s": (args.node_steps - 1) / wall,
+                     "tokens_per_s": None, "wait_fraction": None, "balance_loss": None, "workers": workers,
+                     "processes": dp + (workers if strategy == "per-rank" else 0)})
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--node-trainer":
+        node_trainer(json.loads(sys.argv[2]))
