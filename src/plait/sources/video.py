@@ -18,6 +18,7 @@ probe reads only the headers; a WebDataset member, a remote file or inline bytes
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import replace
 
 import numpy as np
@@ -43,8 +44,6 @@ def video_policy(spec: Spec) -> VideoPolicy | None:
 def video_list(value, root: str | None) -> list[VideoRef]:
     """A record's video field as references: None -> none; a path, bytes, or a list of them (relative
     paths joined to `root`). ValueError for anything else."""
-    import posixpath
-
     if value is None:
         return []
     out = []
