@@ -104,12 +104,12 @@ def test_lifecycle_options_are_checked_before_anything_starts(options, error):
 
 
 def test_a_live_job_name_needs_attach_and_plait_jobs_lists_and_stops_it(head, spec, capsys, monkeypatch):
-    first = plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1, steps=50)
+    first = plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1, steps=50, heartbeat_interval=1.0)
     try:
         it = iter(first)
         next(it)
         with pytest.raises(plait.PlaitError, match=r"a job named 'jobs-a' is running \(1 trainer attached, "
-                                                   r"started \d+ s ago\); pass attach=True to join it"):
+                                                   r"started [\d.]+ \w+ ago\); pass attach=True to join it"):
             plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1)
         with pytest.raises(plait.PlaitError, match="no job named 'jobs-x' is running"):
             find_planner("jobs-x", wait=0.5)  # what attach=True does (it waits 30 s) for a job nobody starts
