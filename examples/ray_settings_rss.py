@@ -41,7 +41,7 @@ echo = Echo.remote()
 ray.get(echo.call.remote(0))
 me = psutil.Process()
 actor_pid = ray.get(echo.__ray_call__.remote(lambda self: os.getpid()))
-session = ray._private.worker._global_node.get_session_dir_path()
+session = ray._private.worker.global_worker.node.get_session_dir_path()  # on every Ray process command line
 
 
 def ray_processes():

@@ -292,25 +292,32 @@ def test_a_restart_under_the_same_name_resumes_from_its_state(head, spec, tmp_pa
 
 
 RANK = """
-import json, sys
+import json, os, sys, time
 import plait
-spec, address = json.loads(sys.argv[1]), sys.argv[2]
+spec, address = json.loads(sys.argv[1]), sys.argv[2] or None
 loader = plait.Loader.from_torchrun(spec, runtime="ray", address=address, loaders=1, steps=20)
 batches = [mb.sample_ids.tolist() for mb in loader]
+deadline = time.monotonic() + 120
+others = lambda: loader.runtime.ask_planner("stats")["clients"] - 1  # noqa: E731
+while os.environ["RANK"] == "0" and others() and time.monotonic() < deadline:
+    time.sleep(0.2)  # a barrier: rank 0's Ray instance (without address) must outlive the other ranks' reads
 print(json.dumps({"job": loader.runtime.job, "batches": batches}), flush=True)
 """  # no job=, no attach=: rank 0 creates the job, the others attach; exits without close()
 
 
 @pytest.mark.subprocess
-def test_from_torchrun_on_ray_creates_the_job_on_rank_0_and_attaches_the_others(head, spec):
+@pytest.mark.parametrize("on", ["cluster", "rank 0's local instance"])
+def test_from_torchrun_on_ray_creates_the_job_on_rank_0_and_attaches_the_others(head, spec, on):
+    """Without address=, rank 0 starts a local Ray instance and the other ranks find it (and the job)."""
     world = 2
+    address = head["address"] if on == "cluster" else ""
     two = plait.load_spec(spec.model_dump(mode="json") | {"topology": {"dp": world}})
     env = {**head["env"], "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "TORCHELASTIC_RUN_ID": "jobs-tr", "TORCHELASTIC_RESTART_COUNT": "0"}
+           "TORCHELASTIC_RUN_ID": f"jobs-tr{len(address)}", "TORCHELASTIC_RESTART_COUNT": "0"}
     procs = []
     for rank in reversed(range(world)):  # rank 1 first: it waits for rank 0's job to appear
         procs.append(subprocess.Popen([sys.executable, "-c", RANK, json.dumps(two.model_dump(mode="json")),
-                                       head["address"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
         time.sleep(1.0)
     outs = {}
@@ -318,8 +325,9 @@ def test_from_torchrun_on_ray_creates_the_job_on_rank_0_and_attaches_the_others(
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-3000:]
         outs[rank] = json.loads(out.strip().splitlines()[-1])
-    assert {o["job"] for o in outs.values()} == {"torchrun-jobs-tr"}  # one job for both ranks
+    job = f"torchrun-jobs-tr{len(address)}"
+    assert {o["job"] for o in outs.values()} == {job}  # one job for both ranks
     for rank in range(world):
         expected = [mb.sample_ids.tolist() for mb in plait.Loader(two, rank, steps=20)]
         assert outs[rank]["batches"] == expected
-    wait_gone("torchrun-jobs-tr", timeout=20)
+    wait_gone(job, timeout=20)

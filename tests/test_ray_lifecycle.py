@@ -82,7 +82,7 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
         config = state.get_system_config()
         assert config["task_events_max_num_task_in_gcs"] == TASK_EVENTS_IN_GCS  # Ray's default: 100,000
         assert config["enable_metrics_collection"] is False
-        node = worker._global_node
+        node = worker.global_worker.node
         assert (node.max_bytes, node.backup_count) == (LOG_ROTATION_BYTES, LOG_ROTATION_BACKUPS)
         assert not node.webui_url  # no dashboard: Ray keeps only a head process of one module, without web UI
         for process in node.all_processes.get(ray_constants.PROCESS_TYPE_DASHBOARD, []):
