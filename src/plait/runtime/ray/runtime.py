@@ -60,7 +60,8 @@ class RayOptions:
       attach        False (default): create job `job`; a live job of that name is an error (names are not
                     reused silently: `plait jobs stop NAME` ends the old one). True: join job `job`, which
                     another trainer process creates; waits up to 30 s for it to appear (ranks start
-                    unevenly), then fails. Under torchrun rank 0 creates, the other ranks pass attach=True.
+                    unevenly), then fails; without `address`, it joins the local instance the job's creator
+                    started on this machine. `Loader.from_torchrun` sets it on ranks > 0 by itself.
       heartbeat_interval  seconds between a trainer process's heartbeats (default 5); one not heard from for
                     two intervals is gone, and a job whose trainers are all gone ends by itself. The job's
                     creator decides it. A restart under a job's name (after a crash) waits that long for the
