@@ -131,6 +131,13 @@ class Heartbeat(threading.Thread):
         self.stopped.set()
 
 
+def heartbeat_period(info: dict, default: float) -> float:
+    """Seconds between heartbeats: the job's interval, and well inside its idle timeout when it has one."""
+    period = float(info.get("heartbeat_interval") or default)
+    idle = info.get("idle_timeout")
+    return min(period, max(float(idle) / 4, 0.05)) if idle else period
+
+
 def join(recipe, dp: int, creator: str, attach: bool, member: Membership, run: int = 0):
     """Attach `member` to job `recipe.job` and return its Planner: find it (attach=True, waiting for another
     process to start it) or create it. A job of that name whose trainers stopped (a restart after a crash,

@@ -218,7 +218,7 @@ class RayRuntime:
                             planner_options["run"])
         self._closed = False
         self.info = get(planner.info.remote())
-        self.membership.start_heartbeat(planner, self.info.get("heartbeat_interval") or opts.heartbeat_interval)
+        self.membership.start_heartbeat(planner, jobs.heartbeat_period(self.info, opts.heartbeat_interval))
         jobs.leave_when_dropped(self, self.membership)  # a Loader garbage-collected without close() leaves
         # A recreated Planner keeps this layout (no second probe, same loaders).
         planner_options["layout"] = self.info["layout"]
