@@ -28,25 +28,12 @@ def parse_args(description: str, *, steps: int, seq_len: int) -> argparse.Namesp
 
 def open_loader(spec, args: argparse.Namespace, name: str) -> plait.Loader:
     """This rank's Loader (ranks from RANK / WORLD_SIZE). On ray, rank 0 creates the job's actors (and a
-    local Ray instance unless --address); the others join the same instance (its address broadcast over
-    torch.distributed) and job (attach=True)."""
+    local Ray instance unless --address); the other ranks attach to the job by themselves (on rank 0's
+    machine they find its local instance)."""
     if args.runtime != "ray":
         return plait.Loader.from_torchrun(spec)
-    options = {"job": args.job or f"{name}-{os.environ.get('MASTER_PORT', '0')}", "loaders": 1}
-    rank = dist.get_rank()
-    address = [args.address]
-    loader = None
-    if rank == 0:
-        loader = plait.Loader.from_torchrun(spec, runtime="ray", address=args.address, **options)
-        import ray
-
-        address = [ray.get_runtime_context().gcs_address]
-    dist.broadcast_object_list(address, src=0)
-    if rank != 0:
-        if args.address is None:  # rank 0's local instance uses token auth (Ray >= 2.59), shared token file
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
-        loader = plait.Loader.from_torchrun(spec, runtime="ray", address=address[0], attach=True, **options)
-    return loader
+    job = args.job or f"{name}-{os.environ.get('MASTER_PORT', '0')}"
+    return plait.Loader.from_torchrun(spec, runtime="ray", address=args.address, job=job, loaders=1)
 
 
 def finish(args: argparse.Namespace, loader: plait.Loader, losses: list[float], elapsed: float) -> None:

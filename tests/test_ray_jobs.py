@@ -8,6 +8,7 @@ processes' `ray.init()` never find it), used by this process and by the trainer 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -104,12 +105,12 @@ def test_lifecycle_options_are_checked_before_anything_starts(options, error):
 
 
 def test_a_live_job_name_needs_attach_and_plait_jobs_lists_and_stops_it(head, spec, capsys, monkeypatch):
-    first = plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1, steps=50)
+    first = plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1, steps=50, heartbeat_interval=1.0)
     try:
         it = iter(first)
         next(it)
         with pytest.raises(plait.PlaitError, match=r"a job named 'jobs-a' is running \(1 trainer attached, "
-                                                   r"started \d+ s ago\); pass attach=True to join it"):
+                                                   r"started [\d.]+ \w+ ago\); pass attach=True to join it"):
             plait.Loader(spec, runtime="ray", job="jobs-a", loaders=1)
         with pytest.raises(plait.PlaitError, match="no job named 'jobs-x' is running"):
             find_planner("jobs-x", wait=0.5)  # what attach=True does (it waits 30 s) for a job nobody starts
@@ -200,3 +201,133 @@ def test_plait_mix_changes_a_running_jobs_weights(head, spec, capsys):
         assert main(["mix", "jobs-mix", "--set", "oops"]) == 2
     finally:
         loader.close()
+
+
+DROPS_ITS_LOADER = """
+import gc, json, sys, time
+import ray
+import plait
+spec, address = json.loads(sys.argv[1]), sys.argv[2]
+
+def main():  # the Loader lives in a function that returns; nobody calls close()
+    loader = plait.Loader(spec, runtime="ray", job="jobs-gc", address=address, loaders=1, steps=50)
+    print(len(next(iter(loader)).sample_ids), flush=True)
+
+main()
+gc.collect()
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and any(a["name"].startswith("jobs-gc/")
+                                          for a in ray.util.list_named_actors(all_namespaces=True)):
+    time.sleep(0.1)
+print("left" if time.monotonic() < deadline else "still there", flush=True)
+"""  # ...the garbage-collected Loader's finalizer left the job (it was its last trainer) while the process lives
+
+
+@pytest.mark.subprocess
+def test_a_loader_garbage_collected_in_a_returning_function_leaves_its_job(head, spec):
+    proc = subprocess.run([sys.executable, "-c", DROPS_ITS_LOADER, json.dumps(spec.model_dump(mode="json")),
+                           head["address"]], capture_output=True, text=True, timeout=180, env=head["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "left", proc.stdout + proc.stderr[-3000:]
+    time.sleep(10)  # and 10 s after the process ended, nothing of the job is left
+    assert job_actors("jobs-gc") == []
+
+
+KILLED = """
+import json, sys, time
+import plait
+spec, address, job, beat, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
+loader = plait.Loader(spec, runtime="ray", job=job, address=address, loaders=1, steps=50, heartbeat_interval=beat)
+it = iter(loader)
+for _ in range(3):
+    next(it)
+with open(out, "w") as f:
+    json.dump(loader.state_dict(), f)
+print("ready", flush=True)
+time.sleep(600)  # killed here (SIGKILL: no exit hook, no close)
+"""
+
+
+def start_and_kill(head, spec, tmp_path, job: str, beat: float) -> dict:
+    """A trainer process of job `job` reads 3 batches, saves its state, and is SIGKILLed; its saved state."""
+    out = tmp_path / f"{job}.json"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(spec.model_dump(mode="json")), head["address"],
+                             job, str(beat), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=head["env"])
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", line + proc.stderr.read()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.subprocess
+def test_a_killed_trainers_job_ends_within_two_heartbeat_intervals(head, spec, tmp_path):
+    beat = 2.0
+    start_and_kill(head, spec, tmp_path, "jobs-killed", beat)
+    assert job_actors("jobs-killed"), "the job outlives its trainer for a moment"
+    took = wait_gone("jobs-killed", timeout=2 * beat + 6)  # +6: the job's actors end; a loaded 2-core CI
+    # not the 600 s job_idle_timeout: the heartbeat stopped, the Planner took the trainer for gone
+    assert took > 0
+
+
+@pytest.mark.subprocess
+def test_a_restart_under_the_same_name_resumes_from_its_state(head, spec, tmp_path):
+    """A crashed trainer's job still holds its name; the restarted trainer (same name, no attach) waits for
+    it to end and starts it again from the saved state: the stream continues where the state says."""
+    state = start_and_kill(head, spec, tmp_path, "jobs-restart", 1.0)
+    assert job_actors("jobs-restart")  # the old job, not yet ended
+    restarted = plait.Loader(spec, runtime="ray", job="jobs-restart", loaders=1, steps=50, heartbeat_interval=1.0)
+    try:
+        restarted.load_state_dict(state)
+        got = [mb.sample_ids.tolist() for mb in itertools.islice(restarted, 3)]
+    finally:
+        restarted.close()
+    reference = plait.Loader(spec, steps=50)
+    reference.load_state_dict(state)
+    assert got == [mb.sample_ids.tolist() for mb in itertools.islice(reference, 3)]
+    wait_gone("jobs-restart", timeout=20)
+
+
+RANK = """
+import json, os, sys, time
+import plait
+spec, address = json.loads(sys.argv[1]), sys.argv[2] or None
+loader = plait.Loader.from_torchrun(spec, runtime="ray", address=address, loaders=1, steps=20)
+batches = [mb.sample_ids.tolist() for mb in loader]
+deadline = time.monotonic() + 120
+others = lambda: loader.runtime.ask_planner("stats")["clients"] - 1  # noqa: E731
+while os.environ["RANK"] == "0" and others() and time.monotonic() < deadline:
+    time.sleep(0.2)  # a barrier: rank 0's Ray instance (without address) must outlive the other ranks' reads
+print(json.dumps({"job": loader.runtime.job, "batches": batches}), flush=True)
+"""  # no job=, no attach=: rank 0 creates the job, the others attach; exits without close()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("on", ["cluster", "rank 0's local instance"])
+def test_from_torchrun_on_ray_creates_the_job_on_rank_0_and_attaches_the_others(head, spec, on):
+    """Without address=, rank 0 starts a local Ray instance and the other ranks find it (and the job)."""
+    world = 2
+    address = head["address"] if on == "cluster" else ""
+    two = plait.load_spec(spec.model_dump(mode="json") | {"topology": {"dp": world}})
+    env = {**head["env"], "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "TORCHELASTIC_RUN_ID": f"jobs-tr{len(address)}", "TORCHELASTIC_RESTART_COUNT": "0"}
+    procs = []
+    for rank in reversed(range(world)):  # rank 1 first: it waits for rank 0's job to appear
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK, json.dumps(two.model_dump(mode="json")),
+                                       address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        time.sleep(1.0)
+    outs = {}
+    for rank, proc in zip(reversed(range(world)), procs):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        outs[rank] = json.loads(out.strip().splitlines()[-1])
+    job = f"torchrun-jobs-tr{len(address)}"
+    assert {o["job"] for o in outs.values()} == {job}  # one job for both ranks
+    for rank in range(world):
+        expected = [mb.sample_ids.tolist() for mb in plait.Loader(two, rank, steps=20)]
+        assert outs[rank]["batches"] == expected
+    wait_gone(job, timeout=20)

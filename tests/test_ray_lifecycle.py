@@ -42,3 +42,52 @@ def test_two_loaders_share_the_instance_plait_started_and_the_last_close_release
 def test_a_failed_join_names_its_cause(said, cause):
     message = explain_join_failure("10.0.0.1:6379", ConnectionError("Failed to connect to Ray cluster"), said)
     assert cause in message and "10.0.0.1:6379" in message
+
+
+def test_a_failed_join_says_plaits_advice_first_and_keeps_rays_output_in_a_file(monkeypatch, capfd):
+    """Ray logs twenty lines of its own before failing a join to a token-protected cluster; plait's
+    one-sentence advice comes first, and Ray's lines go to a file the error names (nothing is lost)."""
+    import os
+
+    from plait.runtime.ray.instance import start_ray
+
+    def failing_init(*args, **kwargs):
+        os.write(2, b"".join(b"W ray noise line %d: auth token check\n" % i for i in range(20)))
+        raise ConnectionError("Failed to get cluster ID from GCS server: Unauthenticated: InvalidAuthToken")
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    with pytest.raises(plait.PlaitError) as caught:
+        start_ray("auto")
+    message = str(caught.value)
+    assert "authentication failed" in message and "RAY_AUTH_TOKEN" in message
+    assert "ray noise line" not in capfd.readouterr().err  # not before plait's advice
+    log = message.rsplit("Ray's own output: ", 1)[1].rstrip(")")
+    with open(log) as f:
+        assert f.read().count("ray noise line") == 20
+    os.remove(log)
+
+
+def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
+    """Bounded task events in the GCS, no dashboard (nor Ray's metrics export), rotated logs: read back from
+    the instance plait started."""
+    from ray._private import ray_constants, worker
+    from ray._private.state import state
+
+    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, TASK_EVENTS_IN_GCS
+
+    assert not ray.is_initialized(), "this test needs no Ray running in the process"
+    ds = token_parquet(tmp_path / "a", files=1, docs_per_file=20, row_group_size=5, lo=4, hi=40)
+    loader = plait.Loader(make_spec([ds], seq_len=64, microbatches=2, dp=1), runtime="ray", loaders=1, steps=1)
+    try:
+        config = state.get_system_config()
+        assert config["task_events_max_num_task_in_gcs"] == TASK_EVENTS_IN_GCS  # Ray's default: 100,000
+        assert config["enable_metrics_collection"] is False
+        node = worker.global_worker.node
+        assert (node.max_bytes, node.backup_count) == (LOG_ROTATION_BYTES, LOG_ROTATION_BACKUPS)
+        assert not node.webui_url  # no dashboard: Ray keeps only a head process of one module, without web UI
+        for process in node.all_processes.get(ray_constants.PROCESS_TYPE_DASHBOARD, []):
+            assert "--disable-frontend" in process.process.args
+        assert len(list(loader)) == 2
+    finally:
+        loader.close()
+    assert not ray.is_initialized()

@@ -91,9 +91,17 @@ class Loader:
         `topology` in the spec is filled in from the world size: the launch decides the DP size, so a spec
         that pins another one (the demo's `dp: 8` on 2 processes) runs with the launch's (logged at info);
         a tp/pp/cp passed here that contradicts the spec's is refused.
+
+        runtime="ray": every rank uses one job (`job=`, default: named after torchrun's run), which rank 0
+        creates and the other ranks attach to by themselves, waiting for it to appear; without `address`
+        the ranks on rank 0's machine join the Ray instance it started (plait.runtime.ray.jobs).
         """
-        return cls.for_process(spec, rank=env_int("RANK"), world_size=env_int("WORLD_SIZE"), tp=tp, pp=pp, cp=cp,
-                               **options)
+        rank = env_int("RANK")
+        if options.get("runtime") == "ray":  # one job for all ranks: rank 0 creates it, the others attach
+            from plait.runtime.ray.jobs import torchrun_options
+
+            options = torchrun_options(rank, options)
+        return cls.for_process(spec, rank=rank, world_size=env_int("WORLD_SIZE"), tp=tp, pp=pp, cp=cp, **options)
 
     @classmethod
     def from_ray_train(cls, spec: Spec | dict | str, *, tp: int | None = None, pp: int | None = None,

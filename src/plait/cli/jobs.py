@@ -57,7 +57,7 @@ def join_cluster(address: str) -> bool:
     """Connect this process to the cluster at `address` (True), or use the connection it has (False)."""
     from plait.runtime.ray import NAMESPACE, check_reachable
     from plait.runtime.ray.common import ray_module
-    from plait.runtime.ray.runtime import StderrCapture, explain_join_failure
+    from plait.runtime.ray.instance import StderrCapture, explain_join_failure
 
     ray = ray_module()
     if ray.is_initialized():
@@ -80,9 +80,10 @@ def join_cluster(address: str) -> bool:
             error = None
         except (ConnectionError, RuntimeError) as e:
             error = e
+            said.failed()
     if error is None:
         return True
-    raise PlaitError(explain_join_failure(address, error, said.text)) from None
+    raise PlaitError(explain_join_failure(address, error, said.text) + said.where_said()) from None
 
 
 def running_cluster() -> str | None:

@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
     p.add_argument("--address", default=None, help="Ray cluster address (auto, ray://...); default: start a local one")
+    p.add_argument("--dashboard", action="store_true",
+                   help="ray runtime: start Ray's dashboard with the local instance (off by default: a long job's Ray "
+                   "stays flat without it)")
     p.add_argument("--loaders", type=loaders_arg, default="auto",
                    help="ray runtime: SourceLoader actors, `auto` (default: from each source's measured cost and "
                    "mixture share) or a number")
@@ -75,6 +78,8 @@ def run(args) -> int:
     if args.runtime == "ray":
         options = {k: v for k, v in (("address", args.address), ("loaders", args.loaders),
                                      ("step_time", args.step_time)) if v is not None}
+        if args.dashboard:
+            options["dashboard"] = True
         if not args.quiet:
             options["on_layout"] = print_layout
         autoscale = autoscale_option(args)

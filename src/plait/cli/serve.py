@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--runtime", choices=["ray", "local"], default="ray",
                    help="ray (default): the job's roles are Ray actors; local: all in this process, no Ray")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (auto, host:port); default: start a local one")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start Ray's dashboard with the local instance (off by default)")
     p.add_argument("--dp", type=positive_int, default=None, help="override topology.dp")
     p.add_argument("--loaders", type=loaders_arg, default="auto", help="SourceLoader actors: auto or a number")
     p.add_argument("--prefetch", type=int, default=2, help="steps each Constructor builds ahead (default 2)")
@@ -44,8 +46,9 @@ def add_arguments(p) -> None:
 def _server(args, spec):
     token = os.environ.get("PLAIT_TOKEN") or None
     if args.runtime == "local":
-        if args.ray_address:
-            raise PlaitError("--ray-address: --runtime local uses no Ray (drop one of them)")
+        if args.ray_address or args.dashboard:
+            flag = "--ray-address" if args.ray_address else "--dashboard"
+            raise PlaitError(f"{flag}: --runtime local uses no Ray (drop one of them)")
         from plait.runtime.serve_local import LocalJobServer
 
         return LocalJobServer(spec, args.job, args.address, token=token, prefetch=args.prefetch)
@@ -54,6 +57,8 @@ def _server(args, spec):
     options = {"loaders": args.loaders, "prefetch": args.prefetch, "constructors": args.constructors}
     if args.ray_address:
         options["address"] = args.ray_address
+    if args.dashboard:
+        options["dashboard"] = True
     return JobServer(spec, args.job, args.address, token=token, **options)
 
 

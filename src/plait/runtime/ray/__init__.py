@@ -13,10 +13,13 @@ One module each:
   recovery           what happens when a loader, a shadow, a Constructor or the Planner dies
   standby_planner    a shared job's standby Planner: follows the Planner's per-step state, makes its
                      successor (exactly one, same stream) when it dies
-  jobs               a job's lifecycle: attach=True, heartbeats, close at exit, `plait jobs` list/stop
+  jobs               a job's lifecycle: joining (attach, torchrun), a trainer's membership and heartbeat,
+                     leaving at close, garbage collection or exit; `plait jobs` list/stop
+  liveness           the Planner's roster of live trainers: a job whose trainers all stopped ends
+  instance           joining a cluster or starting the local instance (set up for a long job)
   job_metrics        the job's Prometheus endpoint, served by the Planner (per-loader and delivered counts
                      collected from the actors at scrape time)
-  common             namespace, names, `get`, dead-actor errors, actor options
+  common             namespace, names, `get`, dead-actor errors, actor options, Ray's long-run settings
 
 The stream is the local runtime's, bit for bit. Ray is imported lazily (plait[ray] is optional); the
 local runtime never imports this package.

@@ -77,3 +77,24 @@ def use_numpy_kernels() -> None:
     from plait import kernels
 
     kernels.use_compiled(False)
+
+
+# ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------
+TASK_EVENTS_IN_GCS = 10_000  # Ray's default keeps 100,000 task events in the GCS (every actor call is one)
+LOG_ROTATION_BYTES = 64 * 2**20  # per log file of Ray's processes (Ray's default: 512 MiB, 5 backups)
+LOG_ROTATION_BACKUPS = 2
+
+
+def long_run_settings(dashboard: bool = False) -> tuple[dict, dict]:
+    """(ray.init keyword arguments, environment variables) for a local instance that stays flat over a
+    long job: task events bounded in the GCS, no dashboard (and no metrics agent exporting Ray's own
+    metrics: plait serves its own) unless `dashboard`, logs rotated at LOG_ROTATION_BYTES, workers' output
+    kept in their log files rather than copied to the trainer. The variables must be in the environment
+    before `ray.init` (Ray's processes read them at start); docs/ray-long-runs.md has the `ray start`
+    equivalents for a cluster plait joins."""
+    system_config: dict[str, Any] = {"task_events_max_num_task_in_gcs": TASK_EVENTS_IN_GCS}
+    if not dashboard:
+        system_config["enable_metrics_collection"] = False
+    init = {"include_dashboard": bool(dashboard), "log_to_driver": False, "_system_config": system_config}
+    env = {"RAY_ROTATION_MAX_BYTES": str(LOG_ROTATION_BYTES), "RAY_ROTATION_BACKUP_COUNT": str(LOG_ROTATION_BACKUPS)}
+    return init, env

@@ -2,10 +2,11 @@
 at interpreter exit, and listing and stopping jobs (`plait jobs`).
 
 A job lives from its first trainer's start until
-  * every trainer that attached has closed (`Loader.close()`, the `with` block, or interpreter exit:
-    `close_at_exit`), the last one ending the actors (plait.runtime.ray.runtime.RayRuntime.close), or
-  * no trainer was seen for the job's `job_idle_timeout` (a trainer killed without closing): the
-    Planner's idle watch ends the job (plait.runtime.ray.planner_actor), or
+  * every trainer that attached has left (`Loader.close()`, the `with` block, its Loader garbage-collected,
+    or interpreter exit: `Membership`), the last one ending the actors, or
+  * every trainer left or stopped its heartbeat (killed, crashed: gone after two heartbeat intervals,
+    plait.runtime.ray.liveness): the Planner ends the job itself, or
+  * no trainer was seen for the job's `job_idle_timeout`: the Planner's idle watch ends the job, or
   * someone runs `plait jobs stop NAME` (`stop_job`).
 Ending a job ends its Constructors, loaders and shadows, then its Planner; their object-store data goes
 with them.
@@ -14,12 +15,16 @@ with them.
 from __future__ import annotations
 
 import atexit
+import json
+import os
+import tempfile
 import threading
 import time
 import weakref
 
 from plait.errors import PlaitError
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, job_of, planner_name, ray_module
+from plait.runtime.ray.liveness import LIVENESS_GROUP, JobNameTaken
 
 ATTACH_WAIT_S = 30.0  # how long attach=True waits for the job's Planner to appear (ranks start unevenly)
 
@@ -40,55 +45,200 @@ def find_planner(job: str, wait: float = ATTACH_WAIT_S):
             time.sleep(0.1)
 
 
+class Membership:
+    """This trainer process's place in job `job`: its token, its heartbeat, and leaving the job (`close()`,
+    its runtime garbage-collected, or interpreter exit), the last one out ending the job's actors.
+
+    It holds no reference to its runtime, so a runtime dropped without `close()` is still finalized
+    (`leave_when_dropped`). `planner` is the current handle (the runtime replaces it when a dead Planner
+    is succeeded or recreated)."""
+
+    def __init__(self, job: str, token: str):
+        self.job, self.token = job, token
+        self.planner = None
+        self.lock = threading.Lock()
+        self.left = False
+        self.heartbeat: Heartbeat | None = None
+
+    def start_heartbeat(self, planner, interval: float) -> None:
+        self.planner = planner
+        self.heartbeat = Heartbeat(self, interval)
+        self.heartbeat.start()
+        ATTACHED.add(self)
+        register_exit_hook()
+
+    def leave(self, timeout: float = 30.0) -> int | None:
+        """Detach from the job (once; later calls wait for the first); the last trainer out ends the job.
+        The number of trainers left, None when the job could not be told (Ray or the job gone)."""
+        with self.lock:
+            if self.left:
+                return None
+            self.left = True
+            try:
+                if self.heartbeat is not None:
+                    self.heartbeat.stop()
+                return self._detach(timeout)
+            finally:
+                ATTACHED.discard(self)
+
+    def _detach(self, timeout: float) -> int | None:
+        ray = ray_module()
+        if self.planner is None or not ray.is_initialized():  # Ray is gone: a call now would start a new one
+            return None
+        try:
+            try:
+                left = get(self.planner.detach.remote(self.token), timeout=timeout)
+            except dead_errors():  # a successor (plait.runtime.ray.standby_planner) is found by the job's name
+                self.planner = find_planner(self.job, wait=0)
+                left = get(self.planner.detach.remote(self.token), timeout=timeout)
+            if left <= 0:
+                get(self.planner.shutdown.remote(), timeout=2 * timeout)
+                ray.kill(self.planner)
+            return left
+        except Exception:  # noqa: BLE001 - best effort: the job's heartbeat watch ends it all the same
+            return None
+
+
 class Heartbeat(threading.Thread):
     """Tells the job's Planner, every `period` seconds, that this trainer process is alive (so a long
-    evaluation or checkpoint does not count as idle). `runtime.planner` is the current handle (it changes
-    when a dead Planner is recreated); the runtime is held weakly: one dropped without `close()` stops
-    the heartbeat, and its job then ends after its idle timeout. Stops with `stop()` or the process."""
+    evaluation or checkpoint does not count as idle, and the process is not taken for dead: see
+    plait.runtime.ray.liveness). Heard on the Planner's own liveness thread. Stops with `stop()`, when
+    its Membership leaves, or with the process."""
 
-    def __init__(self, runtime, period: float):
+    def __init__(self, member: Membership, period: float):
         super().__init__(name="plait-heartbeat", daemon=True)
-        self.runtime = weakref.ref(runtime)
+        self.member = member
         self.period = period
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(self.period):
-            runtime = self.runtime()
-            if runtime is None:
-                return
-            planner, job, runtime = runtime.planner, runtime.job, None
             try:
-                get(planner.touch.remote(), timeout=max(self.period, 5.0))
+                self.beat(self.member.planner)
             except dead_errors():  # a successor (plait.runtime.ray.standby_planner) is found by the job's name
                 try:
-                    get(find_planner(job, wait=0).touch.remote(), timeout=max(self.period, 5.0))
+                    self.beat(find_planner(self.member.job, wait=0))
                 except Exception:  # noqa: BLE001 - none yet: the driver's calls find out
                     pass
             except Exception:  # noqa: BLE001 - a busy Planner: the driver's calls find out
                 pass
 
+    def beat(self, planner) -> None:
+        get(planner.touch.options(concurrency_group=LIVENESS_GROUP).remote(self.member.token),
+            timeout=max(self.period, 5.0))
+
     def stop(self) -> None:
         self.stopped.set()
 
 
-def heartbeat_period(idle_timeout: float | None) -> float | None:
-    """A heartbeat well inside the idle timeout (None: no timeout, no heartbeat)."""
-    if not idle_timeout:
-        return None
-    return min(max(float(idle_timeout) / 4, 0.1), 30.0)
+def heartbeat_period(info: dict, default: float) -> float:
+    """Seconds between heartbeats: the job's interval, and well inside its idle timeout when it has one."""
+    period = float(info.get("heartbeat_interval") or default)
+    idle = info.get("idle_timeout")
+    return min(period, max(float(idle) / 4, 0.05)) if idle else period
 
 
-# ----- interpreter exit -------------------------------------------------------------------------------
+def join(recipe, dp: int, creator: str, attach: bool, member: Membership, run: int = 0):
+    """Attach `member` to job `recipe.job` and return its Planner: find it (attach=True, waiting for another
+    process to start it) or create it. A job of that name whose trainers stopped (a restart after a crash,
+    under the same name) is waited for until it has ended (JobNameTaken says how long), then started again;
+    a joiner of a later torchrun restart (`run`) does not join the previous run's job meanwhile."""
+    deadline = None
+    while True:
+        try:
+            planner = find_planner(recipe.job) if attach else recipe.start()
+            get(planner.attach.remote(recipe.fingerprint, dp, creator, attach, member.token, run))
+            return planner
+        except JobNameTaken as e:
+            deadline = deadline or time.monotonic() + e.wait_s
+            if time.monotonic() >= deadline:
+                raise
+        except dead_errors():  # that job ended between finding it and attaching: start or find it again
+            deadline = deadline or time.monotonic() + ATTACH_WAIT_S
+            if time.monotonic() >= deadline:
+                raise PlaitError(f"job {recipe.job!r} kept ending while this trainer attached; try again") from None
+        time.sleep(0.2)
+
+
+# ----- torchrun: one job name, rank 0 creates it, the others attach -----------------------------------
+def torchrun_options(rank: int, options: dict) -> dict:
+    """The ray runtime's options for global `rank` of a torchrun job: one job name for every rank (default:
+    torchrun's run id, else its master address and port), rank 0 creates the job, the others attach (and
+    wait for it to appear)."""
+    out = dict(options)
+    if not out.get("job"):
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        key = run_id if run_id not in ("", "none") else (f"{os.environ.get('MASTER_ADDR', 'local')}-"
+                                                         f"{os.environ.get('MASTER_PORT', '0')}")
+        out["job"] = f"torchrun-{key}"
+    out.setdefault("attach", rank > 0)
+    return out
+
+
+def address_file(job: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"plait-ray-{job.replace('/', '_')}.json")
+
+
+def publish_local_instance(job: str) -> None:
+    """The creator of job `job` started a local Ray instance: say where, for the job's other trainer
+    processes on this machine (attach=True without an address)."""
+    ray = ray_module()
+    path = address_file(job)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"address": ray.get_runtime_context().gcs_address,
+                   "auth_mode": os.environ.get("RAY_AUTH_MODE", "token")}, f)
+    os.replace(path + ".tmp", path)
+
+
+def unpublish_local_instance(job: str) -> None:
+    try:
+        os.remove(address_file(job))
+    except OSError:
+        pass
+
+
+def local_instance_address(job: str, wait: float = ATTACH_WAIT_S) -> str:
+    """The address of the local Ray instance job `job`'s creator started on this machine, waiting up to
+    `wait` seconds for it; a PlaitError when none appears."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(address_file(job)) as f:
+                found = json.load(f)
+            os.environ.setdefault("RAY_AUTH_MODE", found.get("auth_mode", "token"))  # its token file is shared
+            return found["address"]
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() >= deadline:
+                raise PlaitError(f"no trainer process on this machine started job {job!r} (waited {wait:.0f} s): "
+                                 "pass address= (the Ray cluster) on every rank, or start rank 0 too") from None
+            time.sleep(0.1)
+
+
+# ----- leaving at garbage collection and at interpreter exit ------------------------------------------
 OPEN = weakref.WeakSet()  # runtimes not yet closed, closed at interpreter exit
+ATTACHED: set = set()  # memberships not yet left (also those whose runtime was dropped without close())
+
+
+def leave_when_dropped(runtime, member: Membership) -> None:
+    """When `runtime` is garbage-collected without `close()`, `member` leaves its job (on a thread of its
+    own: a finalizer may run inside any call); at exit, `close_open_runtimes` waits for it."""
+    finalizer = weakref.finalize(runtime, start_leaving, member)
+    finalizer.atexit = False  # at exit close_open_runtimes runs first, while Ray still answers
+
+
+def start_leaving(member: Membership) -> None:
+    threading.Thread(target=member.leave, name="plait-leave", daemon=True).start()
 
 
 def close_at_exit(runtime) -> None:
-    """Close `runtime` (anything with `close()`) at interpreter exit, if it is still open then.
-
-    The hook is (re-)registered after `import ray`, so it runs before Ray's own exit hook (atexit runs
-    last-registered first) while Ray can still reach the job's actors."""
+    """Close `runtime` (anything with `close()`) at interpreter exit, if it is still open then."""
     OPEN.add(runtime)
+    register_exit_hook()
+
+
+def register_exit_hook() -> None:
+    """(Re-)registered after `import ray`, so it runs before Ray's own exit hook (atexit runs
+    last-registered first) while Ray can still reach the job's actors."""
     atexit.unregister(close_open_runtimes)
     atexit.register(close_open_runtimes)
 
@@ -98,11 +248,14 @@ def closed(runtime) -> None:
 
 
 def close_open_runtimes() -> None:
+    """At exit: close the runtimes still open, then leave every job this process still belongs to."""
     for runtime in list(OPEN):
         try:
             runtime.close()
         except Exception:  # noqa: BLE001 - at exit, best effort; Ray may be gone already
             pass
+    for member in list(ATTACHED):
+        member.leave(timeout=10.0)
 
 
 # ----- listing and stopping jobs (plait jobs) -----------------------------------------------------------

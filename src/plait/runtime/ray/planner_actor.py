@@ -38,6 +38,7 @@ from plait.runtime.ray.common import (
 from plait.runtime.ray.autoscaler import Autoscaler, ControlLoop, ScalingRecord, collect_figures
 from plait.runtime.ray.job_metrics import JobMetrics
 from plait.runtime.ray.layout_probe import layout_for
+from plait.runtime.ray.liveness import LIVENESS_GROUP, JobNameTaken, RosterWatch, TrainerRoster
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.recovery import LoaderFleet
 from plait.runtime.ray.routing import Routing, RoutingTable, check_layout
@@ -49,15 +50,6 @@ scale_log = logging.getLogger("plait.scaling")
 job_log = logging.getLogger("plait.jobs")
 # planned steps the Planner keeps (Constructors wait at its edge: `horizon`); docs/serving.md
 PLAN_WINDOW = int(os.environ.get("PLAIT_PLAN_WINDOW") or WINDOW)
-
-
-class JobNameTaken(PlaitError):
-    """A live job already has this name. The actor says only that (`plain`); who started the new one (a
-    Loader, `plait serve`) adds what to do about it, in its own terms."""
-
-    def __init__(self, message: str, plain: str | None = None):
-        super().__init__(message)
-        self.plain = plain or message
 
 
 class LoaderMetadata:
@@ -121,7 +113,7 @@ class PlannerActor:
         self.built: dict[int, set[int]] = {}
         self.progress = RankProgress()  # how far each rank's builds got: the window's edge (`horizon`)
         self.planned = 0  # steps planned in total (each exactly once per generation)
-        self.clients = 0
+        self.trainers = TrainerRoster(options.get("heartbeat_interval"), options.get("run", 0))  # attached trainer processes
         self.constructors: set[str] = set()
         self.started = time.time()
         self.creator = options.get("creator")  # the client whose start made this actor (attach=False)
@@ -137,6 +129,7 @@ class PlannerActor:
             self._start_autoscaling(options["autoscale"])
         if self.idle_timeout:
             IdleWatch(self.idle_timeout, lambda: self.last_seen, self._end_idle_job).start()
+        RosterWatch(self.trainers, lambda: self._end_idle_job("its trainers detached or stopped")).start()
         # A shared job's standby follows this Planner's per-step state and makes its successor, should it
         # die; a successor continues the dead one's stream (plait.runtime.ray.standby_planner).
         recipe = PlannerRecipe(spec_dict, job, {**options, "layout": self.layout.to_dict()}, self.spec.data_fingerprint(),
@@ -253,7 +246,8 @@ class PlannerActor:
         return {"gen": self.gen, "fingerprint": self.spec.data_fingerprint(), "ranks": self.planner.ranks,
                 "sources": self.spec.source_names,
                 "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict(),
-                "idle_timeout": self.idle_timeout, "routing_version": self.routes.version}
+                "idle_timeout": self.idle_timeout, "routing_version": self.routes.version,
+                "heartbeat_interval": self.trainers.interval}
 
     def get_loaders(self) -> list:
         return self.loaders.handles
@@ -381,33 +375,33 @@ class PlannerActor:
             ld.retain.remote(live)
 
     def stats(self) -> dict:
-        return {"planned": self.planned, "step": self.planner.step, "gen": self.gen, "clients": self.clients,
+        return {"planned": self.planned, "step": self.planner.step, "gen": self.gen, "clients": self.trainers.count,
                 "constructors": sorted(self.constructors), "routing_version": self.routes.version,
                 "retiring": [r.version for r, _ in self.routes.retiring]}
 
     # ----- lifetime -----------------------------------------------------------------------------
     def attach(self, fingerprint: str, ranks: int | None = None, creator: str | None = None,
-               joining: bool = True) -> int:
-        """A trainer process joins the job. `joining=False` (a client that means to create the job, token
-        `creator`) is refused unless this very actor was started by it: a live job's name is not reused
-        silently."""
+               joining: bool = True, trainer: str | None = None, run: int = 0) -> int:
+        """Trainer process `trainer` (its heartbeat token) joins the job. `joining=False` (a client that means
+        to create the job, token `creator`) is refused unless this very actor was started by it: a live job's
+        name is not reused silently (plait.runtime.ray.liveness.JobNameTaken says how long until it ends)."""
         if not joining and creator != self.creator:
-            n = self.clients
-            raise JobNameTaken(f"a job named {self.job!r} is running ({n} trainer{'' if n == 1 else 's'} attached, "
-                               f"started {format_age(time.time() - self.started)} ago)")
+            self.trainers.refuse_creator(self.job, format_age(time.time() - self.started))
+        self.trainers.check_run(self.job, run)  # a later torchrun restart does not join the previous run's job
         if fingerprint != self.spec.data_fingerprint():
             raise PlaitError(f"job {self.job!r} runs a different spec (data fingerprint differs)")
         if ranks is not None and ranks != self.planner.ranks:
             raise PlaitError(f"job {self.job!r} plans for {self.planner.ranks} DP ranks, this client's topology has "
                              f"{ranks}: every trainer process of a job must use the same spec and layout")
         self._seen()
-        self.clients += 1
+        count = self.trainers.add(trainer)
         self.standby.sync(self)
-        return self.clients
+        return count
 
-    def touch(self) -> None:
-        """A trainer's heartbeat: the job is in use (see `job_idle_timeout`)."""
+    def touch(self, trainer: str | None = None) -> None:
+        """A trainer's heartbeat (on the LIVENESS_GROUP thread): the job is in use, `trainer` alive."""
         self._seen()
+        self.trainers.touch(trainer)
 
     def register_constructor(self, name: str) -> None:
         self.constructors.add(name)
@@ -418,11 +412,11 @@ class PlannerActor:
         self._seen()
         return self.gen, self.base_state
 
-    def detach(self) -> int:
+    def detach(self, trainer: str | None = None) -> int:
         self._seen()
-        self.clients -= 1
+        count = self.trainers.remove(trainer)
         self.standby.sync(self)
-        return self.clients
+        return count
 
     def shutdown(self) -> None:
         """End the job's Constructors, loaders and shadows (the caller then ends this actor)."""
@@ -439,10 +433,10 @@ class PlannerActor:
             routing.fleet.retire()
         self.routes.close()
 
-    def _end_idle_job(self) -> None:
-        """No trainer was seen for `job_idle_timeout` seconds: end the job, this actor last."""
-        job_log.warning("job %r: no trainer seen for %.0f s (job_idle_timeout): ending it", self.job,
-                        time.monotonic() - self.last_seen)
+    def _end_idle_job(self, why: str = "") -> None:
+        """No trainer was seen for `job_idle_timeout` seconds (or `why`): end the job, this actor last."""
+        job_log.warning("job %r: %s: ending it", self.job,
+                        why or f"no trainer seen for {time.monotonic() - self.last_seen:.0f} s (job_idle_timeout)")
         try:
             self.shutdown()
         finally:
@@ -451,7 +445,7 @@ class PlannerActor:
 
     def job_info(self) -> dict:
         """What `plait jobs` shows (not a trainer's call: it does not keep the job alive)."""
-        return {"job": self.job, "started": self.started, "clients": self.clients,
+        return {"job": self.job, "started": self.started, "clients": self.trainers.count,
                 "idle_s": time.monotonic() - self.last_seen, "idle_timeout": self.idle_timeout,
                 "step": self.planner.step, "metrics": self.metrics.address, **self.memory()}
 
@@ -593,4 +587,6 @@ class PlannerRecipe:
         ray = ray_module()
         cls = self.actor or PlannerActor
         opts = actor_options(self.name, self.options.get("lifetime"), num_cpus=0, **getattr(cls, "ACTOR_OPTIONS", {}))
-        return ray.remote(cls).options(**opts).remote(self.spec_dict, self.job, self.options)
+        actor = ray.remote(concurrency_groups={LIVENESS_GROUP: 1})(cls)  # heartbeats are heard while it plans
+        return actor.options(**opts).remote(self.spec_dict, self.job, self.options)
+

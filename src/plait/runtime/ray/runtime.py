@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
-import socket
-import sys
-import tempfile
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
@@ -29,7 +25,14 @@ from plait.runtime.placement import Layout
 from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
-from plait.runtime.ray.planner_actor import JobNameTaken, PlannerRecipe
+from plait.runtime.ray.instance import (  # noqa: F401 - check_reachable, explain_join_failure: this module's API too
+    LocalInstance,
+    check_reachable,
+    explain_join_failure,
+    start_ray,
+)
+from plait.runtime.ray.liveness import HEARTBEAT_INTERVAL_S, JobNameTaken
+from plait.runtime.ray.planner_actor import PlannerRecipe
 from plait.runtime.ray.planner_host import PlannerHostActor
 from plait.runtime.scaling import describe
 from plait.spec import Spec, load_spec
@@ -57,7 +60,14 @@ class RayOptions:
       attach        False (default): create job `job`; a live job of that name is an error (names are not
                     reused silently: `plait jobs stop NAME` ends the old one). True: join job `job`, which
                     another trainer process creates; waits up to 30 s for it to appear (ranks start
-                    unevenly), then fails. Under torchrun rank 0 creates, the other ranks pass attach=True.
+                    unevenly), then fails; without `address`, it joins the local instance the job's creator
+                    started on this machine. `Loader.from_torchrun` sets it on ranks > 0 by itself.
+      heartbeat_interval  seconds between a trainer process's heartbeats (default 5); one not heard from for
+                    two intervals is gone, and a job whose trainers are all gone ends by itself. The job's
+                    creator decides it. A restart under a job's name (after a crash) waits that long for the
+                    old job to end, then starts it again: load the saved state to resume
+      dashboard     start Ray's dashboard with the local instance plait starts (default False; a local
+                    instance is set up for a long job: plait.runtime.ray.common.long_run_settings)
       job_idle_timeout  seconds without any trainer of the job seen (each attached process sends a
                     heartbeat while open) after which the job's Planner ends the job and every actor of it:
                     a trainer killed without `close()` does not leave its actors behind (default 600; None:
@@ -104,6 +114,8 @@ class RayOptions:
     job: str | None = None
     attach: bool = False
     job_idle_timeout: float | None = 600.0
+    heartbeat_interval: float = HEARTBEAT_INTERVAL_S
+    dashboard: bool = False
     address: str | None = None
     loaders: int | str | None = "auto"
     partitions: int | dict[str, int] | None = None
@@ -134,6 +146,9 @@ class RayOptions:
             raise PlaitError(f"constructors must be 'node', 'replica' or 'planner', not {self.constructors!r}")
         if self.attach and not self.job:
             raise PlaitError("attach=True joins a job by name: pass job=NAME too")
+        beat = self.heartbeat_interval
+        if not (isinstance(beat, (int, float)) and beat > 0 and math.isfinite(beat)):
+            raise PlaitError(f"heartbeat_interval must be a positive number of seconds, not {beat!r}")
         idle = self.job_idle_timeout
         if idle is not None and not (isinstance(idle, (int, float)) and idle > 0 and math.isfinite(idle)):
             raise PlaitError(f"job_idle_timeout must be a positive number of seconds or None, not {idle!r}")
@@ -144,134 +159,17 @@ class RayOptions:
                 "max_cached_blocks": self.max_cached_blocks, "lifetime": "detached" if self.job else None,
                 "checkpoint_interval": self.checkpoint_interval, "respawn_delay": self.respawn_delay,
                 "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout,
+                "heartbeat_interval": self.heartbeat_interval, "run": restart_count(),
                 "autoscale": self.autoscale or None, "planner_standby": self.planner_standby,
                 "constructors": self.constructors, "prefetch": self.prefetch}
 
 
-def check_reachable(address: str | None, timeout: float = 3.0) -> None:
-    """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
-
-    Only `host:port` and `ray://host:port` are checked (one TCP connect); `auto`, `local` and None are
-    left to Ray.
-    """
-    if not address or address in ("auto", "local"):
-        return
-    rest = address.split("://", 1)[1] if "://" in address else address
-    host, sep, port = rest.rstrip("/").rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return
-    host = host.strip("[]")
+def restart_count() -> int:
+    """Which torchrun restart this process belongs to (0 outside torchrun or before any restart)."""
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
-    except OSError as e:
-        raise PlaitError(f"cannot reach the Ray cluster at {address!r}: {e.strerror or e} (is `ray start --head` "
-                         "running there? leave --address unset to start a local instance)") from None
-
-
-class StderrCapture:
-    """Copies what this process writes to file descriptor 2 (C++ logs included) while active; passes it
-    on to the real stderr afterwards, so nothing is hidden."""
-
-    def __enter__(self) -> "StderrCapture":
-        sys.stderr.flush()
-        self.text = ""
-        self._saved = os.dup(2)
-        self._file = tempfile.TemporaryFile()
-        os.dup2(self._file.fileno(), 2)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        sys.stderr.flush()
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
-        self._file.seek(0)
-        self.text = self._file.read().decode(errors="replace")
-        self._file.close()
-        sys.stderr.write(self.text)
-
-
-def explain_join_failure(address: str | None, error: Exception, said: str) -> str:
-    """One sentence naming why joining a Ray cluster failed, from Ray's exception and its logs."""
-    text = f"{error}\n{said}"
-    lowered = text.lower()
-    if "invalidauthtoken" in lowered or "unauthenticated" in lowered:
-        cause = ("authentication failed: the cluster uses Ray's token authentication and this process has no "
-                 "token or another one (set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH as on "
-                 "the head)")
-    elif "version mismatch" in lowered or "mismatched version" in lowered:
-        cause = (f"version mismatch: this process runs Ray {ray_module().__version__} on Python "
-                 f"{platform.python_version()}; the cluster runs another (use the same versions)")
-    else:
-        cause = ("no Ray head answered there (is `ray start --head` running, and is the port right? leave "
-                 "--address unset to start a local instance)")
-    return f"cannot join the Ray cluster at {address!r}: {cause}. Ray said: {str(error).strip()[:300]}"
-
-
-class LocalInstance:
-    """The local Ray instance plait started in this process, shared by every RayRuntime that uses it:
-    the last one to close shuts it down (an earlier close must not pull Ray from under the others)."""
-
-    users = 0
-
-    @classmethod
-    def attach(cls) -> None:
-        cls.users += 1
-
-    @classmethod
-    def detach(cls) -> bool:
-        """True when the caller was the last user (and should shut the instance down)."""
-        cls.users = max(0, cls.users - 1)
-        return cls.users == 0
-
-
-def start_ray(options: RayOptions) -> bool:
-    """Join the cluster at `options.address`, or start a local Ray instance; True when one was started.
-
-    A local instance starts without the dashboard; Ray (2.59+) protects its servers with token
-    authentication by default. Ray's own gRPC servers still listen on every interface (README, Ray)."""
-    ray = ray_module()
-    check_reachable(options.address)
-    kwargs = dict(options.init_options or {})
-    started = options.address is None
-    if started:
-        kwargs.setdefault("include_dashboard", False)
-    with StderrCapture() as said:  # Ray's core logs the real cause of a failed join to stderr only
-        try:
-            ray.init(address=options.address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
-        except (ConnectionError, RuntimeError) as e:
-            error = e
-        else:
-            error = None
-    if error is not None and options.address is None:
-        raise PlaitError(f"cannot start a local Ray instance: {' '.join(str(error).split())[:400]} (is another "
-                         "Ray instance using its ports? `ray stop` ends local ones)") from None
-    if error is not None:
-        raise PlaitError(explain_join_failure(options.address, error, said.text)) from None
-    serialization_without_arrow()
-    return started
-
-
-def serialization_without_arrow() -> None:
-    """Create this process's Ray serialization context without importing pyarrow, if nothing has yet.
-
-    Ray imports pyarrow (about 25-40 MiB resident, mostly libarrow) when it creates a process's
-    serialization context, only to register reducers for Arrow tables and JSON options. A trainer
-    process that Ray was started in by plait exchanges numpy arrays and plain objects with plait's
-    actors, never Arrow data, so the context is created (by a first `ray.put`) while pyarrow reads as
-    absent (Ray then skips those reducers; Arrow objects still serialize, by pickle). Where pyarrow is
-    already imported, or PLAIT_RAY_ARROW=1, nothing changes.
-    """
-    if "pyarrow" in sys.modules or os.environ.get("PLAIT_RAY_ARROW") == "1":
-        return
-    sys.modules["pyarrow"] = None  # `import pyarrow` raises ModuleNotFoundError meanwhile
-    try:
-        ray_module().put(None)
-    except Exception:  # noqa: BLE001 - created normally on first use instead
-        pass
-    finally:
-        if "pyarrow" in sys.modules and sys.modules["pyarrow"] is None:
-            del sys.modules["pyarrow"]
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
 
 
 class RayRuntime:
@@ -291,9 +189,15 @@ class RayRuntime:
         self.telemetry = Telemetry(self.spec.source_names)
         port = opts.metrics_port
         self.metrics_port = None if port is None else self.telemetry.serve(port, self.spec.metrics.address)
-        self._uses_local_instance = False
+        self._uses_local_instance = self._published = False
         if not ray.is_initialized():
-            self._uses_local_instance = start_ray(opts)
+            address = opts.address
+            if address is None and opts.attach:  # the job's creator on this machine started Ray
+                address = jobs.local_instance_address(opts.job)
+            self._uses_local_instance = start_ray(address, opts.init_options, opts.dashboard)
+            self._published = self._uses_local_instance and opts.job is not None
+            if self._published:
+                jobs.publish_local_instance(opts.job)
         elif LocalInstance.users > 0:  # the instance another plait runtime of this process started
             self._uses_local_instance = True
         if self._uses_local_instance:
@@ -308,19 +212,18 @@ class RayRuntime:
         host = PlannerHostActor if opts.constructors == "planner" else None
         recipe = PlannerRecipe(self.spec.model_dump(mode="json"), self.job, planner_options,
                                self.spec.data_fingerprint(), host)
-        self.planner = jobs.find_planner(self.job) if opts.attach else recipe.start()
+        self.membership = jobs.Membership(self.job, planner_options["creator"])
         # Refused (nothing attached) for another spec or layout, or for a live job's name without attach.
         try:
-            get(self.planner.attach.remote(recipe.fingerprint, self.dp, planner_options["creator"], opts.attach))
-        except JobNameTaken as e:
+            planner = jobs.join(recipe, self.dp, planner_options["creator"], opts.attach, self.membership,
+                                planner_options["run"])
+        except JobNameTaken as e:  # in a Loader's terms
             raise JobNameTaken(f"{e.plain}; pass attach=True to join it, or `plait jobs stop {self.job}`",
                                plain=e.plain) from None
         self._closed = False
-        self.info = get(self.planner.info.remote())
-        period = jobs.heartbeat_period(self.info.get("idle_timeout"))
-        self.heartbeat = jobs.Heartbeat(self, period or 0)
-        if period:
-            self.heartbeat.start()
+        self.info = get(planner.info.remote())
+        self.membership.start_heartbeat(planner, jobs.heartbeat_period(self.info, opts.heartbeat_interval))
+        jobs.leave_when_dropped(self, self.membership)  # a Loader garbage-collected without close() leaves
         # A recreated Planner keeps this layout (no second probe, same loaders).
         planner_options["layout"] = self.info["layout"]
         self._recipe = recipe  # how to make the Planner again, should it die
@@ -340,6 +243,19 @@ class RayRuntime:
         # To rebuild a dead Planner: the data state of the steps this process is at.
         self._planner_log = PlannerLog(base)
         jobs.close_at_exit(self)  # a trainer that exits without close() still detaches
+
+    @property
+    def planner(self):
+        """The job's Planner actor (a successor's once the standby made one)."""
+        return self.membership.planner
+
+    @planner.setter
+    def planner(self, handle) -> None:
+        self.membership.planner = handle
+
+    @property
+    def heartbeat(self):
+        return self.membership.heartbeat
 
     def _constructor_for(self, dp_rank: int):
         return self._constructors.for_rank(dp_rank, self.planner)
@@ -536,22 +452,18 @@ class RayRuntime:
         if self._closed:
             return
         self._closed = True
-        self.heartbeat.stop()
         jobs.closed(self)
         ray = ray_module()
+        left = self.membership.leave()  # the last trainer out ends the job's actors
+        if left is not None and left <= 0:
+            for _, c in self._constructors.items():
+                ray.kill(c)
         if not ray.is_initialized():  # Ray is gone already: a call now would start a new instance
             if self._uses_local_instance:
                 LocalInstance.detach()
             return
-        try:
-            left = self.ask_planner("detach", timeout=30)
-            if left <= 0:
-                get(self.planner.shutdown.remote(), timeout=60)
-                for _, c in self._constructors.items():
-                    ray.kill(c)
-                ray.kill(self.planner)
-        except Exception:  # noqa: BLE001 - closing is best effort; actors die with the driver anyway
-            pass
+        if self._published:
+            jobs.unpublish_local_instance(self.job)
         if self._uses_local_instance and LocalInstance.detach():
             ray.shutdown()
 

@@ -29,7 +29,7 @@ from plait.runtime.ray import recovery
 from plait.runtime.ray.common import get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.flight_server import RendezvousFlight, grpc_location
-from plait.runtime.ray.planner_actor import JobNameTaken
+from plait.runtime.ray.liveness import JobNameTaken
 from plait.runtime.ray.runtime import RayRuntime
 from plait.spec import Spec, load_spec
 

@@ -220,7 +220,8 @@ class StandbyLink:
         package = self.replay.package
         meta = package["meta"]
         actor.gen, actor.base_state = package["gen"], package["base"]
-        actor.clients = int(meta.get("clients", 0))
+        tokens = meta.get("trainers", ())
+        actor.trainers.restore(tokens, anonymous=int(meta.get("clients", 0)) - len(tokens))
         actor.constructors = set(meta.get("constructors", ()))
         actor.planned = int(meta.get("planned", 0))
         actor.started = float(meta.get("started", actor.started))
@@ -257,7 +258,8 @@ class StandbyLink:
         if self.handle is None:
             return
         current = actor.planner.state_dict()
-        meta = {"clients": actor.clients, "constructors": sorted(actor.constructors), "planned": actor.planned,
+        meta = {"clients": actor.trainers.count, "trainers": actor.trainers.tokens(),
+                "constructors": sorted(actor.constructors), "planned": actor.planned,
                 "started": actor.started, "loader_generations": list(actor.loaders.generation),
                 "layout": actor.routes.current.layout.to_dict(), "layout_version": actor.routes.version}
         if self._check() or self.sent is None or self.sent_gen != actor.gen:

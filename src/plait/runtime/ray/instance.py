@@ -1,0 +1,169 @@
+"""Joining a Ray cluster, or starting the local instance a trainer process uses, with one-sentence errors
+when that fails (Ray's own output goes to a log file named in the error, not before it).
+
+A local instance is started for a long job (plait.runtime.ray.common.long_run_settings) and shared by
+every RayRuntime of the process (`LocalInstance`: the last one to close shuts it down).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import tempfile
+
+from plait.errors import PlaitError
+from plait.runtime.ray.common import NAMESPACE, long_run_settings, ray_module
+
+def check_reachable(address: str | None, timeout: float = 3.0) -> None:
+    """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
+
+    Only `host:port` and `ray://host:port` are checked (one TCP connect); `auto`, `local` and None are
+    left to Ray.
+    """
+    if not address or address in ("auto", "local"):
+        return
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise PlaitError(f"cannot reach the Ray cluster at {address!r}: {e.strerror or e} (is `ray start --head` "
+                         "running there? leave --address unset to start a local instance)") from None
+
+
+class StderrCapture:
+    """Collects what this process writes to file descriptor 2 (C++ logs included) while active. Afterwards
+    it passes it on to the real stderr, or, when `failed()` was called, keeps it in a log file (`log_path`,
+    named by `where_said()`): a user reads plait's one-sentence error first, not Ray's twenty lines of
+    warnings before it. Nothing is hidden either way."""
+
+    def __enter__(self) -> "StderrCapture":
+        sys.stderr.flush()
+        self.text = ""
+        self.quiet = False
+        self.log_path: str | None = None
+        self._saved = os.dup(2)
+        self._file = tempfile.TemporaryFile()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.text = self._file.read().decode(errors="replace")
+        self._file.close()
+        if not self.quiet:
+            sys.stderr.write(self.text)
+        elif self.text.strip():
+            fd, self.log_path = tempfile.mkstemp(prefix="plait-ray-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(self.text)
+
+    def failed(self) -> None:
+        self.quiet = True
+
+    def where_said(self) -> str:
+        return f" (Ray's own output: {self.log_path})" if self.log_path else ""
+
+
+def explain_join_failure(address: str | None, error: Exception, said: str) -> str:
+    """One sentence naming why joining a Ray cluster failed, from Ray's exception and its logs."""
+    text = f"{error}\n{said}"
+    lowered = text.lower()
+    if "invalidauthtoken" in lowered or "unauthenticated" in lowered:
+        cause = ("authentication failed: the cluster uses Ray's token authentication and this process has no "
+                 "token or another one (set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH as on "
+                 "the head)")
+    elif "version mismatch" in lowered or "mismatched version" in lowered:
+        cause = (f"version mismatch: this process runs Ray {ray_module().__version__} on Python "
+                 f"{platform.python_version()}; the cluster runs another (use the same versions)")
+    else:
+        cause = ("no Ray head answered there (is `ray start --head` running, and is the port right? leave "
+                 "--address unset to start a local instance)")
+    return f"cannot join the Ray cluster at {address!r}: {cause}. Ray said: {str(error).strip()[:300]}"
+
+
+class LocalInstance:
+    """The local Ray instance plait started in this process, shared by every RayRuntime that uses it:
+    the last one to close shuts it down (an earlier close must not pull Ray from under the others)."""
+
+    users = 0
+
+    @classmethod
+    def attach(cls) -> None:
+        cls.users += 1
+
+    @classmethod
+    def detach(cls) -> bool:
+        """True when the caller was the last user (and should shut the instance down)."""
+        cls.users = max(0, cls.users - 1)
+        return cls.users == 0
+
+
+def start_ray(address: str | None, init_options: dict | None = None, dashboard: bool = False) -> bool:
+    """Join the cluster at `address`, or start a local Ray instance; True when one was started.
+
+    A local instance is set up for a long job (long_run_settings: no dashboard unless `dashboard`, bounded
+    task events and logs); `init_options` (ray.init's keyword arguments) override those settings. Ray
+    (2.59+) protects its servers with token authentication by default. Ray's own gRPC servers still listen
+    on every interface (README, Ray)."""
+    ray = ray_module()
+    check_reachable(address)
+    kwargs = {"log_to_driver": False}
+    started = address is None
+    if started:
+        settings, env = long_run_settings(dashboard)
+        for name, value in env.items():  # read by Ray's processes as they start; the user's own values win
+            os.environ.setdefault(name, value)
+        user = dict(init_options or {})
+        settings["_system_config"].update(user.pop("_system_config", None) or {})
+        kwargs.update(settings)
+        kwargs.update(user)
+    else:
+        kwargs.update(init_options or {})
+    with StderrCapture() as said:  # Ray's core logs the real cause of a failed join to stderr only
+        try:
+            ray.init(address=address, namespace=NAMESPACE, **kwargs)
+        except (ConnectionError, RuntimeError) as e:
+            error = e
+            said.failed()
+        else:
+            error = None
+    if error is not None and address is None:
+        raise PlaitError(f"cannot start a local Ray instance: {' '.join(str(error).split())[:400]} (is another "
+                         f"Ray instance using its ports? `ray stop` ends local ones){said.where_said()}") from None
+    if error is not None:
+        raise PlaitError(explain_join_failure(address, error, said.text) + said.where_said()) from None
+    serialization_without_arrow()
+    return started
+
+
+def serialization_without_arrow() -> None:
+    """Create this process's Ray serialization context without importing pyarrow, if nothing has yet.
+
+    Ray imports pyarrow (about 25-40 MiB resident, mostly libarrow) when it creates a process's
+    serialization context, only to register reducers for Arrow tables and JSON options. A trainer
+    process that Ray was started in by plait exchanges numpy arrays and plain objects with plait's
+    actors, never Arrow data, so the context is created (by a first `ray.put`) while pyarrow reads as
+    absent (Ray then skips those reducers; Arrow objects still serialize, by pickle). Where pyarrow is
+    already imported, or PLAIT_RAY_ARROW=1, nothing changes.
+    """
+    if "pyarrow" in sys.modules or os.environ.get("PLAIT_RAY_ARROW") == "1":
+        return
+    sys.modules["pyarrow"] = None  # `import pyarrow` raises ModuleNotFoundError meanwhile
+    try:
+        ray_module().put(None)
+    except Exception:  # noqa: BLE001 - created normally on first use instead
+        pass
+    finally:
+        if "pyarrow" in sys.modules and sys.modules["pyarrow"] is None:
+            del sys.modules["pyarrow"]
+
