@@ -215,7 +215,7 @@ class LocalGroup:
 
     def checkpoint(self) -> None:
         """Every `interval` steps: each owner's delta to its shadows."""
-        from plait.roles.state_log import nbytes
+        from plait.state.log import nbytes
 
         if self.step % self.interval:
             return

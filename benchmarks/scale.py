@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks.common import main, write_result
 from benchmarks.synthetic import KINDS, SyntheticMetadata, SyntheticSources
-from plait.roles.state_log import diff_state, nbytes
+from plait.state.log import diff_state, nbytes
 
 HELP = "scaling figures of a 10k-GPU job on paper: real Planner + placement on synthetic metadata"
 DESCRIPTION = __doc__

@@ -24,12 +24,12 @@ from plait.runtime.autoscale import (
     projected_busy,
     same_layout,
 )
-from plait.runtime.placement import Layout, plan_layout
+from plait.runtime.placement import LoaderLayout, plan_layout
 
 INTERVAL = 2.0
 
 
-def observe_job(cost, tokens_per_step, rate, layout: Layout, *, noise=0.0, rng=None, free_cpus=None,
+def observe_job(cost, tokens_per_step, rate, layout: LoaderLayout, *, noise=0.0, rng=None, free_cpus=None,
                 elapsed=INTERVAL) -> Observation:
     """One interval of the simulated job under `layout` (multiplicative noise of +-`noise` per rate)."""
     rng = rng or random.Random(0)
@@ -49,7 +49,7 @@ def observe_job(cost, tokens_per_step, rate, layout: Layout, *, noise=0.0, rng=N
                        [c * tok for c, tok in zip(cost, tokens)], [b / slow for b in busy], free_cpus)
 
 
-def run(ctrl: Controller, layout: Layout, intervals: int, cost, tps, rate, *, noise=0.0, seed=0, t0=0.0,
+def run(ctrl: Controller, layout: LoaderLayout, intervals: int, cost, tps, rate, *, noise=0.0, seed=0, t0=0.0,
         free_cpus=None):
     """Feed `intervals` observations, applying every layout decision; returns (layout, [(t, Decision)])."""
     rng = random.Random(seed)
@@ -81,14 +81,14 @@ def controller(started: float | None = -100.0, **kw) -> Controller:
     None: not started yet."""
     ctrl = Controller(AutoscaleOptions(interval_s=INTERVAL, **kw), FILES, cpus=16, names=NAMES)
     if started is not None:
-        start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
+        start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
         assert ctrl.observe(observe_job(COST, [1e6, 1e6], 1000.0, start), start, started) is None
     return ctrl
 
 
 def test_the_first_observation_only_starts_the_clock():
     ctrl = controller(started=None, cooldown_s=6.0)
-    start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])  # far too small: image needs 1.6 cores
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])  # far too small: image needs 1.6 cores
     # start-up transient: a huge burst of tokens is left out of the estimates
     assert ctrl.observe(observe_job(COST, [TPS[0] * 50, TPS[1] * 50], 20.0, start), start, 0.0) is None
     assert ctrl.cost == [None, None]
@@ -99,7 +99,7 @@ def test_the_first_observation_only_starts_the_clock():
     assert up.demand_cores == pytest.approx(demand(), rel=0.05)
 
 
-def busiest_of(layout: Layout, dem, source: int) -> float:
+def busiest_of(layout: LoaderLayout, dem, source: int) -> float:
     busy = projected_busy(layout, dem)
     return max(b for k, b in enumerate(busy) if any(s == source for s, _ in layout.owned[k]))
 
@@ -107,7 +107,7 @@ def busiest_of(layout: Layout, dem, source: int) -> float:
 @pytest.mark.parametrize("rate", [10.0, 20.0, 45.0, 90.0])
 def test_steady_noisy_load_settles_then_never_changes(rate):
     ctrl = controller()
-    start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])  # too few loaders for the image source
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])  # too few loaders for the image source
     layout, decisions = run(ctrl, start, 200, COST, TPS, rate, noise=0.10, seed=3)
     assert decisions, "the under-provisioned start layout must be scaled up"
     first = decisions[0][0]
@@ -167,7 +167,7 @@ def test_low_streak_is_broken_by_a_busy_interval():
 
 def test_budget_caps_the_layout_and_reports_unmet_demand_once_per_cooldown():
     ctrl = controller(max_loader_cpus=3, cooldown_s=6.0)
-    start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
     layout, decisions = run(ctrl, start, 12, COST, TPS, 40.0)  # image needs 3.3 cores, text 0.33
     kinds = [d.kind for _, d in decisions]
     assert kinds[0] == "up" and decisions[0][1].layout.loaders == 3
@@ -184,14 +184,14 @@ def test_budget_caps_the_layout_and_reports_unmet_demand_once_per_cooldown():
 
 def test_free_cpus_bound_the_layout():
     ctrl = controller()
-    start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
     layout, decisions = run(ctrl, start, 3, COST, TPS, 40.0, free_cpus=1.0)
     assert decisions[0][1].kind == "up" and layout.loaders == 3  # 2 running + 1 free
 
 
 def test_files_bound_partitions():
     ctrl = Controller(AutoscaleOptions(cooldown_s=0.0), [1, 2], cpus=16, names=NAMES)
-    start = Layout({0: 1, 1: 1}, [[(0, 0), (1, 0)]])
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0), (1, 0)]])
     layout, decisions = run(ctrl, start, 10, COST, TPS, 40.0)
     assert layout.num_partitions == {0: 1, 1: 2}
     assert layout.loaders <= 3
@@ -201,7 +201,7 @@ def test_files_bound_partitions():
 
 def test_hysteresis_band_holds_the_layout():
     ctrl = controller(patience=1, cooldown_s=0.0, smoothing=1.0)
-    layout = Layout({0: 1, 1: 4}, [[(0, 0), (1, 0)], [(1, 1)], [(1, 2)], [(1, 3)]])
+    layout = LoaderLayout({0: 1, 1: 4}, [[(0, 0), (1, 0)], [(1, 1)], [(1, 2)], [(1, 3)]])
     dem = demand()  # image 1.64 cores over 4 loaders: 0.41 each
     for scale in (1.05, 1.2, 1.45, 1.1):  # busiest loader between 40% and 85%
         busy = projected_busy(layout, [d * scale for d in dem])
@@ -215,7 +215,7 @@ def test_hysteresis_band_holds_the_layout():
 
 def test_no_decision_within_cooldown():
     ctrl = controller(cooldown_s=10.0, smoothing=1.0)
-    start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
     up = ctrl.observe(observe_job(COST, TPS, 20.0, start), start, 2.0)
     assert up is not None and up.kind == "up"
     # Demand jumps again right away: held until the cooldown is over.
@@ -228,7 +228,7 @@ def test_no_decision_within_cooldown():
 
 def test_demand_estimate_uses_the_rate_without_waits():
     ctrl = controller(smoothing=1.0)
-    start = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])  # image needs 1.64 cores: the job runs at 61%
+    start = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])  # image needs 1.64 cores: the job runs at 61%
     obs = observe_job(COST, TPS, 20.0, start)
     assert obs.wait_s > 0.5
     ctrl.observe(obs, start, 2.0)
@@ -237,7 +237,7 @@ def test_demand_estimate_uses_the_rate_without_waits():
 
 def test_a_source_with_no_tokens_keeps_its_cost_estimate():
     ctrl = controller(smoothing=1.0)
-    layout = Layout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
+    layout = LoaderLayout({0: 1, 1: 1}, [[(0, 0)], [(1, 0)]])
     ctrl.observe(Observation(2.0, 40, 0.0, [1000.0, 100.0], [0.001, 0.01], [0.1, 0.1]), layout, 2.0)
     ctrl.observe(Observation(2.0, 40, 0.0, [1000.0, 0.0], [0.001, 0.0], [0.1, 0.0]), layout, 4.0)
     assert ctrl.cost == pytest.approx([1e-6, 1e-4])
@@ -246,7 +246,7 @@ def test_a_source_with_no_tokens_keeps_its_cost_estimate():
 
 def test_min_loaders_is_kept():
     ctrl = controller(min_loaders=3, patience=1, cooldown_s=0.0)
-    layout = Layout({0: 1, 1: 8}, [[(0, 0)]] + [[(1, p)] for p in range(8)])
+    layout = LoaderLayout({0: 1, 1: 8}, [[(0, 0)]] + [[(1, p)] for p in range(8)])
     layout, decisions = run(ctrl, layout, 6, COST, [TPS[0], 10.0], 1.0)
     assert decisions and decisions[-1][1].kind == "down" and layout.loaders == 3
 

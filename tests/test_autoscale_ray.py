@@ -22,7 +22,7 @@ from plait.cli.top import scrape  # noqa: E402
 from plait.errors import PlaitError  # noqa: E402
 from plait.metrics import batch_digest_update  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
-from plait.runtime.placement import Layout, deal  # noqa: E402
+from plait.runtime.placement import LoaderLayout, deal  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS = 12
@@ -58,9 +58,9 @@ def reference(data):
         rt.close()
 
 
-def layout(partitions: dict[int, int], loaders: int) -> Layout:
+def layout(partitions: dict[int, int], loaders: int) -> LoaderLayout:
     """`short` (source 0) and the others split as given, dealt over `loaders` (equal weights)."""
-    return Layout(partitions, [sorted(o) for o in deal(partitions, [1.0, 1.0, 1.0], loaders)])
+    return LoaderLayout(partitions, [sorted(o) for o in deal(partitions, [1.0, 1.0, 1.0], loaders)])
 
 
 THREE = layout({0: 3, 1: 1, 2: 1}, 3)  # 1 loader -> 3: `short` split into 3 partitions
@@ -163,7 +163,7 @@ def test_a_bad_layout_is_refused_and_nothing_changes(ray_session, data):
     rt = RayRuntime(make_spec(data, dp=DP), loaders=1)
     try:
         with pytest.raises(PlaitError, match="exactly once"):
-            rt.rescale(Layout({0: 2, 1: 1, 2: 1}, [[(0, 0), (1, 0)], [(2, 0)]]))
+            rt.rescale(LoaderLayout({0: 2, 1: 1, 2: 1}, [[(0, 0), (1, 0)], [(2, 0)]]))
         assert rt.stats()["routing_version"] == 0 and rt.scaling_report()["events"] == []
     finally:
         rt.close()

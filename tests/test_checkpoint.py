@@ -10,8 +10,8 @@ import pytest
 
 import plait
 from fixtures import mixed_spec as make_spec
-from plait.roles.deltas import FollowerView
-from plait.roles.state_log import PlannerLog, apply_state_diff, diff_state, nbytes
+from plait.state.deltas import FollowerView
+from plait.state.log import PlannerLog, apply_state_diff, diff_state, nbytes
 from plait.metrics import batch_digest_update
 from plait.roles.planner import Planner
 from plait.roles.source_loader import SourceLoader

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fixtures import mixed_spec as make_spec
-from plait.roles.state_log import nbytes
+from plait.state.log import nbytes
 from plait.errors import PlaitError
 from plait.runtime.local import LocalRuntime
 

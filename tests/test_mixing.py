@@ -15,7 +15,7 @@ import plait
 from plait.errors import PlaitError
 from plait.mixture import exp_gradient, share_windows
 from plait.roles.planner import Planner
-from plait.roles.spec_change import SpecChangeWarning
+from plait.state.spec_change import SpecChangeWarning
 from helpers import FakeProvider, batch_digest, make_spec, token_parquet
 
 RANGES = [(1, 60), (20, 200), (5, 120)]

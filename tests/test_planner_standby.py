@@ -283,7 +283,7 @@ def test_a_successor_keeps_the_layout_the_job_was_rescaled_to(ray_session, spec)
     """Re-partitioned mid-run (issue 12), then the Planner dies: its successor takes the layout in use (its
     version, the loaders of that version found by name), not the one the job started with, and the stream
     stays the one a run without failure or rescale makes."""
-    from plait.runtime.placement import Layout
+    from plait.runtime.placement import LoaderLayout
     from plait.runtime.ray import RayRuntime
     from plait.runtime.ray.standby_planner import successor
 
@@ -297,7 +297,7 @@ def test_a_successor_keeps_the_layout_the_job_was_rescaled_to(ray_session, spec)
 
         for _ in range(2):
             run_step()
-        new_layout = Layout({0: 2, 1: 1, 2: 1}, [[(0, 0), (1, 0)], [(0, 1), (2, 0)]])
+        new_layout = LoaderLayout({0: 2, 1: 1, 2: 1}, [[(0, 0), (1, 0)], [(0, 1), (2, 0)]])
         assert rt.rescale(new_layout, "test: split") == 1
         v1_loaders = set(map(str, ray.get(rt.planner.get_loaders.remote())))
         run_step()

@@ -13,14 +13,14 @@ ray = pytest.importorskip("ray")
 from plait.cli.bench.recovery import make_spec  # noqa: E402
 from plait.metrics import batch_digest_update  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
-from plait.runtime.placement import Layout  # noqa: E402
+from plait.runtime.placement import LoaderLayout  # noqa: E402
 from plait.runtime.ray.recovery import unchanged_loaders  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 9
 # `short` (source 0) in 2 partitions, then 3; `mid` and `long` stay together on one loader throughout
-SPLIT = Layout({0: 2, 1: 1, 2: 1}, [[(0, 0)], [(0, 1)], [(1, 0), (2, 0)]])
-RESPLIT = Layout({0: 3, 1: 1, 2: 1}, [[(1, 0), (2, 0)], [(0, 0)], [(0, 1)], [(0, 2)]])
+SPLIT = LoaderLayout({0: 2, 1: 1, 2: 1}, [[(0, 0)], [(0, 1)], [(1, 0), (2, 0)]])
+RESPLIT = LoaderLayout({0: 3, 1: 1, 2: 1}, [[(1, 0), (2, 0)], [(0, 0)], [(0, 1)], [(0, 2)]])
 
 
 def test_unchanged_loaders_are_matched_by_their_partitions():

@@ -141,7 +141,7 @@ def test_loaders_option_validated():
 def test_cli_loaders_option_and_layout_table(capsys):
     from plait import cli
     from plait.cli.run import print_layout
-    from plait.runtime.placement import Layout
+    from plait.runtime.placement import LoaderLayout
 
     parser = cli.build_parser()
     assert parser.parse_args(["run", "s.yaml", "--runtime", "ray"]).loaders == "auto"
@@ -149,7 +149,7 @@ def test_cli_loaders_option_and_layout_table(capsys):
     for bad in ("0", "many"):
         with pytest.raises(SystemExit):
             parser.parse_args(["run", "s.yaml", "--runtime", "ray", "--loaders", bad])
-    layout = Layout({0: 2, 1: 1}, [[(0, 0), (1, 0)], [(0, 1)]], [1.0, 0.1], [2e-6, 3e-8])
+    layout = LoaderLayout({0: 2, 1: 1}, [[(0, 0), (1, 0)], [(0, 1)]], [1.0, 0.1], [2e-6, 3e-8])
     print_layout(describe(layout, ["txt", "ids"]))
     err = capsys.readouterr().err
     assert "txt[0/2] (2000), ids (30)" in err and "txt[1/2] (2000)" in err and "0.600" in err

@@ -1,6 +1,6 @@
 """packing.split: boundary: documents cut at a micro-batch's end fill it; every token still comes once.
 
-A cut's rest is a new chunk of the document, numbered by its token offset (granule 1, roles/phases.py),
+A cut's rest is a new chunk of the document, numbered by its token offset (granule 1, packing_phases.py),
 so sample ids stay unique per document and (sample id, offset) pieces tile each document exactly.
 """
 

@@ -14,7 +14,7 @@ import yaml
 import plait
 from plait import cli
 from plait.errors import PlaitError
-from plait.roles.state_schema import canonical_checksum, seal
+from plait.state.schema import canonical_checksum, seal
 from helpers import make_spec, token_parquet
 
 pytestmark = pytest.mark.timeout(30)  # an edited deficit once hung the Planner: none of these may

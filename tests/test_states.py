@@ -13,7 +13,7 @@ import plait
 from plait import cli
 from plait.client import LayoutChangeWarning
 from plait.errors import PlaitError
-from plait.roles.state_schema import seal
+from plait.state.schema import seal
 from helpers import make_spec, token_parquet
 
 

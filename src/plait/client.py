@@ -21,10 +21,10 @@ import warnings
 from typing import Iterator
 
 from plait.errors import PlaitError
-from plait.roles.spec_change import split_fingerprint, warn_changes
-from plait.roles.state_log import diff_state, resolved
-from plait.roles.weights import merge_pending
-from plait.roles.state_schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
+from plait.state.spec_change import split_fingerprint, warn_changes
+from plait.state.log import diff_state, resolved
+from plait.state.overrides import merge_pending
+from plait.state.schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
 from plait.runtime import make_runtime
 from plait.batch import MicroBatch
 from plait.spec import Spec, load_spec
@@ -359,7 +359,7 @@ class Loader:
                 "with its own spec for one step, save, and make the other change then"
             )
         _note_layout_change(changed)
-        from plait.roles.elastic import advance  # the Planner (and numba): only when re-planning
+        from plait.job.elastic import advance  # the Planner (and numba): only when re-planning
         return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 from . import tuning
 from .certificate import lower_bound, pass_ratio, placed_tokens
 from .exchange import rebalance
-from .lpt import NO_PATCHES, Items, LptRun
+from .lpt import NO_PATCHES, LptRun, PlacementItems
 from .microbatches import middle_heavy, pack_micro
 from .ordering import scatter_back, sorted_items
 
@@ -82,7 +82,7 @@ def assign(
     # Stage 1: work in placement order, so the passes below stream through contiguous arrays.
     order, Ls, Cs = sorted_items(costs, priority, lengths)
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
-    items = Items(Us, Ls, Cs, patches[order] if two else NO_PATCHES)
+    items = PlacementItems(Us, Ls, Cs, patches[order] if two else NO_PATCHES)
     # Stages 2 and 3: LPT passes at cost caps, the best certificate kept.
     rank_s, micro_s, rank_cost, micro_cost, room, proom, ratio = _lpt_passes(items, costs, R, W, (C, Pc))
     # Stage 4: re-pack the micro-batches inside each rank.

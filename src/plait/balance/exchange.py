@@ -41,7 +41,7 @@ Members = namedtuple("Members", "item_g head nxt mtok pool side mpat")
 
 
 def rebalance(items, rank_s, micro_s, micro_cost, rooms, caps, carry_budget):
-    """Stage 5 on the items (lpt.Items, in placement order) as placed by stages 2-4: swaps, item
+    """Stage 5 on the items (lpt.PlacementItems, in placement order) as placed by stages 2-4: swaps, item
     exchange, carrying at most carry_budget tokens. rooms: (token room, patch room [R, 0] without
     patches), caps: (token, patch capacity); whole micro-batches keep both when they swap, an item moves
     only where both fit. Modifies rank_s, micro_s (-1 for carried items), micro_cost and the rooms in

@@ -35,7 +35,7 @@ from .ordering import radix_sort
 # The items of a step, in placement order: urgent (bool: never held back by the cap), lengths, costs,
 # patches (int64 [n], or [0]: no patch capacity - text, or patches not limited; every kernel then runs
 # its text-only path, bit for bit the one it ran before patches existed).
-Items = namedtuple("Items", "urgent lengths costs patches")
+PlacementItems = namedtuple("PlacementItems", "urgent lengths costs patches")
 NO_PATCHES = np.zeros(0, dtype=np.int64)
 
 # The state of an LPT pass, all arrays. rank, micro [n]: the item's place (-1: none yet). rank_cost [R],
@@ -121,7 +121,7 @@ class LptRun:
     def __init__(self, urgent, lengths, costs, R, W, capacity, cap, patches=None, patch_capacity=None):
         n = len(lengths)
         two = patches is not None and patch_capacity is not None
-        self.items = Items(urgent, lengths, costs, patches if two else NO_PATCHES)
+        self.items = PlacementItems(urgent, lengths, costs, patches if two else NO_PATCHES)
         self.R, self.W, self.capacity = R, W, capacity
         self.pcap = int(patch_capacity) if two else -1
         self.cap = float(cap)

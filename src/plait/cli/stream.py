@@ -14,7 +14,7 @@ from rich.table import Table
 from plait.errors import PlaitError
 from plait.metrics import RunStats
 from plait.mixture import MixtureSchedule, share_windows
-from plait.roles.state_schema import after_consumed_step, boundary_state, check_client_state
+from plait.state.schema import after_consumed_step, boundary_state, check_client_state
 from plait.runtime import make_runtime
 from plait.spec import Spec
 

@@ -26,10 +26,10 @@ from plait.cost import CostModel, EncoderCost
 from plait.errors import PlaitError, SourceError
 from plait.mixture import take_count
 from plait.plan import Items, StepPlan
-from plait.roles import phases
-from plait.roles.spec_change import carry_over, split_fingerprint
-from plait.roles.state_schema import STATE_VERSION, check_data_state, parse_data_state
-from plait.roles.weights import RunWeights
+from plait import packing_phases as phases
+from plait.state.spec_change import carry_over, split_fingerprint
+from plait.state.schema import STATE_VERSION, check_data_state, parse_data_state
+from plait.state.overrides import RunWeights
 from plait.sources.multimodal import placeholder_leads
 from plait.spec import Spec
 
@@ -66,7 +66,7 @@ class Planner:
         self.seq_len, self.microbatches = spec.packing.phase_at(0)  # the phase's (packing.schedule)
         self.capacity = self.seq_len
         self.limits = phases.chunk_limits(spec, self.seq_len)  # longest chunk per source (max_chunk)
-        self.grains = phases.granules(spec)  # chunk numbering (roles/phases.py)
+        self.grains = phases.granules(spec)  # chunk numbering (packing_phases.py)
         self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
         self.encoder = encoder_cost(spec)
@@ -180,7 +180,7 @@ class Planner:
 
     def _enter_phase(self) -> None:
         """The step's sequence-length phase (packing.schedule): seq_len, micro-batches, chunk limits.
-        Carried chunks longer than the new limits are re-cut at exact token offsets (roles/phases.py); a
+        Carried chunks longer than the new limits are re-cut at exact token offsets (packing_phases.py); a
         document drawn part-way continues from its cursor's token offset in chunks of the new length."""
         self.seq_len, self.microbatches = self.spec.packing.phase_at(self.step)
         self.capacity = self.seq_len
@@ -342,7 +342,7 @@ class Planner:
     def _docs_to_items(self, meta, sel: np.ndarray, offset: int, end: int, S: int, grain: int) -> Items:
         """Chunks of at most S tokens of the documents `sel`: the first one from `offset` tokens in (its
         earlier chunks were drawn in earlier steps); of the last one only its first `end` chunks when end > 0.
-        Chunk numbers: ceil(offset / grain) (roles/phases.py)."""
+        Chunk numbers: ceil(offset / grain) (packing_phases.py)."""
         lengths = meta.lengths[sel].astype(np.int64)
         skip = np.zeros(len(sel), dtype=np.int64)
         skip[:1] = offset
@@ -433,7 +433,7 @@ class Planner:
         """Continue from a data state: validated (schema, then ranges against the spec and the data).
 
         With `allow_spec_change`, a state saved under another mixture or set of sources continues under
-        this spec (roles/spec_change.py says what may change); returns the changes found (also kept in
+        this spec (state/spec_change.py says what may change); returns the changes found (also kept in
         `resume_changes`)."""
         changes: list[str] = []
         saved = state.get("fingerprint") if isinstance(state, dict) else None

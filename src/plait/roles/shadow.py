@@ -1,6 +1,6 @@
 """Shadow: a standby SourceLoader that follows its primary and takes over when it dies.
 
-While standing by, a Shadow applies its primary's deltas (plait.roles.deltas) in order: it learns which
+While standing by, a Shadow applies its primary's deltas (plait.state.deltas) in order: it learns which
 blocks the primary buffers and which of their samples were already served. If `warm`, it decodes the
 newly buffered blocks as they are announced, so it holds the same ready samples as its primary, one
 delta interval behind; otherwise it keeps only their keys.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from plait.roles.deltas import FollowerView
+from plait.state.deltas import FollowerView
 from plait.roles.source_loader import SourceLoader
 from plait.spec import Spec
 
@@ -55,7 +55,7 @@ class ShadowLoader(SourceLoader):
 
         Deltas that arrive early (a runtime may deliver them out of order) wait for their turn; stale
         ones (already covered by a snapshot) are ignored."""
-        from plait.roles.state_log import nbytes
+        from plait.state.log import nbytes
 
         self.delta_bytes += nbytes(delta)
         if delta["seq"] <= self.view.seq:

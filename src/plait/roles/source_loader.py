@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from plait.batch import ImagePayload, Payload
-from plait.roles.deltas import DeltaTracker
+from plait.state.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
 from plait.sources.reader import OpenStreams
@@ -348,7 +348,7 @@ class SourceLoader:
     def checkpoint_delta(self, step: int | None = None) -> dict:
         """What changed since the previous delta: read cursors, blocks buffered and dropped, samples
         served (so the buffered samples not yet consumed are known). A few hundred bytes per interval;
-        a Shadow applies the deltas in order (plait.roles.deltas)."""
+        a Shadow applies the deltas in order (plait.state.deltas)."""
         return self.delta_tracker.take(set(self._blocks), step)
 
     def checkpoint_snapshot(self, step: int | None = None) -> dict:

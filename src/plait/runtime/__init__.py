@@ -52,7 +52,7 @@ class Runtime(Protocol):
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str] | None:
         """Continue from a data state. With `allow_spec_change`, a state of another mixture or set of
-        sources continues under this spec (roles/spec_change.py); returns the changes found."""
+        sources continues under this spec (state/spec_change.py); returns the changes found."""
         ...
 
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:

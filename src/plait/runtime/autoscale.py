@@ -1,7 +1,7 @@
 """Run-time auto-scaling: the controller that keeps each source's loaders in step with its demand.
 
 Pure decision logic (no Ray, no clock of its own): the ray runtime measures one `Observation` per control
-interval and calls `Controller.observe`; the controller answers with a `Decision` (a new `Layout`, or
+interval and calls `Controller.observe`; the controller answers with a `Decision` (a new `LoaderLayout`, or
 "demand cannot be met") or None (hold the layout).
 
 How demand is estimated, per source s:
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from plait.errors import PlaitError
-from plait.runtime.placement import Layout, plan_layout
+from plait.runtime.placement import LoaderLayout, plan_layout
 
 WAITED = 0.02  # ranks "waited" in an interval when they waited more than this fraction of it
 EPS_S = 1e-6
@@ -122,18 +122,18 @@ class Observation:
 @dataclass
 class Decision:
     kind: str  # "up" | "down" | "unmet" (demand cannot be met within the budget: no layout change)
-    layout: Layout | None  # the new layout; None for "unmet"
+    layout: LoaderLayout | None  # the new layout; None for "unmet"
     reason: str  # one readable line
     demand_cores: list[float] = field(default_factory=list)  # per source, the estimate the decision used
 
 
-def same_layout(a: Layout, b: Layout) -> bool:
+def same_layout(a: LoaderLayout, b: LoaderLayout) -> bool:
     """Equal partitions per source and equal groups of pairs per loader (the loaders' order aside)."""
     return (dict(a.num_partitions) == dict(b.num_partitions)
             and sorted(sorted(o) for o in a.owned) == sorted(sorted(o) for o in b.owned))
 
 
-def projected_busy(layout: Layout, demand: Sequence[float]) -> list[float]:
+def projected_busy(layout: LoaderLayout, demand: Sequence[float]) -> list[float]:
     """Each loader's busy fraction if every source ran at `demand` cores, spread evenly over its partitions."""
     return [sum(demand[s] / layout.num_partitions[s] for s, _ in owned) for owned in layout.owned]
 
@@ -184,7 +184,7 @@ class Controller:
         return [(c or 0.0) * (t or 0.0) * rate for c, t in zip(self.cost, self.tokens_per_step)]
 
     # ----- deciding ---------------------------------------------------------------------------------
-    def budget(self, layout: Layout, free_cpus: float | None) -> int:
+    def budget(self, layout: LoaderLayout, free_cpus: float | None) -> int:
         """The most loaders the layout may have: the budget (or the cluster), the free CPUs plus the
         loaders already running, never below min_loaders."""
         cap = self.options.max_loader_cpus if self.options.max_loader_cpus is not None else self.cpus
@@ -193,7 +193,7 @@ class Controller:
         return max(self.options.min_loaders, math.floor(cap + 1e-9))
 
     def target(self, demand: Sequence[float], cap: int, loaders: int | None = None,
-               partitions: dict[int, int] | None = None) -> Layout:
+               partitions: dict[int, int] | None = None) -> LoaderLayout:
         """plan_layout at target_utilisation within `cap` loaders (at least min_loaders where files allow);
         `loaders`: size for that many loaders instead; `partitions`: fix some sources' partitions."""
         util = self.options.target_utilisation
@@ -205,7 +205,7 @@ class Controller:
         layout.cost = [c or 0.0 for c in self.cost]
         return layout
 
-    def _up_target(self, demand: list[float], cap: int, layout: Layout, busy: list[float]) -> Layout | None:
+    def _up_target(self, demand: list[float], cap: int, layout: LoaderLayout, busy: list[float]) -> LoaderLayout | None:
         """The plan at target_utilisation, or, where its dealing leaves a loader busier than halfway to
         scale_up_at, the plan for the fewest more loaders (at most UP_SEARCH more, within the budget) that
         does not: the next noisy interval must not find it short again. With n loaders plan_layout splits
@@ -228,7 +228,7 @@ class Controller:
         settled = [i for i in better if peak[i] <= self._settled()]
         return plans[settled[0] if settled else min(better, key=lambda i: (peak[i], i))]
 
-    def observe(self, obs: Observation, layout: Layout, now: float) -> Decision | None:
+    def observe(self, obs: Observation, layout: LoaderLayout, now: float) -> Decision | None:
         """One control interval: update the estimates, then hold (None), rescale or report unmet demand.
 
         The first observation only starts the clock: it holds the job's start-up (buffers and the
@@ -279,7 +279,7 @@ class Controller:
         """The busiest a loader may be projected after a merge: halfway from target_utilisation to scale_up_at."""
         return (self.options.target_utilisation + self.options.scale_up_at) / 2
 
-    def _short_sources(self, obs: Observation, layout: Layout, busy: list[float]) -> list[int]:
+    def _short_sources(self, obs: Observation, layout: LoaderLayout, busy: list[float]) -> list[int]:
         """The sources that overload a loader: projected busier than scale_up_at, or measured saturated
         while ranks waited."""
         waited = obs.elapsed_s > 0 and obs.wait_s / obs.elapsed_s > WAITED
@@ -288,23 +288,23 @@ class Controller:
                 if busy[k] > limit or (waited and k < len(obs.loader_busy) and obs.loader_busy[k] > limit)]
         return self._heaviest_on(layout, self.demand(), over)
 
-    def _short_in(self, layout: Layout, demand: Sequence[float]) -> list[int]:
+    def _short_in(self, layout: LoaderLayout, demand: Sequence[float]) -> list[int]:
         busy = projected_busy(layout, demand)
         return self._heaviest_on(layout, demand, [k for k in range(layout.loaders) if busy[k] > self.options.scale_up_at])
 
     @staticmethod
-    def _heaviest_on(layout: Layout, demand: Sequence[float], loaders: list[int]) -> list[int]:
+    def _heaviest_on(layout: LoaderLayout, demand: Sequence[float], loaders: list[int]) -> list[int]:
         """Per loader, the source whose partitions load it the most: a cheap source that merely shares
         an overloaded loader is not the one short."""
         return sorted({max((s for s, _ in layout.owned[k]), key=lambda s: demand[s] / layout.num_partitions[s])
                        for k in loaders if layout.owned[k]})
 
-    def _change(self, kind: str, layout: Layout, demand: list[float], now: float, reason: str) -> Decision:
+    def _change(self, kind: str, layout: LoaderLayout, demand: list[float], now: float, reason: str) -> Decision:
         self.last_change = now
         self.low_streak = 0
         return Decision(kind, layout, reason, list(demand))
 
-    def _unmet(self, short: list[int], target: Layout, demand: list[float], cap: int, now: float
+    def _unmet(self, short: list[int], target: LoaderLayout, demand: list[float], cap: int, now: float
                ) -> Decision | None:
         """The best layout within the budget is the current one and still too slow: say so, once per
         cooldown. (Short only by a measured saturation the estimate does not confirm: hold quietly.)"""
@@ -316,7 +316,7 @@ class Controller:
         return Decision("unmet", None, "demand cannot be met: " + self._unmet_detail(short, target, demand, cap),
                         list(demand))
 
-    def _unmet_detail(self, short: list[int], target: Layout, demand: list[float], cap: int) -> str:
+    def _unmet_detail(self, short: list[int], target: LoaderLayout, demand: list[float], cap: int) -> str:
         why = []
         for s in short:
             bound = ("one partition per file" if target.num_partitions[s] >= self.num_files[s]
@@ -325,13 +325,13 @@ class Controller:
                        f"partition(s) of {self.num_files[s]} file(s) ({bound})")
         return f"{'; '.join(why)}; total demand {sum(demand):.2f} cores, budget {cap} loader CPUs"
 
-    def _up_reason(self, short: list[int], layout: Layout, target: Layout, demand: list[float],
+    def _up_reason(self, short: list[int], layout: LoaderLayout, target: LoaderLayout, demand: list[float],
                    busy: list[float]) -> str:
         names = ", ".join(self.names[s] for s in short)
         return (f"{names} short (loaders projected up to {max(busy):.0%} busy, limit {self.options.scale_up_at:.0%}): "
                 f"{self._layout_text(layout)} -> {self._layout_text(target)} for demand {self._demand_text(demand)}")
 
-    def _layout_text(self, layout: Layout) -> str:
+    def _layout_text(self, layout: LoaderLayout) -> str:
         parts = ", ".join(f"{self.names[s]}×{n}" for s, n in sorted(layout.num_partitions.items()))
         return f"{layout.loaders} loader(s) [{parts}]"
 

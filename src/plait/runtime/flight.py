@@ -48,7 +48,7 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
-from plait.roles.state_log import StateRef
+from plait.state.log import StateRef
 from plait.spec import Spec, load_spec
 
 PROTOCOL = 1

@@ -7,7 +7,7 @@ Everything about dealing sources out to loaders lives here, for both ways a layo
   * by number (`loaders=N`): `assign_partitions` splits the heaviest sources by mixture weight until every
     loader has work.
 
-Both deal (source, partition) pairs with the same LPT rule (`deal`) and give a `Layout`. `decide_layout`
+Both deal (source, partition) pairs with the same LPT rule (`deal`) and give a `LoaderLayout`. `decide_layout`
 picks between them (or keeps a layout decided before). At run time `PartitionMap` answers "which loader
 owns block (source, epoch, file_pos)": a partition is a group of a source's files (`partition_of`: file
 index mod partitions), and file_pos is a position in the source's seeded file order
@@ -38,7 +38,7 @@ Probe = Callable[[Spec], tuple[list[float], list[int]]]
 
 
 @dataclass
-class Layout:
+class LoaderLayout:
     """The decision: partitions per source and the (source, partition) pairs each loader owns."""
 
     num_partitions: dict[int, int]
@@ -65,22 +65,22 @@ class Layout:
                 "demand": [float(d) for d in self.demand], "cost": [float(c) for c in self.cost]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Layout:
+    def from_dict(cls, d: dict) -> LoaderLayout:
         return cls({int(s): int(n) for s, n in d["num_partitions"].items()},
                    [[(int(s), int(p)) for s, p in o] for o in d["owned"]],
                    list(d.get("demand", [])), list(d.get("cost", [])))
 
 
 # ----- deciding a layout ---------------------------------------------------------------------------
-def decide_layout(spec: Spec, options: dict, probe: Probe) -> Layout:
+def decide_layout(spec: Spec, options: dict, probe: Probe) -> LoaderLayout:
     """The job's loader layout: a layout decided before (`options["layout"]`: a recreated Planner keeps
     it), the measured auto layout (`loaders="auto"`: `probe` each source's cost, then `plan_layout`), or an
     explicit number of loaders dealt by mixture weight (`assign_partitions`; no probe)."""
     if options.get("layout"):
-        return Layout.from_dict(options["layout"])
+        return LoaderLayout.from_dict(options["layout"])
     loaders, partitions = options["loaders"], options.get("partitions")
     if loaders != "auto":
-        return Layout(*assign_partitions(spec, int(loaders), partitions))
+        return LoaderLayout(*assign_partitions(spec, int(loaders), partitions))
     fixed = fixed_partitions(spec, partitions)
     cost, files = probe(spec)
     demand = demand_of(spec, cost, float(options.get("step_time") or 1.0), options.get("dp"))
@@ -90,7 +90,7 @@ def decide_layout(spec: Spec, options: dict, probe: Probe) -> Layout:
 
 
 def plan_layout(demand: Sequence[float], files: Sequence[int], cpus: int, *,
-                partitions: dict[int, int] | None = None, utilisation: float = UTILISATION) -> Layout:
+                partitions: dict[int, int] | None = None, utilisation: float = UTILISATION) -> LoaderLayout:
     """Loaders and partitions from measured demand (cores per source).
 
     Loaders: enough to serve the total demand at `utilisation` of a core each, at least 1, at most the
@@ -120,7 +120,7 @@ def plan_layout(demand: Sequence[float], files: Sequence[int], cpus: int, *,
     # would not lower the busiest loader.
     loaders = min(loaders, sum(num.values()))
     owned = deal(num, d, loaders)
-    return Layout(num, [sorted(o) for o in owned], [float(x) for x in d])
+    return LoaderLayout(num, [sorted(o) for o in owned], [float(x) for x in d])
 
 
 def assign_partitions(spec: Spec, loaders: int, partitions: int | dict[str, int] | None
@@ -188,7 +188,7 @@ class PartitionMap:
 
     def __init__(self, seed: int, num_files: dict[int, int], num_partitions: dict[int, int],
                  owner: dict[tuple[int, int], int]):
-        # Imported here: trainer processes import this module for `Layout` and never need the readers
+        # Imported here: trainer processes import this module for `LoaderLayout` and never need the readers
         # (pyarrow) that plait.sources brings; only the Planner and Constructor processes map blocks.
         from plait.roles.source_loader import partition_of
         from plait.sources.base import file_order

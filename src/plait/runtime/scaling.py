@@ -2,7 +2,7 @@
 
   * `probe_costs` measures each source's preprocessing cost, in seconds per token (read + decode +
     tokenize), by reading its first blocks through the same `plait.sources.Source` a loader uses.
-  * `describe` / `format_layout` report a `Layout` (one row per loader) for the CLI and the logs.
+  * `describe` / `format_layout` report a `LoaderLayout` (one row per loader) for the CLI and the logs.
 
 The decision itself (demand per source -> loaders and partitions, and which loader owns which block) is
 plait.runtime.placement: the measurement is kept apart from the pure function it feeds. Only the
@@ -17,7 +17,7 @@ import time
 import numpy as np
 from collections.abc import Sequence
 
-from plait.runtime.placement import Layout
+from plait.runtime.placement import LoaderLayout
 from plait.spec import Spec
 
 
@@ -93,7 +93,7 @@ def image_seconds(src, block) -> float:
     return (time.perf_counter() - t0) * count / len(sample)
 
 
-def describe(layout: Layout, names: Sequence[str], limit: int = 6) -> list[dict]:
+def describe(layout: LoaderLayout, names: Sequence[str], limit: int = 6) -> list[dict]:
     """One row per loader: its sources (`name[partitions/of]` when split, then the measured µs per 1k
     tokens when measured), the range of those costs, and the loader's demand in cores."""
     rows = []
@@ -115,7 +115,7 @@ def describe(layout: Layout, names: Sequence[str], limit: int = 6) -> list[dict]
     return rows
 
 
-def format_layout(layout: Layout, names: Sequence[str]) -> list[str]:
+def format_layout(layout: LoaderLayout, names: Sequence[str]) -> list[str]:
     """The decision as log lines, one per loader."""
     out = []
     for r in describe(layout, names):

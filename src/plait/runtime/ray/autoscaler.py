@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from plait.runtime.placement import Layout
+from plait.runtime.placement import LoaderLayout
 from plait.runtime.ray.common import NAMESPACE, ray_module
 from plait.runtime.ray.job_metrics import ask
 from plait.runtime.ray.routing import loaders_per_source
@@ -52,16 +52,16 @@ class ScalingRecord:
     def now(self) -> float:
         return round(time.monotonic() - self.started, 3)
 
-    def layout_figures(self, layout: Layout) -> dict:
+    def layout_figures(self, layout: LoaderLayout) -> dict:
         return {"loaders": layout.loaders,
                 "partitions": {self.names[s]: int(n) for s, n in sorted(layout.num_partitions.items())},
                 "loaders_per_source": loaders_per_source(layout, self.names)}
 
-    def start(self, layout: Layout) -> None:
+    def start(self, layout: LoaderLayout) -> None:
         self.initial = {"t": 0.0, "step": 0, **self.layout_figures(layout)}
         self._gauges(layout)
 
-    def event(self, kind: str, reason: str, step: int, layout: Layout) -> dict:
+    def event(self, kind: str, reason: str, step: int, layout: LoaderLayout) -> dict:
         """A rescale (`layout` is the new one) or an unmet report (the current one); logged and counted."""
         ev = {"t": self.now(), "step": int(step), "kind": kind, "reason": reason, **self.layout_figures(layout)}
         self.events.append(ev)
@@ -77,7 +77,7 @@ class ScalingRecord:
                         parts, reason)
         return ev
 
-    def sample(self, step: int, layout: Layout, obs: dict) -> dict:
+    def sample(self, step: int, layout: LoaderLayout, obs: dict) -> dict:
         row = {"t": self.now(), "step": int(step), "loaders": layout.loaders,
                "loaders_per_source": loaders_per_source(layout, self.names), "wait_s": round(obs["wait_s"], 4),
                "steps": int(obs["steps"]), "busy": [round(b, 3) for b in obs["loader_busy"]]}
@@ -88,7 +88,7 @@ class ScalingRecord:
         return {"events": list(self.events), "timeline": list(self.timeline), "options": self.options,
                 "initial": self.initial}
 
-    def _gauges(self, layout: Layout) -> None:
+    def _gauges(self, layout: LoaderLayout) -> None:
         for name, n in loaders_per_source(layout, self.names).items():
             self.per_source.labels(name).set(n)
 
@@ -178,7 +178,7 @@ class Autoscaler:
         self.meter = ProductionMeter(len(names), ranks)
         self.record = record
 
-    def tick(self, figures: dict, layout: Layout, step: int) -> tuple[dict, str, str] | None:
+    def tick(self, figures: dict, layout: LoaderLayout, step: int) -> tuple[dict, str, str] | None:
         """One interval: measure and decide. Returns the change to make (layout dict, reason, kind) or
         None; unmet demand is recorded here (no change)."""
         from plait.runtime.autoscale import Observation

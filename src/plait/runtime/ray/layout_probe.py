@@ -7,7 +7,7 @@ import logging
 import time
 
 from plait.errors import PlaitError
-from plait.runtime.placement import Layout, decide_layout
+from plait.runtime.placement import LoaderLayout, decide_layout
 from plait.runtime.ray.common import get, ray_module
 from plait.runtime.scaling import format_layout, probe_costs
 from plait.spec import Spec, load_spec
@@ -16,7 +16,7 @@ scale_log = logging.getLogger("plait.scaling")
 PROBE_TIMEOUT_S = 600.0
 
 
-def layout_for(spec: Spec, options: dict) -> Layout:
+def layout_for(spec: Spec, options: dict) -> LoaderLayout:
     """plait.runtime.placement.decide_layout, measuring costs in a throw-away process; logs auto layouts."""
     t0 = time.perf_counter()
     layout = decide_layout(spec, options, probe=probe_elsewhere)

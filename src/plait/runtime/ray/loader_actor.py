@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.runtime.placement import Layout, loader_name
+from plait.runtime.placement import LoaderLayout, loader_name
 from plait.runtime.ray.common import actor_options, process_rss, ray_module, use_numpy_kernels
 from plait.spec import load_spec
 
@@ -88,7 +88,7 @@ class LoaderActor:
         with self.lock:
             self.loader.close()
 
-    # differential checkpoints, for this loader's shadows (plait.roles.deltas)
+    # differential checkpoints, for this loader's shadows (plait.state.deltas)
     def checkpoint_delta(self, step: int | None = None) -> dict:
         with self.lock:
             return self.loader.checkpoint_delta(step)
@@ -104,14 +104,14 @@ class LoaderConfig:
 
     job: str
     spec_dict: dict
-    layout: Layout
+    layout: LoaderLayout
     max_cached_blocks: int = 256
     cpus: float = 0  # CPUs each loader actor reserves (0: placement by spreading only)
     lifetime: str | None = None  # "detached" in a shared job: the loaders outlive their Planner
     version: int = 0  # the layout version (plait.runtime.ray.routing): 0 at start, +1 per rescale
 
     @classmethod
-    def from_options(cls, job: str, spec_dict: dict, layout: Layout, options: dict) -> LoaderConfig:
+    def from_options(cls, job: str, spec_dict: dict, layout: LoaderLayout, options: dict) -> LoaderConfig:
         return cls(job, spec_dict, layout, int(options.get("max_cached_blocks", 256)),
                    options.get("loader_cpus", 0), options.get("lifetime"))
 

@@ -25,7 +25,7 @@ from plait.errors import PlaitError
 from plait.job.consumers import RankProgress
 from plait.job.window import WINDOW, StaleGeneration
 from plait.plan import RankPlan, StepPlan
-from plait.runtime.placement import Layout, PartitionMap
+from plait.runtime.placement import LoaderLayout, PartitionMap
 from plait.runtime.ray.common import (
     NAMESPACE,
     actor_options,
@@ -144,7 +144,7 @@ class PlannerActor:
         return self.routes.current.fleet
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> LoaderLayout:
         return self.routes.current.layout
 
     @property
@@ -163,7 +163,7 @@ class PlannerActor:
         return self.routes.current.to_dict()
 
     def rescale(self, layout_dict: dict, reason: str = "manual", kind: str = "manual") -> int:
-        """Re-partition the sources over new loaders (`layout_dict`: a Layout's to_dict); returns the new
+        """Re-partition the sources over new loaders (`layout_dict`: a LoaderLayout's to_dict); returns the new
         layout version. The new loaders (and their shadows) start under names of their own and answer the
         Planner's metadata from now on; Constructors get the new routing with their next build order; the
         old loaders end once no build handed out under them is unfinished. The stream does not change."""
@@ -173,7 +173,7 @@ class PlannerActor:
         """Start the loaders (and shadows) of a new layout and wait until they answer; returns its version
         (`switch_layout` makes it current). The autoscaling thread calls it directly: starting worker
         processes takes seconds, and planning goes on meanwhile."""
-        layout = Layout.from_dict(layout_dict)
+        layout = LoaderLayout.from_dict(layout_dict)
         check_layout(layout, self.spec)
         with self.version_lock:
             self.last_version += 1
@@ -579,7 +579,7 @@ class PlannerRecipe:
 
     def loader_names(self) -> list[str]:
         """The first loaders' names (those a new Planner starts again)."""
-        config = LoaderConfig(self.job, self.spec_dict, Layout.from_dict(self.options["layout"]))
+        config = LoaderConfig(self.job, self.spec_dict, LoaderLayout.from_dict(self.options["layout"]))
         return [config.name(k) for k in range(config.layout.loaders)]
 
     def start(self):

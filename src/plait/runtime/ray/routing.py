@@ -1,6 +1,6 @@
 """Which loader actors serve which blocks, and how that changes while a job runs (re-partitioning).
 
-A `Routing` is one version of the job's loader layout: the `Layout`, its `PartitionMap` and the
+A `Routing` is one version of the job's loader layout: the `LoaderLayout`, its `PartitionMap` and the
 `LoaderFleet` (loaders and shadows) that serves it. Version 0 is decided at start; each
 `PlannerActor.rescale` makes the next one. Which loader decodes a block is invisible in the data (a block
 is a pure function of its key, decoded the same by any loader), so switching versions never changes a
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from plait.errors import PlaitError
-from plait.runtime.placement import Layout, PartitionMap
+from plait.runtime.placement import LoaderLayout, PartitionMap
 from plait.runtime.ray.recovery import LoaderFleet
 from plait.spec import Spec
 
@@ -37,7 +37,7 @@ class Routing:
     """One version of the loader layout and the fleet serving it."""
 
     version: int
-    layout: Layout
+    layout: LoaderLayout
     pmap: PartitionMap
     fleet: LoaderFleet
 
@@ -127,7 +127,7 @@ class Route:
                 self.now = (int(routing["version"]), PartitionMap(**routing["pmap"]), list(routing["handles"]))
 
 
-def check_layout(layout: Layout, spec: Spec) -> None:
+def check_layout(layout: LoaderLayout, spec: Spec) -> None:
     """A layout must give every (source, partition) pair exactly one loader; a PlaitError says which not."""
     if sorted(layout.num_partitions) != list(range(len(spec.sources))):
         raise PlaitError(f"layout.num_partitions must name every source index 0..{len(spec.sources) - 1}, "
@@ -143,7 +143,7 @@ def check_layout(layout: Layout, spec: Spec) -> None:
                          f"repeated or unknown {extra}")
 
 
-def loaders_per_source(layout: Layout, names: list[str]) -> dict[str, float]:
+def loaders_per_source(layout: LoaderLayout, names: list[str]) -> dict[str, float]:
     """Per source, the loaders it has: each loader counts by the fraction of its pairs of that source."""
     out = {name: 0.0 for name in names}
     for pairs in layout.owned:

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.plan import StepPlan
-from plait.roles.state_log import PlannerLog
-from plait.runtime.placement import Layout
+from plait.state.log import PlannerLog
+from plait.runtime.placement import LoaderLayout
 from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
@@ -227,7 +227,7 @@ class RayRuntime:
         # A recreated Planner keeps this layout (no second probe, same loaders).
         planner_options["layout"] = self.info["layout"]
         self._recipe = recipe  # how to make the Planner again, should it die
-        self.layout = Layout.from_dict(self.info["layout"])
+        self.layout = LoaderLayout.from_dict(self.info["layout"])
         if opts.on_layout is not None:
             opts.on_layout(describe(self.layout, self.spec.source_names))
         # Where the job builds is the job's choice (its creator's): a Planner that builds is everyone's Constructor.
@@ -431,10 +431,10 @@ class RayRuntime:
         (plait.runtime.ray.autoscaler.ScalingRecord; events also come from `rescale`)."""
         return get(self.planner.scaling_report.remote())
 
-    def rescale(self, layout: Layout | dict, reason: str = "manual") -> int:
+    def rescale(self, layout: LoaderLayout | dict, reason: str = "manual") -> int:
         """Re-partition the job's sources over a new loader layout now (what the autoscaler does, by hand:
         benchmarks and tests); returns the layout version. The data stream does not change."""
-        return get(self.planner.rescale.remote(layout.to_dict() if isinstance(layout, Layout) else layout, reason))
+        return get(self.planner.rescale.remote(layout.to_dict() if isinstance(layout, LoaderLayout) else layout, reason))
 
     def constructor_handles(self) -> list:
         """The Constructor actors this process uses (e.g. to kill them in a chaos test)."""

@@ -2,7 +2,7 @@
 
 In a shared job (a job name, detached actors: many trainer processes, as under torchrun) the active
 Planner (plait.runtime.ray.planner_actor) starts a standby actor, `<job>/planner-standby`, and sends it its
-per-step data state after every step it plans, as plait.roles.state_log diffs (a few hundred bytes per step:
+per-step data state after every step it plans, as plait.state.log diffs (a few hundred bytes per step:
 cursors, deficits, carried chunks; never plans), plus the few facts a successor needs (generation, the
 oldest step a Constructor still needs, attached trainers, Constructors, loader generations). Changes that
 do not come from planning (a seek, run-time weights, online-mixing reports) are acknowledged by the
@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 
-from plait.roles.state_log import apply_state_diff, diff_state, nbytes
+from plait.state.log import apply_state_diff, diff_state, nbytes
 from plait.runtime.ray.common import NAMESPACE, actor_options, dead_errors, get, process_rss, ray_module
 from plait.runtime.ray.recovery import wait_name_free
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from plait.errors import PlaitError
 from plait.plan import ALL_COLUMNS, ITEM_INT_COLUMNS
-from plait.roles.state_log import apply_state_diff
+from plait.state.log import apply_state_diff
 from plait.spec import Spec
 
 STATE_VERSION = 1
@@ -93,7 +93,7 @@ class DataState(_Strict):
     parked: dict[str, ParkedSource] | None = None  # sources removed by a spec change, kept to come back
 
 
-class Layout(_Strict):
+class StepShape(_Strict):
     dp: int = Field(ge=1)
     microbatches: int = Field(ge=1)
     seq_len: int = Field(ge=1)
@@ -103,7 +103,7 @@ class ClientState(_Strict):
     version: int
     data: dict[str, Any]
     next_microbatch: int = Field(ge=0)
-    layout: Layout | None = None
+    layout: StepShape | None = None
     at_step_boundary: bool | None = None  # informative: recomputed from next_microbatch
     tokens_seen: int | None = Field(None, ge=0)
     samples_seen: int | None = Field(None, ge=0)
