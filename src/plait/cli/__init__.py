@@ -41,6 +41,7 @@ BENCH_MODULES = {
     "images": "plait.cli.bench.images",
     "e2e": "plait.cli.bench.e2e",
     "autoscale": "plait.cli.bench.autoscale",
+    "soak": "plait.cli.bench.soak",
 }
 
 

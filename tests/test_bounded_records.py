@@ -1,0 +1,125 @@
+"""What the driver keeps per step is bounded: a run of 4N steps keeps no more than one of N.
+
+Each test would fail if a structure went back to keeping every step (a list appended per step): the
+driver of a weeks-long run (`plait run`, a trainer's stats) must stay flat in memory.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import plait.metrics as metrics
+from plait.cli import stream as stream_mod
+from plait.metrics import RunStats, ShareWindows
+from plait.mixture import share_windows
+
+
+def fake_plan(rng, sources: int = 3):
+    n = 8
+    items = SimpleNamespace(source=rng.integers(0, sources, n), length=rng.integers(1, 100, n))
+    return SimpleNamespace(efficiency=float(rng.uniform(0.8, 1)), max_over_lb=float(rng.uniform(1, 1.2)),
+                           tokens_max_over_mean=float(rng.uniform(1, 1.1)), slots=1000, items=items,
+                           tokens=int(items.length.sum()), empty_documents=0, carried=0, images=None)
+
+
+def fake_batch(rng, rank: int):
+    fill = float(rng.uniform(0.5, 1))
+    ids = np.arange(10, dtype=np.int32)
+    return SimpleNamespace(num_tokens=10, padding_fraction=1 - fill, num_images=0, num_patches=0, dp_rank=rank,
+                           input_ids=ids, labels=ids, position_ids=ids, cu_seqlens=np.array([0, 10], np.int32),
+                           sample_ids=ids.astype(np.int64), pixel_values=None)
+
+
+def sized(obj) -> dict[str, int]:
+    """The length of every sized attribute (lists, deques, arrays, dicts) of an object."""
+    return {k: len(v) for k, v in vars(obj).items() if hasattr(v, "__len__") and not isinstance(v, str)}
+
+
+def run_stats(steps: int, seed: int = 0) -> tuple[RunStats, list]:
+    rng = np.random.default_rng(seed)
+    stats = RunStats(["a", "b", "c"], 2)
+    plans, pads = [], []
+    for _ in range(steps):
+        plan = fake_plan(rng)
+        stats.add_plan(plan, np.array([0.2, 0.3, 0.5]))
+        plans.append(plan)
+        for rank in range(2):
+            mb = fake_batch(rng, rank)
+            stats.add_batch(mb)
+            pads.append(mb.padding_fraction)
+    return stats, (plans, pads)
+
+
+def test_run_stats_keep_a_bounded_window_and_exact_running_aggregates(monkeypatch):
+    monkeypatch.setattr(metrics, "RECENT_STEPS", 50)
+    short, _ = run_stats(100)
+    long, (plans, pads) = run_stats(400)
+    assert sized(long) == sized(short)  # nothing grows with the number of steps
+    assert max(sized(long).values()) <= 50
+    s = long.summary()
+    eff = [p.efficiency for p in plans]
+    assert s["efficiency_mean"] == pytest.approx(np.mean(eff)) and s["efficiency_min"] == min(eff)
+    assert s["max_over_lb_mean"] == pytest.approx(np.mean([p.max_over_lb for p in plans]))
+    assert s["tokens_max_over_mean"] == pytest.approx(np.mean([p.tokens_max_over_mean for p in plans]))
+    assert s["padding_fraction_worst_microbatch"] == max(pads)
+    assert list(long.efficiency) == eff[-50:]  # the plot's window: the last steps
+
+
+def test_share_windows_stream_the_whole_runs_windows_and_keep_the_last_steps(monkeypatch):
+    rng = np.random.default_rng(1)
+    drawn = rng.integers(0, 500, size=(430, 3)).astype(np.float64)
+    weights = rng.dirichlet([1, 1, 1], size=430)
+    acc = ShareWindows(3, window=100, recent=60)
+    for d, w in zip(drawn, weights):
+        acc.add(d, w)
+    assert len(acc.drawn) == len(acc.weights) == 60
+    got, want = acc.finish(), share_windows(drawn, weights, 100)
+    assert [(w["start"], w["end"]) for w in got] == [(w["start"], w["end"]) for w in want]
+    for g, w in zip(got, want):
+        assert np.allclose(g["achieved"], w["achieved"]) and np.allclose(g["target"], w["target"])
+
+
+def test_cumulative_shares_for_the_plot_are_bounded(monkeypatch):
+    monkeypatch.setattr(stream_mod, "RECENT_STEPS", 20)
+    rng = np.random.default_rng(2)
+    shares = stream_mod.CumulativeShares(3)
+    plans = [fake_plan(rng) for _ in range(90)]
+    for p in plans:
+        shares.add(p)
+    assert len(shares.cumulative) == 20 and shares.steps == 90
+    total = sum(np.bincount(p.items.source, weights=p.items.length, minlength=3) for p in plans)
+    assert np.allclose(shares.cumulative[-1], total)
+
+
+def _stream_growth(spec, monkeypatch, a: int, b: int) -> int:
+    """Bytes allocated and still held by the streaming driver between step a and step b."""
+    snaps = {}
+    add_plan = RunStats.add_plan
+
+    def hooked(self, plan, w):
+        add_plan(self, plan, w)
+        if self.steps in (a, b):
+            snaps[self.steps] = tracemalloc.take_snapshot()
+
+    monkeypatch.setattr(RunStats, "add_plan", hooked)
+    tracemalloc.start(1)
+    try:
+        stream_mod.stream(spec, steps=b, progress=False)
+    finally:
+        tracemalloc.stop()
+    return sum(d.size_diff for d in snaps[b].compare_to(snaps[a], "filename"))
+
+
+def test_plait_run_driver_does_not_grow_per_step(tmp_path, monkeypatch):
+    """`plait run`'s loop (stream) over many sources: memory held after 4N steps vs after N. Keeping
+    ~1 KiB per step (tokens per source, weights, balance per step, as it did) fails this."""
+    from plait.cli.bench.memory import make_spec_dict
+    from plait.spec import load_spec
+
+    spec = load_spec(make_spec_dict(tmp_path, 32, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
+    grown = _stream_growth(spec, monkeypatch, 150, 750)
+    assert grown < 600 * 300, f"the driver held {grown / 1024:.0f} KiB more after 600 more steps"
