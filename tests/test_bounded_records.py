@@ -123,3 +123,49 @@ def test_plait_run_driver_does_not_grow_per_step(tmp_path, monkeypatch):
     spec = load_spec(make_spec_dict(tmp_path, 32, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
     grown = _stream_growth(spec, monkeypatch, 150, 750)
     assert grown < 600 * 300, f"the driver held {grown / 1024:.0f} KiB more after 600 more steps"
+
+
+def test_the_autoscalers_timeline_and_events_are_bounded(monkeypatch):
+    """One timeline row per control interval names every source (KiBs with many sources, every 2 s):
+    a week-long job keeps the last TIMELINE_KEPT of them, not all."""
+    from prometheus_client import CollectorRegistry
+
+    import plait.runtime.ray.autoscaler as autoscaler
+    from plait.runtime.placement import Layout
+
+    monkeypatch.setattr(autoscaler, "TIMELINE_KEPT", 30)
+    monkeypatch.setattr(autoscaler, "EVENTS_KEPT", 10)
+    names = [f"s{i}" for i in range(4)]
+    layout = Layout({i: 1 for i in range(4)}, [[(0, 0), (1, 0)], [(2, 0), (3, 0)]])
+    obs = {"wait_s": 0.0, "steps": 5, "loader_busy": [0.5, 0.5]}
+
+    def record(intervals: int):
+        rec = autoscaler.ScalingRecord(names, CollectorRegistry(), None)
+        rec.start(layout)
+        for step in range(intervals):
+            rec.sample(step, layout, obs)
+            rec.event("unmet", "demand above the budget", step, layout)
+        return rec.report()
+
+    short, long = record(100), record(400)
+    assert len(long["timeline"]) == len(short["timeline"]) == 30
+    assert len(long["events"]) == len(short["events"]) == 10
+    assert long["timeline"][-1]["step"] == 399  # the most recent ones
+
+
+def test_plait_run_steps_log_writes_every_step_to_disk(tmp_path):
+    """Per-step records are for a file the user asks for (--steps-log), one JSON line per step."""
+    import json
+
+    from plait.cli import main
+    from plait.cli.bench.memory import make_spec_dict
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(make_spec_dict(tmp_path / "data", 3, 2, seq_len=256, files=1, block_mb=0.05,
+                                              doc_len=64)))
+    log = tmp_path / "steps.jsonl"
+    assert main(["run", str(spec), "--steps", "7", "--quiet", "--steps-log", str(log)]) == 0
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(7))
+    assert set(rows[0]["tokens_per_source"]) == {"src0000", "src0001", "src0002"}
+    assert all(sum(r["tokens_per_source"].values()) == r["tokens"] for r in rows)

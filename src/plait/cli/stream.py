@@ -33,11 +33,13 @@ def stream(
     plot: str | None = None,
     allow_spec_change: bool = False,
     report: str | None = None,
+    steps_log: str | None = None,
 ) -> dict:
     from plait.kernels import warm_up
 
     warm_up()
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
+    log = None
     try:
         changes = _resume(rt, resume, allow_spec_change) if resume is not None else []
         mixture = MixtureSchedule(spec)
@@ -47,6 +49,7 @@ def stream(
         shares = CumulativeShares(len(spec.sources)) if plot else None
         windows = ShareWindows(len(spec.sources)) if report else None
         first_step = None
+        log = open(steps_log, "w") if steps_log else None  # closed in the finally below
         with Progress(
             TextColumn("[bold]streaming[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not progress, console=Console(stderr=True),
@@ -65,6 +68,8 @@ def stream(
                 rt.release()
                 if shares is not None:
                     shares.add(plan)
+                if log is not None:
+                    log.write(step_record(plan, w, spec) + "\n")
                 bar.update(task, advance=1, rate=f"{stats.tokens / max(stats.elapsed, 1e-9) / 1e6:.2f} M tok/s")
         summary = stats.summary()
         errors = rt.error_report()
@@ -85,7 +90,18 @@ def stream(
                                                            first_step=int(first_step or 0))
         return summary
     finally:
+        if log is not None:
+            log.close()
         rt.close()
+
+
+def step_record(plan, weights, spec: Spec) -> str:
+    """One line of --steps-log: the step's balance, tokens and draws per source (JSON)."""
+    tok = np.bincount(plan.items.source, weights=plan.items.length, minlength=len(spec.sources))
+    return json.dumps({"step": int(plan.step), "efficiency": float(plan.efficiency),
+                       "max_over_lb": float(plan.max_over_lb), "tokens": int(plan.tokens),
+                       "tokens_per_source": dict(zip(spec.source_names, map(int, tok))),
+                       "weights": dict(zip(spec.source_names, map(float, weights)))})
 
 
 def _resume(rt, resume: dict, allow_spec_change: bool = False) -> list[str]:

@@ -62,6 +62,10 @@ def run(args) -> int:
     interval = args.interval_s if args.interval_s is not None else (5.0 if seconds >= 60 else max(1.0, seconds / 20))
     if warmup >= seconds:
         raise PlaitError(f"--warmup-s {warmup:g} leaves nothing of a {seconds:g} s run to fit a slope on")
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started in the background (`&`, nohup): SIGINT is ignored here and would be in every process we
+        # start, so Ctrl-C (how the run is ended) would not reach them. A handler is reset at exec.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     result = soak(args.runtime, seconds, warmup, interval, sources=args.sources, dp=args.dp, seq_len=args.seq_len,
                   loaders=args.loaders)
     print_table(result)
@@ -128,7 +132,9 @@ class Run:
                 cmd += ["--loaders", str(self.loaders)]
             self._spawn(cmd, self.env, "driver")
             return
-        cfg: dict = {"spec": str(self.spec_path), "deadline_wall": time.time() + self.deadline - time.monotonic()}
+        cfg: dict = {"spec": str(self.spec_path), "deadline_wall": time.time() + self.deadline - time.monotonic(),
+                     "lockstep": str(self.spec_path.parent / "lockstep"), "ranks": self.dp}
+        Path(cfg["lockstep"]).mkdir(exist_ok=True)
         if self.runtime == "flight":
             self.serve, address, token = start_serve(self.spec_path, "soak", None, None, self.env)
             self.roles[self.serve.pid] = "server"
@@ -192,7 +198,7 @@ def print_table(result: dict) -> None:
         pss = f"{r['pss_start_mib']:,.1f} -> {r['pss_end_mib']:,.1f}" if "pss_start_mib" in r else "-"
         table.add_row(r["role"], str(r["processes"]), f"{r['rss_start_mib']:,.1f}", f"{r['rss_end_mib']:,.1f}",
                       f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}", pss)
-    console = Console()
+    console = Console(width=max(120, Console().width))  # the table is unreadable folded
     console.print(table)
     left = result["left_after_exit"]
     console.print(f"left {EXIT_GRACE_S:g} s after exit: {len(left)} process(es)"
@@ -225,12 +231,44 @@ def _trainer() -> None:
     cfg = json.loads(sys.argv[2])
     options = {k: cfg[k] for k in ("runtime", "job", "address", "token") if k in cfg}
     batches = 0
+    lockstep = Lockstep(Path(cfg["lockstep"]), cfg["rank"], cfg["ranks"], cfg["deadline_wall"])
     with plait.Loader(cfg["spec"], dp_rank=cfg["rank"], steps=10**9, **options) as loader:
         for _ in loader:
             batches += 1
             if time.time() >= cfg["deadline_wall"]:
                 break
+            if batches % LOCKSTEP_EVERY == 0:
+                lockstep.wait(batches)
     print(json.dumps({"batches": batches}), flush=True)
+
+
+LOCKSTEP_EVERY = 16  # batches between two lockstep checks of the trainers
+
+
+class Lockstep:
+    """Keeps the trainers within a few steps of each other, as a job's gradient all-reduce does (free
+    running, one rank would run thousands of steps ahead and the slow one fall out of the plan window).
+    Each rank writes its batch count to a file; a rank ahead of the slowest by more than LOCKSTEP_EVERY
+    waits for it (until the deadline)."""
+
+    def __init__(self, folder: Path, rank: int, ranks: int, deadline_wall: float):
+        self.folder, self.rank, self.ranks, self.deadline = folder, rank, ranks, deadline_wall
+
+    def wait(self, batches: int) -> None:
+        tmp = self.folder / f".{self.rank}"
+        tmp.write_text(str(batches))
+        os.replace(tmp, self.folder / str(self.rank))
+        while time.time() < self.deadline and self.slowest() < batches - LOCKSTEP_EVERY:
+            time.sleep(0.005)
+
+    def slowest(self) -> int:
+        counts = []
+        for r in range(self.ranks):
+            try:
+                counts.append(int((self.folder / str(r)).read_text() or 0))
+            except (OSError, ValueError):
+                counts.append(0)
+        return min(counts)
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--trainer":
