@@ -106,23 +106,28 @@ def _stream_growth(spec, monkeypatch, a: int, b: int) -> int:
             snaps[self.steps] = tracemalloc.take_snapshot()
 
     monkeypatch.setattr(RunStats, "add_plan", hooked)
+    monkeypatch.setattr(metrics, "RECENT_STEPS", 20)  # the plot windows are full long before step a
     tracemalloc.start(1)
     try:
         stream_mod.stream(spec, steps=b, progress=False)
     finally:
         tracemalloc.stop()
-    return sum(d.size_diff for d in snaps[b].compare_to(snaps[a], "filename"))
+    own = [tracemalloc.Filter(False, tracemalloc.__file__)]  # the first snapshot, held while taking the second
+    after, before = snaps[b].filter_traces(own), snaps[a].filter_traces(own)
+    return sum(d.size_diff for d in after.compare_to(before, "filename"))
 
 
+@pytest.mark.slow
 def test_plait_run_driver_does_not_grow_per_step(tmp_path, monkeypatch):
-    """`plait run`'s loop (stream) over many sources: memory held after 4N steps vs after N. Keeping
-    ~1 KiB per step (tokens per source, weights, balance per step, as it did) fails this."""
+    """`plait run`'s loop (stream) over 64 sources: memory held at step 500 vs at step 100. Keeping
+    ~2 KiB per step (tokens per source, weights, draws, balance per step, as it did) fails this; what
+    is left is warm-up (compiled kernels, caches filling to their bounds), ~0.3 KiB per step here."""
     from plait.cli.bench.memory import make_spec_dict
     from plait.spec import load_spec
 
-    spec = load_spec(make_spec_dict(tmp_path, 32, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
-    grown = _stream_growth(spec, monkeypatch, 150, 750)
-    assert grown < 600 * 300, f"the driver held {grown / 1024:.0f} KiB more after 600 more steps"
+    spec = load_spec(make_spec_dict(tmp_path, 64, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
+    grown = _stream_growth(spec, monkeypatch, 100, 500)
+    assert grown < 400 * 800, f"the driver held {grown / 1024:.0f} KiB more after 400 more steps"
 
 
 def test_the_autoscalers_timeline_and_events_are_bounded(monkeypatch):

@@ -88,7 +88,7 @@ def run(args) -> int:
     summary = stream(
         spec, steps=args.steps or spec.steps or 100, runtime=args.runtime, progress=not args.quiet,
         resume=resume, save_state=args.save_state, runtime_options=options,
-        allow_spec_change=args.allow_spec_change, report=args.report, steps_log=args.steps_log,
+        allow_spec_change=args.allow_spec_change, outputs={"report": args.report, "steps_log": args.steps_log},
     )
     if not args.quiet:
         print_summary(spec, summary, console=Console())

@@ -30,14 +30,15 @@ def stream(
     resume: dict | None = None,
     save_state: str | None = None,
     runtime_options: dict | None = None,
-    plot: str | None = None,
     allow_spec_change: bool = False,
-    report: str | None = None,
-    steps_log: str | None = None,
+    outputs: dict[str, str | None] | None = None,
 ) -> dict:
+    """Streams `steps` global steps for every rank and returns the summary. `outputs` names files to
+    write: `plot` (PNG), `report` (the mixing report) and `steps_log` (one JSON line per step)."""
     from plait.kernels import warm_up
 
     warm_up()
+    plot, report, steps_log = ((outputs or {}).get(k) for k in ("plot", "report", "steps_log"))
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
     log = None
     try:

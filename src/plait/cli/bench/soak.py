@@ -200,6 +200,10 @@ def print_table(result: dict) -> None:
                       f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}", pss)
     console = Console(width=max(120, Console().width))  # the table is unreadable folded
     console.print(table)
+    for proc in result["outcome"]["processes"]:
+        if proc["exit"] not in (0, 130, None):  # 130: ended by Ctrl-C, as the bench ends `plait run`
+            console.print(f"[bold yellow]a {proc['role']} process ended with exit {proc['exit']}[/] (the run may "
+                          f"have stopped early): {proc.get('stderr', '')[-600:]}", highlight=False)
     left = result["left_after_exit"]
     console.print(f"left {EXIT_GRACE_S:g} s after exit: {len(left)} process(es)"
                   + "".join(f"\n  {p['pid']} {p['role']}: {p['cmdline']}" for p in left), highlight=False)
