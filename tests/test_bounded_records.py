@@ -174,3 +174,21 @@ def test_plait_run_steps_log_writes_every_step_to_disk(tmp_path):
     assert [r["step"] for r in rows] == list(range(7))
     assert set(rows[0]["tokens_per_source"]) == {"src0000", "src0001", "src0002"}
     assert all(sum(r["tokens_per_source"].values()) == r["tokens"] for r in rows)
+
+
+def test_plot_and_report_draw_from_the_bounded_windows(tmp_path, monkeypatch):
+    """The plot and the mixing report work from what is kept: the last steps, and the windows."""
+    import json
+
+    from plait.cli.bench.memory import make_spec_dict
+    from plait.spec import load_spec
+
+    monkeypatch.setattr(metrics, "RECENT_STEPS", 10)
+    monkeypatch.setattr(stream_mod, "RECENT_STEPS", 10)
+    spec = load_spec(make_spec_dict(tmp_path / "data", 3, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
+    png, report = tmp_path / "plot.png", tmp_path / "mix.json"
+    summary = stream_mod.stream(spec, steps=30, progress=False, outputs={"plot": str(png), "report": str(report)})
+    assert png.stat().st_size > 0 and (tmp_path / "mix.png").stat().st_size > 0
+    got = json.loads(report.read_text())
+    assert [(w["start"], w["end"]) for w in got["windows"]] == [(0, 30)]
+    assert summary["steps"] == 30 and summary["mixing_report"]["worst_error"] == got["worst_error"]

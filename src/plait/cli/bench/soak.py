@@ -89,17 +89,17 @@ def soak(runtime: str, seconds: float, warmup: float, interval: float, *, source
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(root / "ray"),
                "PLAIT_NODE_DIR": str(root / "node"), "TMPDIR": str(root)}
         load = [os.getloadavg()]
-        run = Run(runtime, spec_path, env, dp, loaders, deadline=time.monotonic() + seconds)
-        run.start()
-        sampler = Sampler(started=run.roles, marker=str(root))
+        job = Run(runtime, spec_path, env, dp, loaders, deadline=time.monotonic() + seconds)
+        job.start()
+        sampler = Sampler(started=job.roles, marker=str(root))
         try:
-            while time.monotonic() < run.deadline and run.alive():
+            while time.monotonic() < job.deadline and job.alive():
                 sampler.sample()
                 load.append(os.getloadavg())
-                time.sleep(max(0.0, min(interval, run.deadline - time.monotonic())))
+                time.sleep(max(0.0, min(interval, job.deadline - time.monotonic())))
             sampler.sample()
         finally:
-            outcome = run.stop()
+            outcome = job.stop()
         time.sleep(EXIT_GRACE_S)
         left = sampler.left_alive()
         for p in left:  # nothing of the bench may outlive it
