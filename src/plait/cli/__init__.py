@@ -37,6 +37,7 @@ BENCH_MODULES = {
     "images": "plait.cli.bench.images",
     "video": "plait.cli.bench.video",
     "e2e": "plait.cli.bench.e2e",
+    "soak": "plait.cli.bench.soak",
 }
 
 

@@ -43,7 +43,8 @@ def run(args) -> int:
             spec_path = demo_video_spec(cache, IMAGE_TOKEN_ID)
     console.print(f"dataset: {cache} ({'cached' if existed else 'generated'}); spec: {spec_path}")
     spec = load_spec(spec_path)
-    summary = stream(spec, steps=args.steps or spec.steps or 50, runtime=args.runtime, progress=True, plot=args.plot)
+    summary = stream(spec, steps=args.steps or spec.steps or 50, runtime=args.runtime, progress=True,
+                     outputs={"plot": args.plot})
     print_summary(spec, summary, console=Console())
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
                    "continue exactly, added ones start at their beginning; changed files or seed are refused)")
     p.add_argument("--report", metavar="PATH", help="write the achieved share per source over 100-step windows "
                    "against its schedule, and the weight changes: PATH (.json) and a PNG beside it")
+    p.add_argument("--steps-log", metavar="PATH", help="write one JSON line per step (balance, tokens per source, "
+                   "weights) to PATH as it runs; the driver itself keeps only running totals and the last 10,000 "
+                   "steps")
     p.add_argument("--quiet", action="store_true", help="no progress bar or tables")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="serve Prometheus metrics on 127.0.0.1:P/metrics while running (watch with `plait top`)")
@@ -90,7 +93,7 @@ def run(args) -> int:
     summary = stream(
         spec, steps=args.steps or spec.steps or 100, runtime=args.runtime, progress=not args.quiet,
         resume=resume, save_state=args.save_state, runtime_options=options,
-        allow_spec_change=args.allow_spec_change, report=args.report,
+        allow_spec_change=args.allow_spec_change, outputs={"report": args.report, "steps_log": args.steps_log},
     )
     if not args.quiet:
         print_summary(spec, summary, console=Console())

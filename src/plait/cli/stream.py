@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from plait.errors import PlaitError
-from plait.metrics import RunStats
-from plait.mixture import MixtureSchedule, share_windows
+from plait.metrics import RECENT_STEPS, RunStats, ShareWindows
+from plait.mixture import MixtureSchedule
 from plait.state.schema import after_consumed_step, boundary_state, check_client_state
 from plait.runtime import make_runtime
 from plait.spec import Spec
@@ -28,20 +29,27 @@ def stream(
     resume: dict | None = None,
     save_state: str | None = None,
     runtime_options: dict | None = None,
-    plot: str | None = None,
     allow_spec_change: bool = False,
-    report: str | None = None,
+    outputs: dict[str, str | None] | None = None,
 ) -> dict:
+    """Streams `steps` global steps for every rank and returns the summary. `outputs` names files to
+    write: `plot` (PNG), `report` (the mixing report) and `steps_log` (one JSON line per step)."""
     from plait.kernels import warm_up
 
     warm_up()
+    plot, report, steps_log = ((outputs or {}).get(k) for k in ("plot", "report", "steps_log"))
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
+    log = None
     try:
         changes = _resume(rt, resume, allow_spec_change) if resume is not None else []
         mixture = MixtureSchedule(spec)
         stats = RunStats(spec.source_names, spec.topology.dp)
-        per_step_shares = []  # tokens per source per step
-        drawn, weights = [], []  # per step: tokens drawn per source, the weights they were drawn with
+        # Kept only when asked for, and bounded (a run may last weeks): --plot keeps the cumulative tokens
+        # per source of the last RECENT_STEPS steps; --report one entry per 100-step window (ShareWindows).
+        shares = CumulativeShares(len(spec.sources)) if plot else None
+        windows = ShareWindows(len(spec.sources)) if report else None
+        first_step = None
+        log = open(steps_log, "w") if steps_log else None  # closed in the finally below
         with Progress(
             TextColumn("[bold]streaming[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not progress, console=Console(stderr=True),
@@ -51,14 +59,17 @@ def stream(
                 plan = rt.plan()
                 w = plan.weights if plan.weights is not None else mixture.weights(plan.step)
                 stats.add_plan(plan, w)
-                weights.append(w)
-                drawn.append(plan.drawn if plan.drawn is not None else np.zeros(len(w)))
+                first_step = plan.step if first_step is None else first_step
+                if windows is not None:
+                    windows.add(plan.drawn if plan.drawn is not None else np.zeros(len(w)), w)
                 for rank in range(plan.ranks):
                     for mb in rt.build(plan, rank):
                         stats.add_batch(mb)
                 rt.release()
-                tok = np.bincount(plan.items.source, weights=plan.items.length, minlength=len(spec.sources))
-                per_step_shares.append(tok)
+                if shares is not None:
+                    shares.add(plan)
+                if log is not None:
+                    log.write(step_record(plan, w, spec) + "\n")
                 bar.update(task, advance=1, rate=f"{stats.tokens / max(stats.elapsed, 1e-9) / 1e6:.2f} M tok/s")
         summary = stats.summary()
         errors = rt.error_report()
@@ -72,15 +83,25 @@ def stream(
         if save_state:
             Path(save_state).write_text(json.dumps(boundary_state(rt.state_dict(), spec)))
         if plot:
-            _plot(spec, stats, np.array(per_step_shares), mixture, plot)
+            _plot(spec, stats, shares, mixture, plot)
             summary["plot"] = plot
         if report:
-            summary["mixing_report"] = write_mixing_report(
-                spec, np.array(drawn), np.array(weights), rt.state_dict(), changes, report,
-                first_step=int(plan.step) - len(drawn) + 1 if drawn else 0)
+            summary["mixing_report"] = write_mixing_report(spec, windows, rt.state_dict(), changes, report,
+                                                           first_step=int(first_step or 0))
         return summary
     finally:
+        if log is not None:
+            log.close()
         rt.close()
+
+
+def step_record(plan, weights, spec: Spec) -> str:
+    """One line of --steps-log: the step's balance, tokens and draws per source (JSON)."""
+    tok = np.bincount(plan.items.source, weights=plan.items.length, minlength=len(spec.sources))
+    return json.dumps({"step": int(plan.step), "efficiency": float(plan.efficiency),
+                       "max_over_lb": float(plan.max_over_lb), "tokens": int(plan.tokens),
+                       "tokens_per_source": dict(zip(spec.source_names, map(int, tok))),
+                       "weights": dict(zip(spec.source_names, map(float, weights)))})
 
 
 def _resume(rt, resume: dict, allow_spec_change: bool = False) -> list[str]:
@@ -155,39 +176,55 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
                 console.print(f"  {escape(m)}", highlight=False, soft_wrap=True)
 
 
-def _plot(spec: Spec, stats: RunStats, shares: np.ndarray, mixture: MixtureSchedule, path: str) -> None:
+class CumulativeShares:
+    """Tokens per source since the run started, as of each of the last RECENT_STEPS steps (the mixture plot)."""
+
+    def __init__(self, sources: int):
+        self.total = np.zeros(sources)
+        self.steps = 0
+        self.cumulative: deque = deque(maxlen=RECENT_STEPS)
+
+    def add(self, plan) -> None:
+        self.total += np.bincount(plan.items.source, weights=plan.items.length, minlength=len(self.total))
+        self.cumulative.append(self.total.copy())
+        self.steps += 1
+
+
+def _plot(spec: Spec, stats: RunStats, shares: CumulativeShares, mixture: MixtureSchedule, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    steps = np.arange(len(shares))
-    totals = np.cumsum(shares, axis=0)  # tokens per source, cumulative
+    totals = np.array(shares.cumulative).reshape(-1, len(spec.source_names))
+    steps = np.arange(shares.steps - len(totals), shares.steps)
     cum = totals / np.maximum(1, totals.sum(axis=1, keepdims=True))
     for i, name in enumerate(spec.source_names):
         line = a.plot(steps, cum[:, i], label=f"{name} (cumulative)")
         a.plot(steps, [mixture.weights(t)[i] for t in steps], "--", color=line[0].get_color(), alpha=0.6)
     a.set(title="mixture over steps (dashed: target)", xlabel="step", ylabel="token share")
     a.legend(fontsize=8)
-    b.plot(stats.efficiency, label="mean/max rank cost")
-    b.plot(1 / np.array(stats.max_over_lb), label="lower bound / max rank cost")
-    b.set(title="balance per step", xlabel="step", ylim=(0.8, 1.01))
+    recent = np.arange(stats.steps - len(stats.efficiency), stats.steps)
+    b.plot(recent, list(stats.efficiency), label="mean/max rank cost")
+    b.plot(recent, 1 / np.array(stats.max_over_lb), label="lower bound / max rank cost")
+    b.set(title=f"balance per step (the last {RECENT_STEPS:,} at most)", xlabel="step", ylim=(0.8, 1.01))
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_mixing_report(spec: Spec, drawn: np.ndarray, weights: np.ndarray, state: dict, changes: list[str],
-                        path: str, *, first_step: int = 0, window: int = 100) -> dict:
-    """Achieved share per source over windows of `window` steps against its target, and the weight
-    changes in force (run-time overrides, spec changes): JSON at `path` (.json) and a PNG beside it."""
+def write_mixing_report(spec: Spec, shares: ShareWindows, state: dict, changes: list[str], path: str, *,
+                        first_step: int = 0) -> dict:
+    """Achieved share per source over windows of steps against its target, and the weight changes in
+    force (run-time overrides, spec changes): JSON at `path` (.json) and a PNG beside it (its per-step
+    curve covers the last RECENT_STEPS steps)."""
     names = spec.source_names
-    windows = share_windows(drawn, weights, window) if len(drawn) else []
-    for w in windows:
-        w["start"] += first_step
-        w["end"] += first_step
+    window = shares.window
+    windows = [dict(w, start=w["start"] + first_step, end=w["end"] + first_step) for w in shares.finish()]
+    drawn = np.array(shares.drawn).reshape(-1, len(names))
+    weights = np.array(shares.weights).reshape(-1, len(names))
     report = {
         "sources": names, "window": window, "first_step": first_step, "windows": windows,
         "worst_error": max((w["worst_error"] for w in windows), default=0.0),
@@ -197,7 +234,7 @@ def write_mixing_report(spec: Spec, drawn: np.ndarray, weights: np.ndarray, stat
     json_path = base if base.suffix == ".json" else base.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=2))
     report["json"], report["png"] = str(json_path), str(json_path.with_suffix(".png"))
-    _plot_shares(names, drawn, weights, first_step, window, report)
+    _plot_shares(names, drawn, weights, first_step + shares.steps - len(drawn), window, report)
     return report
 
 

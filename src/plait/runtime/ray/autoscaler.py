@@ -8,7 +8,7 @@ tokens, samples, images; plait.roles.source_loader `count_production`) and the C
 (`ProductionMeter`), asks the `Controller` and applies its Decision through `PlannerActor.rescale`
 (plait.runtime.ray.routing): the data stream does not change, only which loaders decode it.
 
-`ScalingRecord` keeps what `scaling_report()` returns (every event, the timeline of the layout, waits and
+`ScalingRecord` keeps what `scaling_report()` returns (the last events, the recent timeline of the layout, waits and
 busy fractions) and the job's Prometheus series: `plait_rescale_events_total{kind}`,
 `plait_source_loaders{source}`, `plait_loader_demand_unmet`. Every event is logged on `plait.scaling`.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -31,15 +32,22 @@ from plait.runtime.ray.routing import loaders_per_source
 log = logging.getLogger("plait.scaling")
 
 
+TIMELINE_KEPT = 1800  # control intervals kept in the timeline: the last hour at the default 2 s
+EVENTS_KEPT = 1000  # rescales and unmet-demand reports kept (the counter counts them all)
+
+
 class ScalingRecord:
-    """A job's scaling events and timeline, and their Prometheus series (on the job's registry)."""
+    """A job's scaling events and timeline, and their Prometheus series (on the job's registry).
+
+    A job may run for weeks: the timeline keeps its last TIMELINE_KEPT intervals and the events their
+    last EVENTS_KEPT (an interval's row names every source, a few KiB with many sources)."""
 
     def __init__(self, names: list[str], registry, options: dict | None):
         self.names = names
         self.options = options
         self.started = time.monotonic()
-        self.events: list[dict] = []
-        self.timeline: list[dict] = []
+        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
+        self.timeline: deque[dict] = deque(maxlen=TIMELINE_KEPT)
         self.initial: dict | None = None
         self.rescales = Counter("plait_rescale_events", "Loader layout changes (up, down, manual) and reports of "
                                 "demand the loaders cannot meet (unmet), by kind", ["kind"], registry=registry)

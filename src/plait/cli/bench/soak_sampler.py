@@ -1,0 +1,159 @@
+"""Resident memory of a soak run's processes, by role, sampled over time; a least-squares slope per role.
+
+A process's role comes from what it is: plait's Ray actors set their process title (`ray::PlannerActor`,
+`ray::LoaderActor`, `ray::ConstructorActor`, ...), Ray's own daemons have their names (gcs_server,
+raylet, dashboard, log_monitor, ...), and the processes the bench started itself are named by it
+(`driver`, `trainer`, `node-host`, `server`). Every descendant of a started process is tracked, and so
+is any process whose command line names the run's own temp dir (Ray's daemons and workers carry their
+session dir there), so a process that detached from its parent is still counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+
+MIB = 2**20
+# ray::<ClassName>[.method]: plait's actors by class; any other `ray::` process (idle workers, tasks) is Ray's.
+ACTOR_ROLES = (("PlannerHostActor", "planner"), ("PlannerActor", "planner"), ("StandbyPlanner", "planner"),
+               ("ShadowActor", "loader"), ("LoaderActor", "loader"), ("ConstructorActor", "constructor"),
+               ("FlightServer", "constructor"))
+
+
+def actor_role(cmdline: str) -> str | None:
+    """The plait role of a Ray worker process from its title (None: not a plait actor)."""
+    head = cmdline.split(" ", 1)[0]
+    if not head.startswith("ray::"):
+        return None
+    name = head[len("ray::"):]
+    for prefix, role in ACTOR_ROLES:
+        if name.startswith(prefix):
+            return role
+    return None
+
+
+def classify(cmdline: str, started: dict[int, str], pid: int) -> str:
+    """The role of one process: named by the bench, a plait actor, or Ray's own."""
+    if pid in started:
+        return started[pid]
+    return actor_role(cmdline) or "ray"
+
+
+@dataclass
+class Sampler:
+    """Samples RSS and PSS (where the platform gives it) of every process of the run, summed per role.
+
+    `started` maps the pids the bench launched to their roles; `marker` is a string (the run's temp dir)
+    in the command line of every other process that belongs to the run."""
+
+    started: dict[int, str]
+    marker: str
+    t0: float = field(default_factory=time.monotonic)
+    samples: list[dict] = field(default_factory=list)  # {"t", "roles": {role: {"rss", "pss", "n"}}}
+    pss_available: bool = True
+
+    def processes(self) -> dict[int, tuple[psutil.Process, str]]:
+        """Every live process of the run, with its role."""
+        found: dict[int, tuple[psutil.Process, str]] = {}
+        for pid in list(self.started):
+            try:
+                root = psutil.Process(pid)
+                family = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in family:
+                found.setdefault(p.pid, (p, ""))
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmd = " ".join(p.info.get("cmdline") or [])
+            if self.marker and self.marker in cmd:
+                found.setdefault(p.pid, (p, ""))
+        out = {}
+        for pid, (p, _) in found.items():
+            try:
+                cmd = " ".join(p.cmdline()) or p.name()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            out[pid] = (p, classify(cmd, self.started, pid))
+        return out
+
+    def sample(self) -> dict:
+        roles: dict[str, dict] = {}
+        for p, role in self.processes().values():
+            try:
+                if self.pss_available:
+                    m = p.memory_full_info()
+                    rss, pss = m.rss, getattr(m, "pss", None)
+                else:
+                    rss, pss = p.memory_info().rss, None
+            except psutil.AccessDenied:
+                self.pss_available = False
+                continue
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            r = roles.setdefault(role, {"rss": 0, "pss": 0, "n": 0})
+            r["rss"] += rss
+            r["pss"] = None if pss is None or r["pss"] is None else r["pss"] + pss
+            r["n"] += 1
+        s = {"t": time.monotonic() - self.t0, "roles": roles}
+        self.samples.append(s)
+        return s
+
+    def left_alive(self) -> list[dict]:
+        """The run's processes still alive (after it ended)."""
+        return [{"pid": pid, "role": role, "cmdline": _cmd(p)[:200]} for pid, (p, role) in self.processes().items()
+                if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "?"
+
+
+def slope_per_hour(t: np.ndarray, y: np.ndarray) -> float:
+    """Least-squares slope of y (bytes) over t (seconds), in MiB per hour (nan under two samples)."""
+    if len(t) < 2 or np.ptp(t) <= 0:
+        return float("nan")
+    return float(np.polyfit(t, y, 1)[0]) * 3600 / MIB
+
+
+def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
+    """Per role: RSS (and PSS) at the first and last sample after the warm-up, the slope after it (MiB/hour)
+    and that slope over a day; a role seen in only some samples counts 0 where it was absent."""
+    names = sorted({r for s in samples for r in s["roles"]}, key=_role_order)
+    after = [s for s in samples if s["t"] >= warmup_s] or samples[-1:]
+    t = np.array([s["t"] for s in after])
+    out = []
+    for name in names:
+        rss = np.array([s["roles"].get(name, {}).get("rss", 0) for s in after], dtype=np.float64)
+        pss_values = [s["roles"].get(name, {}).get("pss") for s in after]
+        slope = slope_per_hour(t, rss)
+        row = {"role": name, "processes": max(s["roles"].get(name, {}).get("n", 0) for s in after),
+               "rss_start_mib": round(rss[0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
+               "rss_max_mib": round(rss.max() / MIB, 1),
+               "slope_mib_per_hour": round(slope, 2), "growth_mib_per_day": round(slope * 24, 1),
+               "samples": len(after)}
+        if all(v is not None for v in pss_values):
+            pss = np.array(pss_values, dtype=np.float64)
+            row.update(pss_start_mib=round(pss[0] / MIB, 1), pss_end_mib=round(pss[-1] / MIB, 1),
+                       pss_slope_mib_per_hour=round(slope_per_hour(t, pss), 2))
+        out.append(row)
+    return out
+
+
+ROLE_ORDER = ("driver", "trainer", "node-host", "server", "planner", "loader", "constructor", "ray")
+
+
+def _role_order(name: str) -> tuple[int, str]:
+    return (ROLE_ORDER.index(name) if name in ROLE_ORDER else len(ROLE_ORDER), name)

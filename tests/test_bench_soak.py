@@ -1,0 +1,64 @@
+"""`plait bench soak`: processes by role, the slope fit, and a brief run end to end (shape only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.cli.bench.soak_sampler import MIB, actor_role, classify, role_table, slope_per_hour
+
+
+def test_roles_come_from_what_started_a_process_or_its_ray_title():
+    assert actor_role("ray::PlannerActor.step_plan") == "planner"
+    assert actor_role("ray::PlannerHostActor") == "planner"
+    assert actor_role("ray::LoaderActor.fetch") == "loader"
+    assert actor_role("ray::ShadowActor") == "loader"
+    assert actor_role("ray::ConstructorActor.get_batch") == "constructor"
+    assert actor_role("ray::IDLE") is None and actor_role("/usr/bin/python -m x") is None
+    started = {10: "driver"}
+    assert classify("python plait run", started, 10) == "driver"
+    assert classify("ray::IDLE", started, 11) == "ray"
+    assert classify("/venv/lib/ray/core/src/ray/gcs/gcs_server --session-dir=/tmp/x", started, 12) == "ray"
+
+
+def test_slope_is_least_squares_in_mib_per_hour_and_the_warmup_is_left_out():
+    t = [float(x) for x in range(0, 600, 10)]
+    # 100 MiB during the warm-up (first 120 s), then 1 MiB more per minute: 60 MiB/hour
+    rss = [(100 if x < 120 else 200) * MIB + x / 60 * MIB for x in t]
+    assert slope_per_hour(t[12:], rss[12:]) == pytest.approx(60.0)
+    samples = [{"t": x, "roles": {"driver": {"rss": r, "pss": r // 2, "n": 1},
+                                  **({"ray": {"rss": 5 * MIB, "pss": None, "n": 3}} if x >= 300 else {})}}
+               for x, r in zip(t, rss)]
+    rows = {r["role"]: r for r in role_table(samples, warmup_s=120)}
+    d = rows["driver"]
+    assert d["slope_mib_per_hour"] == pytest.approx(60.0, abs=0.01) and d["growth_mib_per_day"] == pytest.approx(1440, abs=1)
+    assert d["rss_start_mib"] == pytest.approx(202.0) and d["samples"] == 48
+    assert d["pss_slope_mib_per_hour"] == pytest.approx(30.0, abs=0.01)
+    assert rows["ray"]["processes"] == 3 and "pss_start_mib" not in rows["ray"]  # absent before 300 s: 0 there
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_brief_local_soak_reports_every_role_with_samples(tmp_path):
+    out = tmp_path / "soak.json"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([str(Path(sys.executable).parent / "plait"), "bench", "soak", "--minutes", "0.2",
+                           "--runtime", "local", "--sources", "4", "--json", str(out), "--plot",
+                           str(tmp_path / "soak.png")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["runtime"] == "local" and got["minutes"] == pytest.approx(0.2)
+    assert [r["role"] for r in got["roles"]] == ["driver"]
+    row = got["roles"][0]
+    for key in ("rss_start_mib", "rss_end_mib", "slope_mib_per_hour", "growth_mib_per_day"):
+        assert isinstance(row[key], float)
+    assert row["rss_start_mib"] > 10 and row["samples"] >= 3
+    assert len(got["samples"]) >= 5 and all("driver" in s["rss_mib"] for s in got["samples"][:3])
+    assert isinstance(got["left_after_exit"], list)
+    assert (tmp_path / "soak.png").stat().st_size > 0
+    assert "slope (MiB/hour)" in proc.stdout
