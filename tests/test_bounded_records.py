@@ -29,9 +29,9 @@ def fake_plan(rng, sources: int = 3):
 def fake_batch(rng, rank: int):
     fill = float(rng.uniform(0.5, 1))
     ids = np.arange(10, dtype=np.int32)
-    return SimpleNamespace(num_tokens=10, padding_fraction=1 - fill, num_images=0, num_patches=0, dp_rank=rank,
+    return SimpleNamespace(num_tokens=10, padding_fraction=1 - fill, num_images=0, num_patches=0, video_grid=None, dp_rank=rank,
                            input_ids=ids, labels=ids, position_ids=ids, cu_seqlens=np.array([0, 10], np.int32),
-                           sample_ids=ids.astype(np.int64), pixel_values=None)
+                           sample_ids=ids.astype(np.int64), pixel_values=None, pixel_values_videos=None)
 
 
 def sized(obj) -> dict[str, int]:
@@ -136,12 +136,12 @@ def test_the_autoscalers_timeline_and_events_are_bounded(monkeypatch):
     from prometheus_client import CollectorRegistry
 
     import plait.runtime.ray.autoscaler as autoscaler
-    from plait.runtime.placement import Layout
+    from plait.runtime.placement import LoaderLayout
 
     monkeypatch.setattr(autoscaler, "TIMELINE_KEPT", 30)
     monkeypatch.setattr(autoscaler, "EVENTS_KEPT", 10)
     names = [f"s{i}" for i in range(4)]
-    layout = Layout({i: 1 for i in range(4)}, [[(0, 0), (1, 0)], [(2, 0), (3, 0)]])
+    layout = LoaderLayout({i: 1 for i in range(4)}, [[(0, 0), (1, 0)], [(2, 0), (3, 0)]])
     obs = {"wait_s": 0.0, "steps": 5, "loader_busy": [0.5, 0.5]}
 
     def record(intervals: int):
