@@ -60,18 +60,14 @@ def test_global_label_tokens_is_the_direct_count(sources, case, mode):
 
 
 @pytest.mark.ray
-def test_global_label_tokens_on_ray(sources):
+def test_global_label_tokens_on_ray(sources, ray_session):
     ray = pytest.importorskip("ray")
     spec = plait.load_spec(mm_spec([sources[n] for n in CASES["mixed"]], balance={"mode": "variable"}))
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
+    rt = make_runtime(spec, "ray", loaders=2)
     try:
-        rt = make_runtime(spec, "ray", loaders=2)
-        try:
-            counts = label_counts(rt, 2)
-        finally:
-            rt.close()
+        counts = label_counts(rt, 2)
     finally:
-        ray.shutdown()
+        rt.close()
     for direct, carried, _ in counts:
         assert carried == {direct}
 
@@ -190,7 +186,7 @@ def test_empty_image_file_says_it_is_empty(tmp_path):
 
 
 @pytest.mark.ray
-def test_dropped_sample_same_stream_on_ray(tmp_path):
+def test_dropped_sample_same_stream_on_ray(tmp_path, ray_session):
     ray = pytest.importorskip("ray")
     from plait.cli.stream import stream as run_stream
     from plait.metrics import combined_digest
@@ -198,11 +194,7 @@ def test_dropped_sample_same_stream_on_ray(tmp_path):
     src = {**wds_with(tmp_path / "w", cut(jpeg(90, 70, seed=11))), "on_error": "skip"}
     spec = plait.load_spec(mm_spec([src, llava(tmp_path / "l", n=12, max_images=1, jsonl=True)]))
     local = run_stream(spec, steps=4, runtime="local", progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    try:
-        remote = run_stream(spec, steps=4, runtime="ray", progress=False, runtime_options={"loaders": 2})
-    finally:
-        ray.shutdown()
+    remote = run_stream(spec, steps=4, runtime="ray", progress=False, runtime_options={"loaders": 2})
     assert local["errors"]["wds"] >= 2 and remote["errors"] == local["errors"]
     assert combined_digest(remote["digests"]) == combined_digest(local["digests"])
 

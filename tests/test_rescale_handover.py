@@ -10,7 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from plait.cli.bench.recovery import make_spec  # noqa: E402
+from fixtures import mixed_spec as make_spec  # noqa: E402
 from plait.metrics import batch_digest_update  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 from plait.runtime.placement import LoaderLayout  # noqa: E402
@@ -43,7 +43,7 @@ def drive(rt, on_step=None) -> str:
 
 
 @pytest.mark.ray
-def test_rescale_keeps_unchanged_loaders_running(tmp_path):
+def test_rescale_keeps_unchanged_loaders_running(tmp_path, ray_session):
     from plait.runtime.ray import RayRuntime
 
     spec = make_spec(tmp_path, dp=2)
@@ -52,38 +52,34 @@ def test_rescale_keeps_unchanged_loaders_running(tmp_path):
         reference = drive(local)
     finally:
         local.close()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
+    rt = RayRuntime(spec, loaders=1)
+    seen: dict[int, list] = {}
+
+    def loaders():
+        handles = ray.get(rt.planner.get_loaders.remote())
+        return handles, [ray.get(h.stats.remote())["pid"] for h in handles]
+
+    def on_step(step):
+        if step == 2:
+            rt.rescale(SPLIT, "test: split")
+            seen[2] = loaders()
+        if step == 5:
+            rt.rescale(RESPLIT, "test: resplit")
+            seen[5] = loaders()
+
     try:
-        rt = RayRuntime(spec, loaders=1)
-        seen: dict[int, list] = {}
-
-        def loaders():
-            handles = ray.get(rt.planner.get_loaders.remote())
-            return handles, [ray.get(h.stats.remote())["pid"] for h in handles]
-
-        def on_step(step):
-            if step == 2:
-                rt.rescale(SPLIT, "test: split")
-                seen[2] = loaders()
-            if step == 5:
-                rt.rescale(RESPLIT, "test: resplit")
-                seen[5] = loaders()
-
-        try:
-            digest = drive(rt, on_step)
-            (before, pids_before), (after, pids_after) = seen[2], seen[5]
-            # the mid+long loader is the same actor in the same process; every loader of `short` is new
-            assert after[0] == before[2] and pids_after[0] == pids_before[2]
-            assert not set(after[1:]) & set(before)
-            assert not set(pids_after[1:]) & set(pids_before)
-            stats = rt.stats()
-            assert stats["retiring"] == []  # the old layout ended ...
-            assert ray.get(after[0].stats.remote())["blocks_read"] > 0  # ... and the handed-over loader runs on
-            for gone in before[:2]:
-                with pytest.raises(ray.exceptions.RayActorError):
-                    ray.get(gone.stats.remote(), timeout=30)
-        finally:
-            rt.close()
+        digest = drive(rt, on_step)
+        (before, pids_before), (after, pids_after) = seen[2], seen[5]
+        # the mid+long loader is the same actor in the same process; every loader of `short` is new
+        assert after[0] == before[2] and pids_after[0] == pids_before[2]
+        assert not set(after[1:]) & set(before)
+        assert not set(pids_after[1:]) & set(pids_before)
+        stats = rt.stats()
+        assert stats["retiring"] == []  # the old layout ended ...
+        assert ray.get(after[0].stats.remote())["blocks_read"] > 0  # ... and the handed-over loader runs on
+        for gone in before[:2]:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(gone.stats.remote(), timeout=30)
     finally:
-        ray.shutdown()
+        rt.close()
     assert digest == reference

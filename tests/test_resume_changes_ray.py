@@ -16,10 +16,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+def ray_instance(ray_session):
+    """The session's Ray instance (tests/conftest.py)."""
+    yield ray_session
 
 
 @pytest.fixture(scope="module")

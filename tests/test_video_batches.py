@@ -256,7 +256,7 @@ def test_video_cut_after_planning_is_dropped_under_skip(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_same_stream_on_ray(sources):
+def test_same_stream_on_ray(sources, ray_session):
     """Local and ray give the same digest with videos (pixels included), decoded in the loader actors."""
     ray = pytest.importorskip("ray")
     from plait.cli.stream import stream as run_stream
@@ -264,11 +264,7 @@ def test_same_stream_on_ray(sources):
 
     spec = plait.load_spec(video_spec(sources[:2])).with_overrides(steps=2)
     local = run_stream(spec, steps=2, runtime="local", progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="plait", log_to_driver=False, configure_logging=False)
-    try:
-        remote = run_stream(spec, steps=2, runtime="ray", progress=False, runtime_options={"loaders": 2})
-    finally:
-        ray.shutdown()
+    remote = run_stream(spec, steps=2, runtime="ray", progress=False, runtime_options={"loaders": 2})
     assert combined_digest(remote["digests"]) == combined_digest(local["digests"])
     assert remote["videos"] == local["videos"] > 0
 
