@@ -195,7 +195,10 @@ def test_dropped_sample_same_stream_on_ray(tmp_path, ray_session):
     spec = plait.load_spec(mm_spec([src, llava(tmp_path / "l", n=12, max_images=1, jsonl=True)]))
     local = run_stream(spec, steps=4, runtime="local", progress=False)
     remote = run_stream(spec, steps=4, runtime="ray", progress=False, runtime_options={"loaders": 2})
-    assert local["errors"]["wds"] >= 2 and remote["errors"] == local["errors"]
+    # Ray's Constructors build ahead of the trainer (prefetch): a step past the run's end may be built, and
+    # its attempt counted, without being delivered; the delivered data is the same (digests below)
+    assert local["errors"]["wds"] >= 2 and remote["errors"]["wds"] >= local["errors"]["wds"]
+    assert remote["errors"]["llava"] == local["errors"]["llava"] == 0
     assert combined_digest(remote["digests"]) == combined_digest(local["digests"])
 
 

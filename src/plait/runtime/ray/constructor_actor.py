@@ -133,18 +133,21 @@ class ConstructorActor:
         self.window_waits = 0  # requests that waited for a slower rank (the Planner's window was full)
         self.lagging = ""  # the rank the last wait was for
 
-    def _build(self, gen: int, step: int, dp_rank: int, with_state: bool) -> tuple[dict | None, list[MicroBatch]]:
+    def _ask_planner(self, method: str, *args):
+        """A call to the job's Planner; when it died, to its successor (the job's standby makes it once,
+        whoever asks first)."""
         while True:
             planner = self.planner
             try:
-                plan, state, routing = get(planner.build_order.remote(gen, step, dp_rank, self.route.version,
-                                                                      with_state))
-                break
-            except dead_errors():  # the job's standby makes the Planner's successor (once, whoever asks)
+                return get(getattr(planner, method).remote(*args))
+            except dead_errors():
                 successor = standby_planner.successor(self.job, planner)
                 if successor is None:
                     raise
                 self.planner = self.payloads.planner = successor[0]
+
+    def _build(self, gen: int, step: int, dp_rank: int, with_state: bool) -> tuple[dict | None, list[MicroBatch]]:
+        plan, state, routing = self._ask_planner("build_order", gen, step, dp_rank, self.route.version, with_state)
         self.route.update(routing)
         with Stopwatch() as t:
             batches = self.constructor.build(plan)
@@ -159,7 +162,7 @@ class ConstructorActor:
             return True
         if not ask:
             return False
-        edge, self.lagging = get(self.planner.horizon.remote(gen))
+        edge, self.lagging = self._ask_planner("horizon", gen)
         if edge is None:  # no rank has built in this generation yet: this one and its build-ahead may go
             edge = step + self.prefetch + 1
         self.edge = (gen, edge)
