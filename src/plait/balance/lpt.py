@@ -36,6 +36,8 @@ from .ordering import radix_sort
 # patches (int64 [n], or [0]: no patch capacity - text, or patches not limited; every kernel then runs
 # its text-only path, bit for bit the one it ran before patches existed).
 PlacementItems = namedtuple("PlacementItems", "urgent lengths costs patches")
+# The name the on-disk numba caches of earlier versions pickled (they fail to load, not recompile, without it)
+Items = PlacementItems
 NO_PATCHES = np.zeros(0, dtype=np.int64)
 
 # The state of an LPT pass, all arrays. rank, micro [n]: the item's place (-1: none yet). rank_cost [R],
