@@ -17,8 +17,9 @@ _jit.py; the very same Python functions run uncompiled otherwise, so results nev
 3. **Cost cap** (lpt.py, driven by driver.py): when tokens bind before cost, the pass is repeated with
    every rank's cost capped just above the lower bound, carrying the cheap leftovers that would push a
    rank past the cap to the next step; the pass that certifies best is kept. Carried items go first in
-   the next step, uncapped, so nothing waits more than a step for this. Later passes resume from
-   snapshots of the first.
+   the next step, uncapped, so nothing waits more than a step for this. A pass that carries but ends
+   above the cap all the same is dropped for the plain pass when that places more tokens: carrying
+   is for holding the cap. Later passes resume from snapshots of the first.
 4. **Micro-batches** (microbatches.py): inside each rank the items are re-packed cost-first onto the
    least costly micro-batch with room (balanced micro-batch costs shorten pipeline bubbles).
 5. **Rebalance** (exchange.py; equal mode, when the step still certifies worse than 1 + RECAP_ABOVE):

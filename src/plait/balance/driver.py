@@ -128,6 +128,13 @@ def _lpt_passes(items, costs, R, W, caps):
     a pass capped at the new bound follows, kept if it carries at most RECAP_TOKENS more of the step's
     tokens. All passes share their decisions up to the first item where their caps disagree: LptRun
     resumes each later pass from a snapshot of the first.
+
+    Carrying is only worth its delay when it holds the cap. A pass can end above it all the same: an
+    item is placed past the cap when it is urgent or when no less loaded rank is too full for it (tokens
+    do not bind for it), and the items held back afterwards only keep the other ranks under a cap the
+    step already exceeds. Such a pass certifies a little better than the plain one over
+    the items it placed, but makes a step no faster than the cap allows while leaving tokens behind: the
+    plain pass is kept instead when it places more tokens.
     """
     Us, Ls, Cs, Ps = items
     capacity, pcap = caps
@@ -137,6 +144,7 @@ def _lpt_passes(items, costs, R, W, caps):
     first = LptRun(Us, Ls, Cs, R, W, capacity, cap, Ps if pcap >= 0 else None, pcap if pcap >= 0 else None)
     best = first.result
     ratio = pass_ratio(best.rank, best.rank_cost, Cs, R)
+    plain = None  # the uncapped pass, run only when a comparison needs it
     if best.skipped and ratio > best.first_over / lb_all:
         plain = first.rerun(np.inf)
         ratio_plain = pass_ratio(plain.rank, plain.rank_cost, Cs, R)
@@ -149,4 +157,8 @@ def _lpt_passes(items, costs, R, W, caps):
         ratio_again = pass_ratio(again.rank, again.rank_cost, Cs, R)
         if ratio_again < ratio and lost <= tuning.RECAP_TOKENS * total_tokens:
             best, ratio = again, ratio_again
+    if best.skipped and float(best.rank_cost.max()) > cap:  # held items back in vain (see above)
+        plain = plain if plain is not None else first.rerun(np.inf)
+        if placed_tokens(plain.rank, Ls) > placed_tokens(best.rank, Ls):
+            best, ratio = plain, pass_ratio(plain.rank, plain.rank_cost, Cs, R)
     return best.rank, best.micro, best.rank_cost, best.micro_cost, best.room, best.proom, ratio
