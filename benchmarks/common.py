@@ -19,59 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# The mixed corpus and the exactly-once checks live in the package, shared with the tests (which never
+# import from this measurement suite): re-exported here for the benchmarks.
+from plait.cli.mixed_corpus import MIXED_SOURCES, mixed_sources, mixed_spec, write_token_parquet
+from plait.exactly_once import compare_streams, kill_points
 
-# The three-source pre-tokenized corpus the recovery benchmarks (and the chaos tests' own copy) use:
-# (name, files, docs per file, row group size, length range (lo, hi), weight)
-MIXED_SOURCES = (
-    ("short", 6, 240, 40, (8, 120), 0.3),
-    ("mid", 4, 160, 32, (60, 600), 0.4),
-    ("long", 3, 24, 6, (300, 1500), 0.3),
-)
+__all__ = ["MIXED_SOURCES", "compare_streams", "demo_spec", "kill_points", "machine", "main", "mixed_sources",
+           "mixed_spec", "write_result", "write_token_parquet"]
 
 _LOAD_AT_START = os.getloadavg()
 _COMMAND = [Path(sys.executable).name, *sys.argv]  # main() records the `python -m benchmarks.NAME ...` form
-
-
-def write_token_parquet(path: Path, lengths: np.ndarray, rng: np.random.Generator, *, row_group_size: int | None = None,
-                        vocab: tuple[int, int] = (2, 30000), compression: str = "snappy") -> None:
-    """One Parquet file of pre-tokenized documents (`input_ids`: list<int32>) with the given lengths and
-    random ids in [vocab[0], vocab[1])."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    flat = rng.integers(vocab[0], vocab[1], size=int(offsets[-1]), dtype=np.int32)
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-    pq.write_table(pa.table({"input_ids": column}), path, row_group_size=row_group_size, compression=compression)
-
-
-def mixed_sources(root: Path, *, scale: int = 1, seed: int = 0) -> list[dict]:
-    """Write MIXED_SOURCES under `root` (once; later calls reuse the files); return their spec entries."""
-    rng = np.random.default_rng(seed)
-    entries = []
-    for name, files, docs, row_group, (lo, hi), weight in MIXED_SOURCES:
-        folder = root / name
-        if not folder.exists():
-            folder.mkdir(parents=True)
-            for f in range(files):
-                lengths = rng.integers(lo, hi + 1, size=docs * scale)
-                write_token_parquet(folder / f"{name}-{f:03d}.parquet", lengths, rng, row_group_size=row_group)
-        entries.append({"name": name, "path": str(folder / "*.parquet"), "tokens_field": "input_ids", "eos": 1,
-                        "weight": weight})
-    return entries
-
-
-def mixed_spec(root: Path, *, dp: int = 8, seq_len: int = 256, microbatches: int = 2, seed: int = 7,
-               shadows: int = 0, **extra):
-    """A loaded Spec over `mixed_sources(root)` with a simple explicit cost model."""
-    from plait.spec import load_spec
-
-    sources = mixed_sources(root)
-    if shadows:
-        sources = [{**s, "shadows": shadows} for s in sources]
-    return load_spec({"seed": seed, "sources": sources, "packing": {"seq_len": seq_len, "microbatches": microbatches},
-                      "topology": {"dp": dp}, "cost": {"linear": 1.0, "quadratic": 0.001}, **extra})
 
 
 def demo_spec(cache: str | None = None, **overrides):
@@ -80,26 +37,6 @@ def demo_spec(cache: str | None = None, **overrides):
     from plait.spec import load_spec
 
     return load_spec(generate(Path(cache) if cache else default_cache_dir())).with_overrides(**overrides)
-
-
-def compare_streams(reference: list[np.ndarray], observed: list[np.ndarray]) -> dict:
-    """lost / duplicated / same order between two streams of sample-id arrays ([n, 5] each)."""
-    ref = np.concatenate(reference) if reference else np.zeros((0, 5), np.int64)
-    got = np.concatenate(observed) if observed else np.zeros((0, 5), np.int64)
-    ref_set = {tuple(r) for r in ref.tolist()}
-    got_list = [tuple(r) for r in got.tolist()]
-    got_set = set(got_list)
-    return {"delivered": len(got_list), "lost": len(ref_set - got_set),
-            "duplicated": len(got_list) - len(got_set) + len(got_set - ref_set),
-            "same_order": bool(ref.shape == got.shape and np.array_equal(ref, got))}
-
-
-def kill_points(steps: int, failures: int, seed: int, num_loaders: int) -> dict[int, int]:
-    """step -> loader (source) index to kill at that step: seeded, distinct steps, not the first two."""
-    rng = np.random.default_rng(seed)
-    at = sorted(rng.choice(np.arange(2, max(3, steps - 1)), size=min(failures, max(1, steps - 3)), replace=False).tolist())
-    first = int(rng.integers(num_loaders))
-    return {int(s): (first + j) % num_loaders for j, s in enumerate(at)}
 
 
 def machine() -> dict:
