@@ -1,0 +1,98 @@
+"""The cost side of planning a step: what each item costs per GPU, which items to hold back as cost
+outliers, and the cost figures reported with the step.
+
+With context parallelism each CP rank of a replica carries cost / cp; an item with images adds the
+vision encoder's cost of its patches (linear and quadratic per image), split over the CP ranks too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from plait import balance
+from plait.cost import CostModel, EncoderCost
+from plait.plan import Items
+from plait.sources.multimodal import placeholder_leads
+from plait.spec import Spec
+
+CAPACITY_LB_ITEMS = 8_000  # max_over_capacity_lb on every step of at most this many items (~15 ms) ...
+CAPACITY_LB_EVERY = 10  # ... else on every 10th step
+
+
+def encoder_cost(spec: Spec) -> EncoderCost | None:
+    """The vision encoder's per-image cost from `cost.encoder` (None: images cost nothing to encode)."""
+    e = spec.cost.encoder
+    if e is None:
+        return None
+    if e.linear is not None:
+        return EncoderCost(float(e.linear), float(e.quadratic))
+    return EncoderCost.from_dims(e.hidden, e.layers, e.ffn)
+
+
+class StepCosts:
+    """Costs of items per CP rank under the spec's cost model (and encoder), and what is derived from them."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.cp = spec.topology.cp
+        self.cost_model = CostModel.from_spec(spec.cost)
+        self.encoder = encoder_cost(spec)
+        self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
+        self.max_patches = spec.packing.max_patches
+
+    def of(self, items: Items) -> tuple[np.ndarray, np.ndarray]:
+        """Each item's cost per CP rank (LLM over its tokens + encoder over its images, both split over
+        the cp ranks), and the encoder's part of it."""
+        costs = self.cost_model.per_cp_rank(items.length, self.cp)
+        if self.encoder is None or not items.has_images:
+            return costs, np.zeros(len(items))
+        encoder = (self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq) / max(1, self.cp)
+        return costs + encoder, encoder
+
+    def of_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """The LLM's cost per CP rank of text pieces of these lengths (no images)."""
+        return self.cost_model.per_cp_rank(lengths, self.cp)
+
+    def held_outliers(self, items: Items, ranks: int) -> np.ndarray:
+        """Which items to delay: outliers (cost > outlier_factor x mean rank load), held until enough
+        gather to give every rank one, or until one has waited max_delay steps; then all go together.
+
+        One outlier in a step makes that step as slow as the outlier; gathering them makes one slow step
+        out of many instead of many slow steps. Off unless balance.max_delay > 0.
+        """
+        held = np.zeros(len(items), dtype=bool)
+        max_delay = self.spec.balance.max_delay
+        if max_delay <= 0 or not len(items):
+            return held
+        costs = self.of(items)[0]
+        outlier = costs > self.spec.balance.outlier_factor * float(costs.sum()) / ranks
+        if not outlier.any():
+            return held
+        if int(outlier.sum()) >= ranks or bool((items.delayed[outlier] >= max_delay).any()):
+            return held
+        return outlier
+
+    def capacity_certificate(self, result, items: Items, costs: np.ndarray, *, step: int, capacity: int) -> float | None:
+        """The step's certificate against the capacity-aware bound (balance.max_over_capacity_lb: tokens
+        per rank, and patches with images): only on steps of at most CAPACITY_LB_ITEMS items, or every
+        CAPACITY_LB_EVERY steps, as it is slow on huge steps; None when skipped."""
+        if len(items) > CAPACITY_LB_ITEMS and step % CAPACITY_LB_EVERY != 0:
+            return None
+        return balance.max_over_capacity_lb(result, items.length, costs, items.patches if self.images else None,
+                                            microbatches=int(result.micro_cost.shape[1]), capacity=capacity,
+                                            patch_capacity=self.max_patches if self.images else None)
+
+    def image_stats(self, result, items: Items, encoder: np.ndarray, costs: np.ndarray, placed: np.ndarray) -> dict:
+        """Patches per micro-batch and the encoder's share of the cost."""
+        micro_patches = result.micro_patches if result.micro_patches is not None else np.zeros_like(result.micro_tokens)
+        return {"micro_patches": micro_patches, "encoder_cost": float(encoder[placed].sum()),
+                "cost": float(costs[placed].sum()), "masked_labels": self.masked_labels(items.take(placed))}
+
+    def masked_labels(self, items: Items) -> int:
+        """Labels the Constructor sets to -100 over image placeholders in these items: one per placeholder
+        (patches / merge**2 of them), less the first one where a document starts with a placeholder
+        (nothing predicts it: multimodal.placeholder_leads). Text items mask none."""
+        merge = self.spec.images.merge
+        leads = np.array([placeholder_leads(s) for s in self.spec.sources], dtype=np.int64)
+        with_images = items.patches > 0
+        return int((items.patches // (merge * merge)).sum() - (leads[items.source] * with_images).sum())
