@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from plait.batch import ImagePayload, Payload
+from plait.batch import Payload
 from plait.state.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.sources import BlockKey, DocBlock, Source
+from plait.sources.buffer_budget import FullKey, fit_budgets
+from plait.sources.media_payload import ImageWork, decode_payload
 from plait.sources.reader import OpenStreams
 from plait.sources.workers import WorkerPool, resolve_workers
 from plait.spec import Spec
@@ -41,7 +43,6 @@ def trim_heap() -> None:
     # Arrow's own allocator (mimalloc or jemalloc) keeps the pages of freed row-group reads resident too.
     pa.default_memory_pool().release_unused()
 
-FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
 
 
 def loader_budget(spec: Spec, sources, partitions: dict[int, tuple[int, frozenset]]) -> int | None:
@@ -196,45 +197,15 @@ class SourceLoader:
         dropped whole: its tokens and images left out, its index in `Payload.dropped`."""
         tokens = self.gather(source, keys, block_index, position, offset, length)
         t0 = time.perf_counter()
-        work = ImageWork()
-        for b in np.unique(block_index):
-            full = keys[int(b)]
-            src = self.sources[full[0]]
-            if src.images is not None:
-                block = self.block(full[0], full[1:])
-                sel = np.flatnonzero(block_index == b)
-                work.add(full[0], src, block, sel, np.searchsorted(block.positions, position[sel]))
+        work = ImageWork.of_gather(self.sources, self.block, keys, block_index, position)
         if not work.tasks:
             return Payload(tokens, None)
-        # Item order (the payload's), then each image's slice of one pixel buffer: every image is decoded
-        # straight into its place, by any worker, so the bytes never depend on the number of workers.
-        work.tasks.sort(key=lambda t: t[0])
-        grids = np.asarray([t[5] for t in work.tasks], np.int64).reshape(-1, 3)
-        rows = grids.prod(axis=1)
-        pixels = np.empty((int(rows.sum()), work.patch * work.patch * 3), np.uint8)
-        bounds = np.concatenate([[0], np.cumsum(rows)])
-        done = self.pool.map(lambda k: decode_task(work.tasks[k], pixels[bounds[k]:bounds[k + 1]]), range(len(work.tasks)))
+        payload, done = decode_payload(work, tokens, length, self.pool)
         for (_, source_idx, *_), (seconds, _) in zip(work.tasks, done):
             count_production(self, source_idx, seconds, images=1)
         self.images_decoded += len(work.tasks)
         self.busy_seconds += max(time.perf_counter() - t0, float(sum(seconds for seconds, _ in done)))
-        owner = np.asarray([t[0] for t in work.tasks], np.int64)
-        kinds = np.asarray([t[6] for t in work.tasks], np.int64)
-        gone = None
-        failed = np.asarray([not ok for _, ok in done])
-        if failed.any():  # under skip: the whole sample of a media that did not decode leaves the payload
-            gone = np.unique(owner[failed])
-            keep_item = np.ones(len(length), dtype=bool)
-            keep_item[gone] = False
-            tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
-            kept = keep_item[owner]
-            pixels = pixels[np.repeat(kept, rows)]
-            grids, owner, kinds = grids[kept], owner[kept], kinds[kept]
-            if not kept.any():
-                return Payload(tokens, None, gone)
-        images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
-                              kinds if kinds.any() else None, work.video_token_id, work.temporal_patch)
-        return Payload(tokens, images, gone)
+        return payload
 
     def retain(self, live: set[FullKey]) -> None:
         """Drop cached blocks that no pending or future step needs."""
@@ -281,24 +252,11 @@ class SourceLoader:
         return block
 
     def _fit_budgets(self, newest: FullKey) -> None:
-        """Keep the buffer within the source's budget and the loader's: drop least recently used blocks,
-        those no plan in the window needs first (a dropped block that is needed again is read again:
-        reading is deterministic). The block just read stays even if it alone is over a budget (one
-        document larger than buffer_mb): counted in `buffer_over_budget`, never a deadlock."""
-        over = False
-        for limit, source in ((self.source_budget[newest[0]], newest[0]), (self.loader_budget, None)):
-            if limit is None:
-                continue
-            mine = [k for k in self._blocks if source is None or k[0] == source]
-            held = sum(self._blocks[k].nbytes for k in mine)
-            victims = sorted((k for k in mine if k != newest), key=lambda k: k in self._window)  # stable: LRU first
-            for k in victims:
-                if held <= limit:
-                    break
-                dropped = self._blocks.pop(k).nbytes
-                held -= dropped
-                self.dropped_bytes += dropped
-            over = over or held > limit
+        """Keep the buffer within the source's budget and the loader's (buffer_budget.fit_budgets); a
+        block alone over a budget stays, counted in `buffer_over_budget`."""
+        budgets = ((self.source_budget[newest[0]], newest[0]), (self.loader_budget, None))
+        dropped, over = fit_budgets(self._blocks, newest, budgets, self._window)
+        self.dropped_bytes += dropped
         self.buffer_over_budget += over
 
     def source_bytes(self, source: int) -> int:
@@ -357,36 +315,6 @@ class SourceLoader:
 
     def buffered_keys(self) -> list[FullKey]:
         return list(self._blocks)
-
-
-class ImageWork:
-    """A gather's images and videos to decode: (item, source index, block, media index, source, payload
-    grid, kind) per media, and the sources' placeholder ids, patch size and temporal patch."""
-
-    def __init__(self):
-        self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int]] = []
-        self.token_id = self.patch = 0
-        self.video_token_id, self.temporal_patch = -1, 1
-
-    def add(self, source: int, src: Source, block: DocBlock, items: np.ndarray, docs: np.ndarray) -> None:
-        self.token_id, self.patch = src.images.token_id, src.images.policy.patch
-        if src.images.videos is not None:
-            self.video_token_id = src.images.videos.token_id
-            self.temporal_patch = src.images.videos.policy.temporal_patch
-        for i, d in zip(items, docs):
-            first, count = int(block.images.start[d]), int(block.images.count[d])
-            for j in range(first, first + count):
-                grid, kind = src.images.payload_entry(block.images, j)
-                self.tasks.append((int(i), source, block, j, src, grid, kind))
-
-
-def decode_task(task: tuple, out: np.ndarray) -> tuple[float, bool]:
-    """Decode one media of ImageWork into `out` (on a worker thread): the seconds it took, and whether it
-    decoded (False: skipped under on_error skip, its sample is dropped)."""
-    t0 = time.perf_counter()
-    _, _, block, j, src, _, _ = task
-    ok = src.image_pixels(block, j, out) is not None
-    return time.perf_counter() - t0, ok
 
 
 PRODUCED_FIELDS = ("busy_s", "tokens", "samples", "images")  # SourceLoader.telemetry()["produced"][source]

@@ -1,0 +1,94 @@
+"""The images and videos of a gather's payload: found in the decoded blocks, decoded on a worker pool.
+
+A SourceLoader's `gather_payload` delivers each requested document's media decoded exactly once, in the
+payload's item order, every media into its own slice of one pixel buffer: any worker may decode any
+media and the bytes never depend on the number of workers. A document whose media fails to decode
+(on_error: skip) is dropped whole: its tokens and media left out, its index in `Payload.dropped`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from plait.batch import ImagePayload, Payload
+from plait.sources.base import DocBlock, Source
+from plait.sources.workers import WorkerPool
+
+
+class ImageWork:
+    """A gather's images and videos to decode: (item, source index, block, media index, source, payload
+    grid, kind) per media, and the sources' placeholder ids, patch size and temporal patch."""
+
+    def __init__(self):
+        self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int]] = []
+        self.token_id = self.patch = 0
+        self.video_token_id, self.temporal_patch = -1, 1
+
+    @classmethod
+    def of_gather(cls, sources: dict[int, Source], block_of: Callable[[int, tuple], DocBlock], keys: list,
+                  block_index: np.ndarray, position: np.ndarray) -> "ImageWork":
+        """The media of the requested documents (only image sources' blocks are looked at; a document with
+        images is never cut, so it is one span from offset 0). block_of(source, key): the decoded block."""
+        work = cls()
+        for b in np.unique(block_index):
+            full = keys[int(b)]
+            src = sources[full[0]]
+            if src.images is not None:
+                block = block_of(full[0], full[1:])
+                sel = np.flatnonzero(block_index == b)
+                work.add(full[0], src, block, sel, np.searchsorted(block.positions, position[sel]))
+        return work
+
+    def add(self, source: int, src: Source, block: DocBlock, items: np.ndarray, docs: np.ndarray) -> None:
+        self.token_id, self.patch = src.images.token_id, src.images.policy.patch
+        if src.images.videos is not None:
+            self.video_token_id = src.images.videos.token_id
+            self.temporal_patch = src.images.videos.policy.temporal_patch
+        for i, d in zip(items, docs):
+            first, count = int(block.images.start[d]), int(block.images.count[d])
+            for j in range(first, first + count):
+                grid, kind = src.images.payload_entry(block.images, j)
+                self.tasks.append((int(i), source, block, j, src, grid, kind))
+
+
+def decode_task(task: tuple, out: np.ndarray) -> tuple[float, bool]:
+    """Decode one media of ImageWork into `out` (on a worker thread): the seconds it took, and whether it
+    decoded (False: skipped under on_error skip, its sample is dropped)."""
+    t0 = time.perf_counter()
+    _, _, block, j, src, _, _ = task
+    ok = src.image_pixels(block, j, out) is not None
+    return time.perf_counter() - t0, ok
+
+
+def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
+                   pool: WorkerPool) -> tuple[Payload, list[tuple[float, bool]]]:
+    """The payload of `tokens` (the items' spans, `length` tokens each) with `work`'s media decoded on
+    `pool`, and per media (seconds, decoded). Items whose media did not decode leave the payload whole."""
+    # Item order (the payload's), then each image's slice of one pixel buffer: every image is decoded
+    # straight into its place, by any worker, so the bytes never depend on the number of workers.
+    work.tasks.sort(key=lambda t: t[0])
+    grids = np.asarray([t[5] for t in work.tasks], np.int64).reshape(-1, 3)
+    rows = grids.prod(axis=1)
+    pixels = np.empty((int(rows.sum()), work.patch * work.patch * 3), np.uint8)
+    bounds = np.concatenate([[0], np.cumsum(rows)])
+    done = pool.map(lambda k: decode_task(work.tasks[k], pixels[bounds[k]:bounds[k + 1]]), range(len(work.tasks)))
+    owner = np.asarray([t[0] for t in work.tasks], np.int64)
+    kinds = np.asarray([t[6] for t in work.tasks], np.int64)
+    gone = None
+    failed = np.asarray([not ok for _, ok in done])
+    if failed.any():  # under skip: the whole sample of a media that did not decode leaves the payload
+        gone = np.unique(owner[failed])
+        keep_item = np.ones(len(length), dtype=bool)
+        keep_item[gone] = False
+        tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
+        kept = keep_item[owner]
+        pixels = pixels[np.repeat(kept, rows)]
+        grids, owner, kinds = grids[kept], owner[kept], kinds[kept]
+        if not kept.any():
+            return Payload(tokens, None, gone), done
+    images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
+                          kinds if kinds.any() else None, work.video_token_id, work.temporal_patch)
+    return Payload(tokens, images, gone), done
