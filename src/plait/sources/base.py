@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict
 
 import fsspec
 import numpy as np
@@ -32,15 +31,17 @@ from plait.errors import SourceError
 from plait.ragged import ragged_arange
 from plait.sources.formats import EXTENSIONS, FORMATS, infer_format, reader_for, supported
 from plait.sources.mds import shard_files
-from plait.sources.multimodal import ImageDocs, ImageTable
+from plait.sources.multimodal import ImageDocs
+from plait.sources.bad_records import BadRecords
+from plait.sources.blocks import BlockKey, BlockLengths, DocBlock, reconcile
 from plait.sources.reader import FormatReader, RawBlock, RawLengths, describe
+from plait.sources.token_columns import TokenColumn
 from plait.sources.webdataset import expand_braces
 from plait.spec import SourceSpec, Spec
-from plait.transforms.tokenize import TextEncoder, add_special_tokens
+from plait.transforms.tokenize import TextEncoder
 
 __all__ = ["BlockKey", "BlockLengths", "DocBlock", "FormatReader", "RawBlock", "RawLengths", "Source", "file_order"]
 
-BlockKey = tuple[int, int, int]  # (epoch, file_pos, block_pos)
 # Blocks whose lengths are kept after planning read them, for the check when their tokens are decoded
 # (a step's plan runs ahead of its gathers by up to a step's worth of blocks; lengths are small).
 LENGTHS_KEPT = 256
@@ -58,47 +59,6 @@ def file_order(seed: int, source: int, epoch: int, num_files: int) -> np.ndarray
     return _rng(seed, source, epoch).permutation(num_files)
 
 
-@dataclass
-class DocBlock:
-    """Decoded documents of one block, in the source's shuffled order.
-
-    Document i (in shuffled order) is tokens[starts[i] : starts[i] + lengths[i]], sample id
-    (shard, rows[i]), at shuffled position positions[i]. `tokens` stays in file order (for token-id
-    sources it is the Arrow buffer itself, zero-copy); only the small index arrays are shuffled.
-    Positions of dropped (bad) records are absent from `positions`.
-    """
-
-    source: int
-    key: BlockKey
-    shard: int
-    positions: np.ndarray  # int64 [n] shuffled positions of kept docs (increasing)
-    rows: np.ndarray  # int64 [n] row index inside the file
-    tokens: np.ndarray  # int32 flat, file order
-    starts: np.ndarray  # int64 [n]
-    lengths: np.ndarray  # int64 [n]
-    num_positions: int  # shuffled positions in the block, bad records included (what a cursor counts)
-    images: ImageTable | None = None  # image sources: each document's images (sources/multimodal.py)
-
-    @property
-    def nbytes(self) -> int:
-        extra = self.images.nbytes if self.images is not None else 0
-        return extra + sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
-
-
-@dataclass
-class BlockLengths:
-    """A block's documents' sizes and ids in shuffled order (DocBlock without the tokens), read from a
-    length column or the format's index: what planning needs. Lengths include bos/eos."""
-
-    source: int
-    key: BlockKey
-    shard: int
-    positions: np.ndarray
-    rows: np.ndarray
-    lengths: np.ndarray
-    num_positions: int
-
-
 class Source:
     """One source's files, order, and block decoding. Cheap to create: lists files, reads nothing.
 
@@ -108,6 +68,9 @@ class Source:
     tokens disagree (or that turns out unreadable) is a bad record. The plan already holds it at the
     planned length, so under `skip` it is counted, named and delivered cut or padded (eos, else 0) to
     that length; under `raise` it stops the run.
+
+    Its parts: the policy over bad records and files is `bad` (bad_records.py), the column-to-tokens
+    checks are `column` (token_columns.py), the lengths check is blocks.reconcile.
     """
 
     @classmethod
@@ -126,20 +89,20 @@ class Source:
         self.files, self.fs = _list_files(spec)
         self.reader: FormatReader = reader_for(spec, self.files[0], self.fs)
         self.encoder = _make_encoder(spec)
+        # bad records and files under the on_error policy (bad_records.py); errors, error_log: its counts
+        self.bad = BadRecords(spec.name, spec.on_error, len(self.files))
+        self.errors, self.error_log = self.bad.errors, self.bad.error_log
+        self.column = TokenColumn(spec, self.reader.field, self.encoder, vocab_size, self.bad)
         self._num_blocks: dict[int, int] = {}
         self._block_runs: dict[int, np.ndarray | None] = {}  # per file: blocks read in sequence (reader.block_runs)
         self._file_orders: OrderedDict[int, np.ndarray] = OrderedDict()
-        self.errors: Counter[str] = Counter()
-        self.error_log: list[str] = []
-        self._seen_bad: set[tuple[str, str | None]] = set()
         self.report_lock = threading.Lock()  # bad images are reported from a SourceLoader's worker threads
-        self._bad_files: set[str] = set()  # files found unreadable as a whole (skip policy)
         self._lengths: OrderedDict[BlockKey, BlockLengths] = OrderedDict()
         self.images: ImageDocs | None = None
         if spec.multimodal:
             if job is None or job.images is None:
                 raise SourceError(self.name, None, None, "an image source needs the spec's `images` section")
-            self.images = ImageDocs(job, spec, self.encoder, self.reader, self._bad)
+            self.images = ImageDocs(job, spec, self.encoder, self.reader, self.bad.record)
 
     # ----- order -------------------------------------------------------------------------------
     def file_order(self, epoch: int) -> np.ndarray:
@@ -159,10 +122,10 @@ class Source:
                 n = self.reader.num_blocks(path)
                 self._block_runs[file_idx] = self.reader.block_runs(path)
             except SourceError as e:  # e.g. the column is missing: the policy decides, as for any bad shard
-                self._bad_file(path, e.record, e.reason)
+                self.bad.file(path, e.record, e.reason)
                 n = 0
             except Exception as e:  # corrupt footer, unreadable file, ...
-                self._bad_file(path, None, f"cannot open: {describe(e)}")
+                self.bad.file(path, None, f"cannot open: {describe(e)}")
                 n = 0
             self._num_blocks[file_idx] = n
         return n
@@ -205,7 +168,7 @@ class Source:
             if n == 0:
                 empty.add(file_idx)
                 if len(empty) == len(self.files):
-                    raise SourceError(self.name, None, None, "no readable blocks in any file" + self._skipped_hint())
+                    raise SourceError(self.name, None, None, "no readable blocks in any file" + self.bad.hint())
             fpos, bpos = fpos + 1, 0
 
     # ----- lengths (planning) ------------------------------------------------------------------
@@ -225,7 +188,7 @@ class Source:
             self._read_failed(e, path, file_idx, block_idx)
             raw = RawLengths(0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64))
         for record, reason in raw.bad:
-            self._bad(path, str(record), reason)
+            self.bad.record(path, str(record), reason)
         lengths = np.asarray(raw.lengths, np.int64) + (self.spec.bos is not None) + (self.spec.eos is not None)
         kept_pos, order = self._shuffle(epoch, file_idx, block_idx, raw.num_records, raw.ok_index)
         out = BlockLengths(self.index, key, file_idx, kept_pos[order], raw.first_row + raw.ok_index[order],
@@ -235,36 +198,12 @@ class Source:
             self._lengths.popitem(last=False)
         return out
 
-    def _reconcile(self, block: DocBlock, meta: BlockLengths) -> DocBlock:
-        """The decoded block made to hold exactly the planned documents at their planned lengths."""
-        if np.array_equal(block.positions, meta.positions) and np.array_equal(block.lengths, meta.lengths):
-            return block
-        path = self.files[block.shard]
-        what = f"length_field {self.spec.length_field!r}" if self.spec.length_field else "the format's index"
-        pad = self.spec.eos if self.spec.eos is not None else 0
-        at = np.minimum(np.searchsorted(block.positions, meta.positions), max(len(block.positions) - 1, 0))
-        found = (at < len(block.positions)) & (block.positions[at] == meta.positions) if len(block.positions) \
-            else np.zeros(len(meta.positions), bool)
-        pieces = []
-        for j in range(len(meta.positions)):
-            want = int(meta.lengths[j])
-            doc = block.tokens[block.starts[at[j]] : block.starts[at[j]] + block.lengths[at[j]]] if found[j] else None
-            if doc is None or len(doc) != want:
-                held = "cannot be read" if doc is None else f"holds {len(doc)}"
-                self._bad(path, str(int(meta.rows[j])), f"{what} says {want} tokens (bos/eos included) but the "
-                          f"record {held}; planned at {want}, it is delivered cut or padded with id {pad}")
-                doc = np.full(want, pad, np.int32) if doc is None else \
-                    np.concatenate([doc[:want], np.full(max(want - len(doc), 0), pad, np.int32)])
-            pieces.append(doc)
-        tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
-        lengths = meta.lengths.astype(np.int64)
-        return DocBlock(self.index, block.key, meta.shard, meta.positions, meta.rows, tokens,
-                        np.cumsum(lengths) - lengths, lengths, meta.num_positions)
-
     # ----- decoding ----------------------------------------------------------------------------
     def read_block(self, key: BlockKey) -> DocBlock:
         block = self._decode(key)
-        return self._reconcile(block, self.read_lengths(key)) if self.reads_lengths(key) else block
+        if not self.reads_lengths(key):
+            return block
+        return reconcile(block, self.read_lengths(key), self.spec, self.files[block.shard], self.bad.record)
 
     def _locate(self, key: BlockKey) -> tuple[int, int, int, str]:
         epoch, fpos, bpos = key
@@ -276,10 +215,10 @@ class Source:
         """A reader raised on a block: the policy decides (a whole file when the reader says so)."""
         if isinstance(e, SourceError):  # the reader named the problem (a corrupt or empty file, ...)
             whole_file = e.record is None or self.num_blocks(file_idx) == 1
-            (self._bad_file if whole_file else self._bad)(path, e.record, e.reason)
+            (self.bad.file if whole_file else self.bad.record)(path, e.record, e.reason)
         else:
             whole_file = self.num_blocks(file_idx) == 1
-            (self._bad_file if whole_file else self._bad)(path, f"block {block_idx}", f"cannot read: {describe(e)}")
+            (self.bad.file if whole_file else self.bad.record)(path, f"block {block_idx}", f"cannot read: {describe(e)}")
 
     def _shuffle(self, epoch: int, file_idx: int, block_idx: int, num_records: int, ok_index: np.ndarray):
         """Shuffled positions of the kept records, and the order that sorts them.
@@ -298,29 +237,20 @@ class Source:
             raw = self.reader.read_block(path, block_idx)
         except Exception as e:
             self._read_failed(e, path, file_idx, block_idx)
-            raw = self._empty_raw()
+            raw = self.column.empty_raw()
         for record, reason in raw.bad:
-            self._bad(path, str(record), reason)
+            self.bad.record(path, str(record), reason)
         if self.images is not None:
             return self._decode_images(key, raw, path, (epoch, file_idx, block_idx))
-        values = raw.values
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
-        ok_index = raw.ok_index
-        null_mask = _null_mask(values)
-        values, ok_index = self._drop(values, ok_index, null_mask, path, raw.first_row,
-                                      f"field {self.reader.field!r} is null or missing")
-        if self.encoder is None and _is_int_list(values.type):
-            for mask, reason in _bad_token_lists(values):
-                values, ok_index = self._drop(values, ok_index, mask, path, raw.first_row, reason)
+        values, ok_index = self.column.clean(raw.values, raw.ok_index, path, raw.first_row)
         try:
-            tokens, offsets = self._tokens(values, path, raw.first_row)
+            tokens, offsets = self.column.tokens(values, path)
         except SourceError as e:  # wrong column type, ids out of range: the whole block is bad
-            self._bad(path, e.record or f"block {block_idx}", e.reason)
-            raw, ok_index = self._empty_raw(), np.zeros(0, np.int64)
-            tokens, offsets = self._tokens(raw.values, path, 0)
+            self.bad.record(path, e.record or f"block {block_idx}", e.reason)
+            raw, ok_index = self.column.empty_raw(), np.zeros(0, np.int64)
+            tokens, offsets = self.column.tokens(raw.values, path)
         if self.vocab_size is not None:
-            tokens, offsets, ok_index = self._drop_out_of_vocab(tokens, offsets, ok_index, path, raw.first_row)
+            tokens, offsets, ok_index = self.column.drop_out_of_vocab(tokens, offsets, ok_index, path, raw.first_row)
         kept_pos, order = self._shuffle(epoch, file_idx, block_idx, raw.num_records, ok_index)
         return DocBlock(
             source=self.index,
@@ -338,7 +268,7 @@ class Source:
         """An image source's block: documents with placeholder runs, and their image table (headers only)."""
         epoch, file_idx, block_idx = where
         if self.images.videos is not None and self.images.videos.policy.clip:
-            raw = self.images.videos.clip_block(path, raw, self._bad)
+            raw = self.images.videos.clip_block(path, raw, self.bad.record)
         records = raw.records or []
         tokens, offsets, kept, table = self.images.build(path, records)
         ok_index = raw.ok_index[kept] if len(kept) else np.zeros(0, np.int64)
@@ -358,134 +288,17 @@ class Source:
             if self.spec.on_error != "raise":
                 record, why = f"{record} (epoch {block.key[0]})", f"{why}; its sample is dropped from its micro-batch"
             with self.report_lock:
-                self._bad(path, record, why)
+                self.bad.record(path, record, why)
         return pixels
 
-    def _drop(self, values: pa.Array, ok_index: np.ndarray, bad: np.ndarray, path: str, first_row: int, reason: str):
-        """Report the records flagged in `bad` (policy: raise, or skip and count) and leave them out."""
-        if not bad.any():
-            return values, ok_index
-        for i in np.flatnonzero(bad):
-            self._bad(path, str(first_row + int(ok_index[i])), reason)
-        keep = np.flatnonzero(~bad)
-        return values.take(pa.array(keep)), ok_index[keep]
-
-    def _drop_out_of_vocab(self, tokens: np.ndarray, offsets: np.ndarray, ok_index: np.ndarray, path: str,
-                           first_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Report records holding an id >= vocab_size (policy: raise, or skip and count) and leave them out."""
-        lengths = np.diff(offsets)
-        if not len(tokens) or int(tokens.max()) < self.vocab_size:
-            return tokens, offsets, ok_index
-        nonempty = lengths > 0
-        record_max = np.full(len(lengths), -1, dtype=np.int64)
-        record_max[nonempty] = np.maximum.reduceat(tokens, offsets[:-1][nonempty])
-        bad = record_max >= self.vocab_size
-        for i in np.flatnonzero(bad):
-            self._bad(path, str(first_row + int(ok_index[i])),
-                      f"token id {int(record_max[i])} is outside the vocabulary (vocab_size {self.vocab_size})")
-        keep = np.flatnonzero(~bad)
-        kept_tokens = tokens[ragged_arange(offsets[:-1][keep], lengths[keep])]
-        kept_offsets = np.concatenate([[0], np.cumsum(lengths[keep])]).astype(offsets.dtype)
-        return kept_tokens, kept_offsets, ok_index[keep]
-
-    def _tokens(self, values: pa.Array, path: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.encoder is not None:
-            if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-                raise SourceError(self.name, path, None, f"text_field {self.reader.field!r} is {values.type}, not a string")
-            flat, offsets = self.encoder.encode(values)
-        else:
-            if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
-                raise SourceError(
-                    self.name, path, None, f"tokens_field {self.reader.field!r} is {values.type}, not a list of ints"
-                )
-            if not pa.types.is_integer(values.type.value_type):
-                raise SourceError(self.name, path, None, f"tokens_field values are {values.type.value_type}, not ints")
-            offsets = np.asarray(values.offsets.to_numpy(), dtype=np.int64)
-            child = values.values
-            flat = child.to_numpy(zero_copy_only=False)
-            base = offsets[0]
-            flat = flat[base : offsets[-1]]
-            offsets = offsets - base
-            if flat.dtype != np.int32:
-                if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
-                    raise SourceError(self.name, path, None, "token ids out of int32 range")
-                flat = flat.astype(np.int32)
-        return add_special_tokens(flat, offsets, self.spec.bos, self.spec.eos)
-
-    def _skipped_hint(self) -> str:
-        if not self.error_log:
-            return ""
-        hint = f" ({self.errors['skipped']} skipped; first: {self.error_log[0]})"
-        if self._bad_files:
-            names = sorted(self._bad_files)
-            more = f", ... ({len(names)} in all)" if len(names) > 5 else ""
-            hint += f"; bad files: {', '.join(names[:5])}{more}"
-        return hint
-
-    def _empty_raw(self) -> RawBlock:
-        value_type = pa.string() if self.encoder is not None else pa.list_(pa.int32())
-        return RawBlock(0, 0, np.zeros(0, np.int64), pa.array([], value_type))
-
-    # ----- errors ------------------------------------------------------------------------------
-    def _bad_file(self, path: str, record: str | None, reason: str) -> None:
-        """A whole file is unreadable: the policy decides; under skip, once every file of the source
-        is known bad the source has nothing to give, which is an error naming them."""
-        self._bad(path, record, reason)
-        self._bad_files.add(path)
-        if len(self._bad_files) == len(self.files):
-            raise SourceError(self.name, None, None, "no readable file" + self._skipped_hint())
-
+    # ----- errors (bad_records.py) ------------------------------------------------------------------
     @property
     def bad_records(self) -> list[tuple[str, str | None]]:
         """(file, record) of every bad record (or shard: record None) this process met, each once."""
-        return sorted(self._seen_bad, key=lambda w: (w[0], str(w[1])))
-
-    def _bad(self, path: str, record: str | None, reason: str) -> None:
-        err = SourceError(self.name, path, record, reason)
-        if self.spec.on_error == "raise":
-            raise err
-        # Count each bad record (or shard) once, however often it is read again (next epochs, a block
-        # evicted from the cache and decoded again, a resume), so the count is a fact about the data.
-        where = (path, record)
-        if where in self._seen_bad:
-            return
-        self._seen_bad.add(where)
-        self.errors["skipped"] += 1
-        if len(self.error_log) < 100:
-            self.error_log.append(str(err))
+        return self.bad.records
 
     def close(self) -> None:
         self.reader.close()
-
-
-def _is_int_list(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
-
-
-def _bad_token_lists(values: pa.Array) -> list[tuple[np.ndarray, str]]:
-    """Per-record masks of token lists holding a null or an id outside 0..2^31-1, with the reason.
-
-    Vectorised: one pass over the ids; only a block that has such ids pays for finding their records.
-    """
-    offsets = np.asarray(values.offsets.to_numpy(), dtype=np.int64)
-    ids = values.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    n = len(values)
-    out = []
-
-    def records(token_mask: np.ndarray) -> np.ndarray:
-        owner = np.repeat(np.arange(n), np.diff(offsets))
-        mask = np.zeros(n, dtype=bool)
-        mask[owner[token_mask]] = True
-        return mask
-
-    if ids.null_count:
-        out.append((records(_null_mask(ids)),
-                    "token list holds a null id"))
-        ids = ids.fill_null(0)
-    flat = ids.to_numpy(zero_copy_only=False)
-    if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
-        out.append((records((flat < 0) | (flat > np.iinfo(np.int32).max)), "token id out of range 0..2^31-1"))
-    return out
 
 
 def _make_encoder(spec: SourceSpec) -> TextEncoder | None:
@@ -555,14 +368,3 @@ def _data_files(paths: list[str], spec: SourceSpec, fs: fsspec.AbstractFileSyste
         indexes = [p for p in files if p.rsplit("/", 1)[-1] == "index.json"]
         return [shard for index in indexes for shard in shard_files(fs, index)] if indexes else files
     return files
-
-
-def _null_mask(values: pa.Array) -> np.ndarray:
-    """Which entries are null, read straight from the validity bitmap (nothing to do without nulls)."""
-    n = len(values)
-    if values.null_count == 0:
-        return np.zeros(n, dtype=bool)
-    bitmap = values.buffers()[0]
-    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
-    return bits[values.offset : values.offset + n] == 0
-
