@@ -53,10 +53,6 @@ class SourceDraws:
         for i in range(n):
             self.cursor[i, :3] = provider.first_key(i)
 
-    def draw_all(self, step: int) -> Items:
-        """One draw from every source, in source order."""
-        return Items.concat([self.draw(i, step) for i in range(len(self.spec.sources))])
-
     def draw(self, source: int, step: int) -> Items:
         """Take chunks from one source while the next chunk starts before its deficit is used up.
 

@@ -89,6 +89,10 @@ class Planner:
         (SourceDraws.draw)."""
         return self.draws.draw(source, self.step)
 
+    def _draw_sources(self) -> Items:
+        """One draw from every source, in source order, through `draw` (what a test may watch)."""
+        return Items.concat([self.draw(i) for i in range(len(self.spec.sources))])
+
     # ----- the algorithm -----------------------------------------------------------------------
     def plan_step(self) -> StepPlan:
         state_before = self.state_dict()
@@ -103,7 +107,7 @@ class Planner:
             off = ~self.mixture.active(self.step)
             self.deficit[off] = np.minimum(self.deficit[off], 0.0)
         self.draws.deficit += weights * budget
-        new = self.draws.draw_all(self.step)
+        new = self._draw_sources()
         items = Items.concat([self.carry, new])
         priority = np.concatenate([self.carry.delayed + 1, np.zeros(len(new), dtype=np.int64)])
         held = self.costs.held_outliers(items, self.ranks)
@@ -111,7 +115,7 @@ class Planner:
             # Held outliers wait in the carry; the mixture tops the step up with as many tokens.
             topup = int(items.length[held].sum())
             self.draws.deficit += weights * topup
-            extra = self.draws.draw_all(self.step)
+            extra = self._draw_sources()
             outliers = items.take(np.flatnonzero(held))
             items = Items.concat([items.take(np.flatnonzero(~held)), extra])
             priority = np.concatenate([priority[~held], np.zeros(len(extra), dtype=np.int64)])
@@ -194,7 +198,7 @@ class Planner:
             if short <= 0:
                 break
             self.draws.deficit += weights * short
-            extra = self.draws.draw_all(self.step)
+            extra = self._draw_sources()
             n = len(items)
             items = Items.concat([items, extra])
             costs = np.concatenate([costs, self.costs.of(extra)[0]])
