@@ -62,7 +62,8 @@ class Planner:
         self.parked: dict = {}  # sources a spec change removed: cursor, deficit, carried chunks
         self.resume_changes: list[str] = []  # what the last allow_spec_change resume found changed
 
-    # The reading position lives in `draws`; these are the Planner's view of it (tests and metrics read them).
+    # The reading position lives in `draws`; these are the Planner's views of its arrays (tests and metrics
+    # read them). They have no setters: `self.deficit += x` would rebind, so updates go through `self.draws`.
     @property
     def provider(self) -> MetadataProvider:
         return self.draws.provider
