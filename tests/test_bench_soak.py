@@ -62,3 +62,35 @@ def test_a_brief_local_soak_reports_every_role_with_samples(tmp_path):
     assert isinstance(got["left_after_exit"], list)
     assert (tmp_path / "soak.png").stat().st_size > 0
     assert "slope (MiB/hour)" in proc.stdout
+
+
+def test_memory_trace_names_the_site_that_keeps_growing(tmp_path):
+    """PLAIT_TRACEMALLOC's dump: a list that grows between the baseline and the dump is the top site,
+    with this file's line in its stack; a test that could not find it would fail."""
+    import tracemalloc
+
+    from plait.telemetry import MemoryTrace
+
+    held = []
+    trace = MemoryTrace(str(tmp_path), every=3600.0)  # the thread sleeps past the test: dumps are called here
+    trace.start()
+    try:
+        trace.dump()  # the baseline
+        for _ in range(200):
+            held.append(bytearray(16_384))  # ~3 MiB held
+        trace.dump()
+    finally:
+        tracemalloc.stop()
+    (out,) = tmp_path.iterdir()
+    text = out.read_text()
+    head, first = text.splitlines()[:2]
+    assert head.startswith("=== t=") and "traced=" in head and "rss=" in head
+    growth_kib = float(first.split("KiB")[0])
+    assert growth_kib > 3000, first
+    stack = []
+    for line in text.splitlines()[2:]:
+        if "KiB" in line:
+            break
+        stack.append(line)
+    assert any("test_bench_soak.py" in frame for frame in stack), stack
+    assert len(held) == 200

@@ -52,6 +52,10 @@ def add_arguments(p) -> None:
     p.add_argument("--loaders", type=int, default=2, help="ray: SourceLoader actors")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw RSS over time per role (PNG)")
+    p.add_argument("--tracemalloc", metavar="DIR", help="diagnose, not measure: every plait process of the run "
+                   "writes tracemalloc's top 20 growing allocation sites to DIR every --tracemalloc-every s "
+                   "(PLAIT_TRACEMALLOC; tracing slows the processes and adds memory, so its slopes are not figures)")
+    p.add_argument("--tracemalloc-every", type=float, default=60.0, help="seconds between two dumps (default 60)")
 
 
 def run(args) -> int:
@@ -66,6 +70,9 @@ def run(args) -> int:
         # Started in the background (`&`, nohup): SIGINT is ignored here and would be in every process we
         # start, so Ctrl-C (how the run is ended) would not reach them. A handler is reset at exec.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.tracemalloc:  # inherited by every process of the run (Ray's workers through its raylet)
+        os.environ.update(PLAIT_TRACEMALLOC=str(Path(args.tracemalloc).resolve()),
+                          PLAIT_TRACEMALLOC_EVERY=str(args.tracemalloc_every))
     result = soak(args.runtime, seconds, warmup, interval, sources=args.sources, dp=args.dp, seq_len=args.seq_len,
                   loaders=args.loaders)
     print_table(result)
