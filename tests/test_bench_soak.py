@@ -31,15 +31,31 @@ def test_slope_is_least_squares_in_mib_per_hour_and_the_warmup_is_left_out():
     # 100 MiB during the warm-up (first 120 s), then 1 MiB more per minute: 60 MiB/hour
     rss = [(100 if x < 120 else 200) * MIB + x / 60 * MIB for x in t]
     assert slope_per_hour(t[12:], rss[12:]) == pytest.approx(60.0)
-    samples = [{"t": x, "roles": {"driver": {"rss": r, "pss": r // 2, "n": 1},
-                                  **({"ray": {"rss": 5 * MIB, "pss": None, "n": 3}} if x >= 300 else {})}}
-               for x, r in zip(t, rss)]
+    samples = [{"t": x, "roles": {"driver": {"rss": r, "pss": r // 2, "n": 1}}} for x, r in zip(t, rss)]
     rows = {r["role"]: r for r in role_table(samples, warmup_s=120)}
     d = rows["driver"]
     assert d["slope_mib_per_hour"] == pytest.approx(60.0, abs=0.01) and d["growth_mib_per_day"] == pytest.approx(1440, abs=1)
-    assert d["rss_start_mib"] == pytest.approx(202.0) and d["samples"] == 48
+    assert d["late_slope_mib_per_hour"] == pytest.approx(60.0, abs=0.01)  # steady growth: the 2nd half too
+    assert d["rss_start_mib"] == pytest.approx(202.0) and d["samples"] == 48 and d["fit_from_s"] == 120
     assert d["pss_slope_mib_per_hour"] == pytest.approx(30.0, abs=0.01)
-    assert rows["ray"]["processes"] == 3 and "pss_start_mib" not in rows["ray"]  # absent before 300 s: 0 there
+
+
+def test_the_fit_starts_a_warmup_after_the_last_role_appeared_and_its_second_half_shows_flattening():
+    """A role that starts late (Ray's Constructor at the first build) would turn its start-up into a slope;
+    a warm-up that flattens has a steep first half and a flat second one."""
+    t = [float(x) for x in range(0, 900, 10)]
+    # the driver rises 60 MiB over its first 400 s, then stays; the constructor appears at 300 s
+    samples = [{"t": x, "roles": {"driver": {"rss": (200 + min(x, 400) * 0.15) * MIB, "pss": None, "n": 1},
+                                  **({"constructor": {"rss": 150 * MIB, "pss": None, "n": 1}} if x >= 300 else {})}}
+               for x in t]
+    rows = {r["role"]: r for r in role_table(samples, warmup_s=60)}
+    assert rows["constructor"]["fit_from_s"] == 360 and rows["constructor"]["slope_mib_per_hour"] == 0
+    d = rows["driver"]
+    assert d["samples"] == 54 and d["rss_start_mib"] == pytest.approx(254.0)
+    assert d["slope_mib_per_hour"] > 5 and d["late_slope_mib_per_hour"] == pytest.approx(0.0, abs=1e-6)
+    assert "pss_start_mib" not in d
+    # too few samples after the last role's warm-up: the warm-up counts from the start instead
+    assert role_table(samples[:38], warmup_s=60)[0]["fit_from_s"] == 60
 
 
 @pytest.mark.subprocess

@@ -281,17 +281,8 @@ class MemoryTrace:
             time.sleep(self.every)
             self.dump()
 
-    def _snapshot(self):
-        # tracemalloc's own bookkeeping and the import machinery are not the process's data.
-        return self.tracemalloc.take_snapshot().filter_traces((
-            self.tracemalloc.Filter(False, self.tracemalloc.__file__),
-            self.tracemalloc.Filter(False, "<frozen importlib._bootstrap>"),
-            self.tracemalloc.Filter(False, "<frozen importlib._bootstrap_external>"),
-            self.tracemalloc.Filter(False, "<unknown>"),
-        ))
-
     def dump(self) -> None:
-        snap = self._snapshot()
+        snap = self.tracemalloc.take_snapshot()  # unfiltered: Snapshot.filter_traces is Python per trace (minutes)
         if self.baseline is None:
             self.baseline = snap
             return
@@ -303,12 +294,19 @@ class MemoryTrace:
         traced, peak = self.tracemalloc.get_traced_memory()
         lines = [f"=== t={time.monotonic() - self.started:.0f}s traced={traced / 2**20:.2f}MiB "
                  f"peak={peak / 2**20:.2f}MiB rss={proc.memory_info().rss / 2**20:.1f}MiB title={title[:80]}"]
-        for stat in snap.compare_to(self.baseline, "traceback")[: self.TOP]:
+        stats = [s for s in snap.compare_to(self.baseline, "traceback") if not _bookkeeping(s.traceback[-1].filename)]
+        for stat in stats[: self.TOP]:
             lines.append(f"{stat.size_diff / 1024:+10.1f} KiB {stat.count_diff:+8d} blocks "
                          f"(now {stat.size / 1024:.1f} KiB)")
-            lines.extend(f"      {frame.filename}:{frame.lineno}" for frame in stat.traceback[:self.frames])
+            # the allocating line first, then its callers (a Traceback lists the oldest frame first)
+            lines.extend(f"      {frame.filename}:{frame.lineno}" for frame in reversed(list(stat.traceback)))
         with open(os.path.join(self.folder, f"{name}-{os.getpid()}.txt"), "a") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def _bookkeeping(filename: str) -> bool:
+    """An allocation of the tracing itself or of the import machinery: not the process's data."""
+    return filename.endswith(("tracemalloc.py", "fnmatch.py")) or filename.startswith("<frozen importlib")
 
 
 def trace_memory_from_env() -> MemoryTrace | None:

@@ -11,9 +11,12 @@ generator), then streams it as fast as it can for `--minutes` in the processes t
   flight  `plait serve SPEC --runtime local` (role `server`) and `--dp` thin Flight clients (`trainer`)
 
 Every `--interval-s` it samples the RSS (and PSS, which splits shared pages fairly) of every process of
-the run, summed per role; after `--warmup-s` it fits a least-squares line per role and reports the
-start, end and slope (MiB/hour, and extrapolated to a day). After the run ends it waits 10 s and lists
-the run's processes still alive (`left_after_exit`). `--plot PATH` draws RSS over time per role.
+the run, summed per role; from `--warmup-s` after the last role appeared (the whole data plane running)
+it fits a least-squares line per role and reports the start, end and slope (MiB/hour, and extrapolated
+to a day), and the slope of the fit's second half (warm-up flattens there; growth does not). After the
+run ends it waits 10 s and lists the run's processes still alive (`left_after_exit`). `--plot PATH`
+draws RSS over time per role. `--tracemalloc DIR` is for finding what grows, not for figures: every
+plait process of the run dumps its top growing allocation sites there (plait.telemetry.MemoryTrace).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long to stream (float; default 10)")
     p.add_argument("--runtime", choices=RUNTIMES, default="local", help="which runtime's processes to soak")
     p.add_argument("--warmup-s", type=float, default=None,
-                   help="seconds left out of the slope (default: a fifth of the run, at most 120)")
+                   help="seconds left out of the slope, counted from when the last role (process kind) appeared "
+                   "(default: a fifth of the run, at most 120)")
     p.add_argument("--interval-s", type=float, default=None, help="seconds between samples (default 5; less "
                    "for runs under a minute)")
     p.add_argument("--sources", type=int, default=16, help="Parquet sources in the spec")
@@ -196,15 +200,16 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     load = result["loadavg"]
-    table = Table(title=f"soak: runtime {result['runtime']}, {result['minutes']:g} min, slope after "
-                        f"{result['warmup_s']:g} s (load average {load['start'][0]:.1f} -> max {load['max_1min']:.1f})")
-    for col in ("role", "processes", "RSS start (MiB)", "RSS end (MiB)", "slope (MiB/hour)", "growth (MiB/day)",
-                "PSS start -> end (MiB)"):
+    table = Table(title=f"soak: runtime {result['runtime']}, {result['minutes']:g} min, slope from "
+                        f"{result['warmup_s']:g} s after the last role started (load average {load['start'][0]:.1f} -> max {load['max_1min']:.1f})")
+    for col in ("role", "processes", "fit from (s)", "RSS start (MiB)", "RSS end (MiB)", "slope (MiB/hour)",
+                "growth (MiB/day)", "2nd half (MiB/hour)", "PSS start -> end (MiB)"):
         table.add_column(col, justify="left" if col == "role" else "right")
     for r in result["roles"]:
         pss = f"{r['pss_start_mib']:,.1f} -> {r['pss_end_mib']:,.1f}" if "pss_start_mib" in r else "-"
-        table.add_row(r["role"], str(r["processes"]), f"{r['rss_start_mib']:,.1f}", f"{r['rss_end_mib']:,.1f}",
-                      f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}", pss)
+        table.add_row(r["role"], str(r["processes"]), f"{r['fit_from_s']:g}", f"{r['rss_start_mib']:,.1f}",
+                      f"{r['rss_end_mib']:,.1f}", f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}",
+                      f"{r['late_slope_mib_per_hour']:+,.2f}", pss)
     console = Console(width=max(120, Console().width))  # the table is unreadable folded
     console.print(table)
     for proc in result["outcome"]["processes"]:
@@ -227,7 +232,8 @@ def plot(result: dict, path: str) -> None:
     for r in result["roles"]:
         ax.plot(t, [s["rss_mib"].get(r["role"], 0.0) for s in result["samples"]], marker=".",
                 label=f"{r['role']} ({r['slope_mib_per_hour']:+.1f} MiB/h)")
-    ax.axvline(result["warmup_s"] / 60, color="grey", ls=":", label="end of warm-up")
+    fit_from = min((r["fit_from_s"] for r in result["roles"]), default=result["warmup_s"])
+    ax.axvline(fit_from / 60, color="grey", ls=":", label="start of the fit (end of warm-up)")
     ax.set(title=f"RSS per role, runtime {result['runtime']}", xlabel="minutes", ylabel="RSS (MiB)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -128,21 +128,39 @@ def slope_per_hour(t: np.ndarray, y: np.ndarray) -> float:
     return float(np.polyfit(t, y, 1)[0]) * 3600 / MIB
 
 
+def fit_start(samples: list[dict], warmup_s: float) -> float:
+    """Where the slopes start: `warmup_s` after the last role first appeared, i.e. after the whole data
+    plane runs (Ray's Constructors start with the first build, minutes after the driver on a loaded
+    machine; a fit that starts before them measures start-up, not growth). Falls back to `warmup_s` from
+    the start when that would leave fewer than 3 samples."""
+    first_seen: dict[str, float] = {}
+    for s in samples:
+        for role in s["roles"]:
+            first_seen.setdefault(role, s["t"])
+    start = max(first_seen.values(), default=0.0) + warmup_s
+    return start if sum(s["t"] >= start for s in samples) >= 3 else warmup_s
+
+
 def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
-    """Per role: RSS (and PSS) at the first and last sample after the warm-up, the slope after it (MiB/hour)
-    and that slope over a day; a role seen in only some samples counts 0 where it was absent."""
+    """Per role: RSS (and PSS) at the first and last sample of the fit (`fit_start`), the slope over it
+    (MiB/hour), that slope over a day, and the slope of its second half alone (`late`: a slope that is
+    warm-up flattens there, growth does not); a role absent from a sample counts 0 there."""
     names = sorted({r for s in samples for r in s["roles"]}, key=_role_order)
-    after = [s for s in samples if s["t"] >= warmup_s] or samples[-1:]
+    start = fit_start(samples, warmup_s)
+    after = [s for s in samples if s["t"] >= start] or samples[-1:]
     t = np.array([s["t"] for s in after])
+    late = t >= t[0] + (t[-1] - t[0]) / 2
     out = []
     for name in names:
         rss = np.array([s["roles"].get(name, {}).get("rss", 0) for s in after], dtype=np.float64)
         pss_values = [s["roles"].get(name, {}).get("pss") for s in after]
         slope = slope_per_hour(t, rss)
         row = {"role": name, "processes": max(s["roles"].get(name, {}).get("n", 0) for s in after),
+               "fit_from_s": round(float(t[0]), 1),
                "rss_start_mib": round(rss[0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
                "rss_max_mib": round(rss.max() / MIB, 1),
                "slope_mib_per_hour": round(slope, 2), "growth_mib_per_day": round(slope * 24, 1),
+               "late_slope_mib_per_hour": round(slope_per_hour(t[late], rss[late]), 2),
                "samples": len(after)}
         if all(v is not None for v in pss_values):
             pss = np.array(pss_values, dtype=np.float64)
