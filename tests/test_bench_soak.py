@@ -110,3 +110,15 @@ def test_memory_trace_names_the_site_that_keeps_growing(tmp_path):
         stack.append(line)
     assert any("test_bench_soak.py" in frame for frame in stack), stack
     assert len(held) == 200
+
+
+def test_rays_own_processes_are_fitted_by_name():
+    from plait.cli.bench.soak_sampler import ray_process_table
+
+    t = [float(x) for x in range(0, 600, 10)]
+    samples = [{"t": x, "roles": {"ray": {"rss": 1, "pss": None, "n": 2}},
+                "ray_processes": {"gcs_server": 100 * MIB + x / 3600 * 36 * MIB, "raylet": 50 * MIB}} for x in t]
+    rows = {r["name"]: r for r in ray_process_table(samples, warmup_s=120)}
+    assert rows["gcs_server"]["slope_mib_per_hour"] == pytest.approx(36.0, abs=0.01)
+    assert rows["raylet"]["slope_mib_per_hour"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["raylet"]["rss_end_mib"] == 50.0

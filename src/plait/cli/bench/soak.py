@@ -33,7 +33,7 @@ from pathlib import Path
 
 from plait.cli.bench.memory import make_spec_dict
 from plait.cli.bench.memory_realistic import start_serve, stop_serve, torchrun_env
-from plait.cli.bench.soak_sampler import Sampler, role_table
+from plait.cli.bench.soak_sampler import Sampler, ray_process_table, role_table
 from plait.errors import PlaitError
 
 HELP = "memory over a long run: RSS/PSS of every process by role, slope per hour after a warm-up"
@@ -118,8 +118,11 @@ def soak(runtime: str, seconds: float, warmup: float, interval: float, *, source
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"runtime": runtime, "minutes": round(seconds / 60, 3), "warmup_s": warmup, "interval_s": interval,
-            "sources": sources, "dp": dp, "roles": role_table(sampler.samples, warmup), "left_after_exit": left,
-            "samples": [{"t": round(s["t"], 2), "rss_mib": {r: round(v["rss"] / 2**20, 2) for r, v in s["roles"].items()}}
+            "sources": sources, "dp": dp, "roles": role_table(sampler.samples, warmup),
+            "ray_processes": ray_process_table(sampler.samples, warmup), "left_after_exit": left,
+            "samples": [{"t": round(s["t"], 2), "rss_mib": {r: round(v["rss"] / 2**20, 2) for r, v in s["roles"].items()},
+                         **({"ray_processes_mib": {k: round(v / 2**20, 2) for k, v in s["ray_processes"].items()}}
+                            if s["ray_processes"] else {})}
                         for s in sampler.samples],
             "loadavg": {"start": list(load[0]), "max_1min": max(x[0] for x in load), "end": list(os.getloadavg())},
             "outcome": outcome}
@@ -216,6 +219,10 @@ def print_table(result: dict) -> None:
         if proc["exit"] not in (0, 130, None):  # 130: ended by Ctrl-C, as the bench ends `plait run`
             console.print(f"[bold yellow]a {proc['role']} process ended with exit {proc['exit']}[/] (the run may "
                           f"have stopped early): {proc.get('stderr', '')[-600:]}", highlight=False)
+    if result.get("ray_processes"):
+        console.print("Ray's own processes (MiB/hour): " + ", ".join(
+            f"{p['name']} {p['rss_start_mib']:,.0f} -> {p['rss_end_mib']:,.0f} ({p['slope_mib_per_hour']:+,.1f})"
+            for p in result["ray_processes"]), highlight=False)
     left = result["left_after_exit"]
     console.print(f"left {EXIT_GRACE_S:g} s after exit: {len(left)} process(es)"
                   + "".join(f"\n  {p['pid']} {p['role']}: {p['cmdline']}" for p in left), highlight=False)

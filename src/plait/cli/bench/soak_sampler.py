@@ -81,6 +81,7 @@ class Sampler:
 
     def sample(self) -> dict:
         roles: dict[str, dict] = {}
+        detail: dict[str, int] = {}
         for p, role in self.processes().values():
             try:
                 if self.pss_available:
@@ -97,7 +98,10 @@ class Sampler:
             r["rss"] += rss
             r["pss"] = None if pss is None or r["pss"] is None else r["pss"] + pss
             r["n"] += 1
-        s = {"t": time.monotonic() - self.t0, "roles": roles}
+            if role == "ray":  # which of Ray's own processes grows: gcs_server, raylet, agents, idle workers
+                name = ray_process_name(p)
+                detail[name] = detail.get(name, 0) + rss
+        s = {"t": time.monotonic() - self.t0, "roles": roles, "ray_processes": detail}
         self.samples.append(s)
         return s
 
@@ -105,6 +109,19 @@ class Sampler:
         """The run's processes still alive (after it ended)."""
         return [{"pid": pid, "role": role, "cmdline": _cmd(p)[:200]} for pid, (p, role) in self.processes().items()
                 if _alive(p)]
+
+
+def ray_process_name(p: psutil.Process) -> str:
+    """A short name for one of Ray's processes: its title (`ray::IDLE`, `ray::DashboardAgent`) or program
+    (gcs_server, raylet, log_monitor.py, ...)."""
+    try:
+        args = p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "?"
+    head = args[0].split(" ")[0] if args else p.name()
+    if not head.startswith("ray::") and len(args) > 1 and head.rsplit("/", 1)[-1].startswith("python"):
+        head = next((a for a in args[1:] if a.endswith(".py")), head)  # python .../log_monitor.py
+    return head.rsplit("/", 1)[-1]
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -167,6 +184,20 @@ def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
             row.update(pss_start_mib=round(pss[0] / MIB, 1), pss_end_mib=round(pss[-1] / MIB, 1),
                        pss_slope_mib_per_hour=round(slope_per_hour(t, pss), 2))
         out.append(row)
+    return out
+
+
+def ray_process_table(samples: list[dict], warmup_s: float) -> list[dict]:
+    """Ray's own processes by name (summed over processes of one name), fitted as `role_table` does:
+    which of them grows (the `ray` role is their sum)."""
+    after = [s for s in samples if s["t"] >= fit_start(samples, warmup_s)] or samples[-1:]
+    names = sorted({n for s in after for n in s.get("ray_processes", {})})
+    t = np.array([s["t"] for s in after])
+    out = []
+    for name in names:
+        rss = np.array([s.get("ray_processes", {}).get(name, 0) for s in after], dtype=np.float64)
+        out.append({"name": name, "rss_start_mib": round(rss[0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
+                    "slope_mib_per_hour": round(slope_per_hour(t, rss), 2)})
     return out
 
 
