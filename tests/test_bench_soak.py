@@ -19,6 +19,8 @@ def test_roles_come_from_what_started_a_process_or_its_ray_title():
     assert actor_role("ray::LoaderActor.fetch") == "loader"
     assert actor_role("ray::ShadowActor") == "loader"
     assert actor_role("ray::ConstructorActor.get_batch") == "constructor"
+    assert actor_role("ray::job-1dff1b3ae24a/planner:PlannerActor.__init__") == "planner"  # named actor's title
+    assert actor_role("ray::job-1dff1b3ae24a/loader-1:LoaderActor.__init__") == "loader"
     assert actor_role("ray::IDLE") is None and actor_role("/usr/bin/python -m x") is None
     started = {10: "driver"}
     assert classify("python plait run", started, 10) == "driver"

@@ -28,7 +28,8 @@ def actor_role(cmdline: str) -> str | None:
     head = cmdline.split(" ", 1)[0]
     if not head.startswith("ray::"):
         return None
-    name = head[len("ray::"):]
+    # `ray::PlannerActor.step_plan`, or with the actor's name first: `ray::job-1d/planner:PlannerActor.__init__`
+    name = head[len("ray::"):].rsplit(":", 1)[-1]
     for prefix, role in ACTOR_ROLES:
         if name.startswith(prefix):
             return role
