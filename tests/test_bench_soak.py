@@ -79,7 +79,7 @@ def test_a_brief_local_soak_reports_every_role_with_samples(tmp_path):
     assert len(got["samples"]) >= 5 and all("driver" in s["rss_mib"] for s in got["samples"][:3])
     assert isinstance(got["left_after_exit"], list)
     assert (tmp_path / "soak.png").stat().st_size > 0
-    assert "slope (MiB/hour)" in proc.stdout
+    assert "slope" in proc.stdout and "2nd half" in proc.stdout and "driver" in proc.stdout  # headers may wrap
 
 
 def test_memory_trace_names_the_site_that_keeps_growing(tmp_path):
