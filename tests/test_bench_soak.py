@@ -19,6 +19,8 @@ def test_roles_come_from_what_started_a_process_or_its_ray_title():
     assert actor_role("ray::LoaderActor.fetch") == "loader"
     assert actor_role("ray::ShadowActor") == "loader"
     assert actor_role("ray::ConstructorActor.get_batch") == "constructor"
+    assert actor_role("ray::job-1dff1b3ae24a/planner:PlannerActor.__init__") == "planner"  # named actor's title
+    assert actor_role("ray::job-1dff1b3ae24a/loader-1:LoaderActor.__init__") == "loader"
     assert actor_role("ray::IDLE") is None and actor_role("/usr/bin/python -m x") is None
     started = {10: "driver"}
     assert classify("python plait run", started, 10) == "driver"
@@ -31,15 +33,31 @@ def test_slope_is_least_squares_in_mib_per_hour_and_the_warmup_is_left_out():
     # 100 MiB during the warm-up (first 120 s), then 1 MiB more per minute: 60 MiB/hour
     rss = [(100 if x < 120 else 200) * MIB + x / 60 * MIB for x in t]
     assert slope_per_hour(t[12:], rss[12:]) == pytest.approx(60.0)
-    samples = [{"t": x, "roles": {"driver": {"rss": r, "pss": r // 2, "n": 1},
-                                  **({"ray": {"rss": 5 * MIB, "pss": None, "n": 3}} if x >= 300 else {})}}
-               for x, r in zip(t, rss)]
+    samples = [{"t": x, "roles": {"driver": {"rss": r, "pss": r // 2, "n": 1}}} for x, r in zip(t, rss)]
     rows = {r["role"]: r for r in role_table(samples, warmup_s=120)}
     d = rows["driver"]
     assert d["slope_mib_per_hour"] == pytest.approx(60.0, abs=0.01) and d["growth_mib_per_day"] == pytest.approx(1440, abs=1)
-    assert d["rss_start_mib"] == pytest.approx(202.0) and d["samples"] == 48
+    assert d["late_slope_mib_per_hour"] == pytest.approx(60.0, abs=0.01)  # steady growth: the 2nd half too
+    assert d["rss_start_mib"] == pytest.approx(202.0) and d["samples"] == 48 and d["fit_from_s"] == 120
     assert d["pss_slope_mib_per_hour"] == pytest.approx(30.0, abs=0.01)
-    assert rows["ray"]["processes"] == 3 and "pss_start_mib" not in rows["ray"]  # absent before 300 s: 0 there
+
+
+def test_the_fit_starts_a_warmup_after_the_last_role_appeared_and_its_second_half_shows_flattening():
+    """A role that starts late (Ray's Constructor at the first build) would turn its start-up into a slope;
+    a warm-up that flattens has a steep first half and a flat second one."""
+    t = [float(x) for x in range(0, 900, 10)]
+    # the driver rises 60 MiB over its first 400 s, then stays; the constructor appears at 300 s
+    samples = [{"t": x, "roles": {"driver": {"rss": (200 + min(x, 400) * 0.15) * MIB, "pss": None, "n": 1},
+                                  **({"constructor": {"rss": 150 * MIB, "pss": None, "n": 1}} if x >= 300 else {})}}
+               for x in t]
+    rows = {r["role"]: r for r in role_table(samples, warmup_s=60)}
+    assert rows["constructor"]["fit_from_s"] == 360 and rows["constructor"]["slope_mib_per_hour"] == 0
+    d = rows["driver"]
+    assert d["samples"] == 54 and d["rss_start_mib"] == pytest.approx(254.0)
+    assert d["slope_mib_per_hour"] > 5 and d["late_slope_mib_per_hour"] == pytest.approx(0.0, abs=1e-6)
+    assert "pss_start_mib" not in d
+    # too few samples after the last role's warm-up: the warm-up counts from the start instead
+    assert role_table(samples[:38], warmup_s=60)[0]["fit_from_s"] == 60
 
 
 @pytest.mark.subprocess
@@ -61,4 +79,48 @@ def test_a_brief_local_soak_reports_every_role_with_samples(tmp_path):
     assert len(got["samples"]) >= 5 and all("driver" in s["rss_mib"] for s in got["samples"][:3])
     assert isinstance(got["left_after_exit"], list)
     assert (tmp_path / "soak.png").stat().st_size > 0
-    assert "slope (MiB/hour)" in proc.stdout
+    assert "slope" in proc.stdout and "2nd half" in proc.stdout and "driver" in proc.stdout  # headers may wrap
+
+
+def test_memory_trace_names_the_site_that_keeps_growing(tmp_path):
+    """PLAIT_TRACEMALLOC's dump: a list that grows between the baseline and the dump is the top site,
+    with this file's line in its stack; a test that could not find it would fail."""
+    import tracemalloc
+
+    from plait.telemetry import MemoryTrace
+
+    held = []
+    trace = MemoryTrace(str(tmp_path), every=3600.0)  # the thread sleeps past the test: dumps are called here
+    trace.start()
+    try:
+        trace.dump()  # the baseline
+        for _ in range(200):
+            held.append(bytearray(16_384))  # ~3 MiB held
+        trace.dump()
+    finally:
+        tracemalloc.stop()
+    (out,) = tmp_path.iterdir()
+    text = out.read_text()
+    head, first = text.splitlines()[:2]
+    assert head.startswith("=== t=") and "traced=" in head and "rss=" in head
+    growth_kib = float(first.split("KiB")[0])
+    assert growth_kib > 3000, first
+    stack = []
+    for line in text.splitlines()[2:]:
+        if "KiB" in line:
+            break
+        stack.append(line)
+    assert any("test_bench_soak.py" in frame for frame in stack), stack
+    assert len(held) == 200
+
+
+def test_rays_own_processes_are_fitted_by_name():
+    from plait.cli.bench.soak_sampler import ray_process_table
+
+    t = [float(x) for x in range(0, 600, 10)]
+    samples = [{"t": x, "roles": {"ray": {"rss": 1, "pss": None, "n": 2}},
+                "ray_processes": {"gcs_server": 100 * MIB + x / 3600 * 36 * MIB, "raylet": 50 * MIB}} for x in t]
+    rows = {r["name"]: r for r in ray_process_table(samples, warmup_s=120)}
+    assert rows["gcs_server"]["slope_mib_per_hour"] == pytest.approx(36.0, abs=0.01)
+    assert rows["raylet"]["slope_mib_per_hour"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["raylet"]["rss_end_mib"] == 50.0

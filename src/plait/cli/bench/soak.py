@@ -11,9 +11,12 @@ generator), then streams it as fast as it can for `--minutes` in the processes t
   flight  `plait serve SPEC --runtime local` (role `server`) and `--dp` thin Flight clients (`trainer`)
 
 Every `--interval-s` it samples the RSS (and PSS, which splits shared pages fairly) of every process of
-the run, summed per role; after `--warmup-s` it fits a least-squares line per role and reports the
-start, end and slope (MiB/hour, and extrapolated to a day). After the run ends it waits 10 s and lists
-the run's processes still alive (`left_after_exit`). `--plot PATH` draws RSS over time per role.
+the run, summed per role; from `--warmup-s` after the last role appeared (the whole data plane running)
+it fits a least-squares line per role and reports the start, end and slope (MiB/hour, and extrapolated
+to a day), and the slope of the fit's second half (warm-up flattens there; growth does not). After the
+run ends it waits 10 s and lists the run's processes still alive (`left_after_exit`). `--plot PATH`
+draws RSS over time per role. `--tracemalloc DIR` is for finding what grows, not for figures: every
+plait process of the run dumps its top growing allocation sites there (plait.telemetry.MemoryTrace).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from plait.cli.bench.memory import make_spec_dict
 from plait.cli.bench.memory_realistic import start_serve, stop_serve, torchrun_env
-from plait.cli.bench.soak_sampler import Sampler, role_table
+from plait.cli.bench.soak_sampler import Sampler, ray_process_table, role_table
 from plait.errors import PlaitError
 
 HELP = "memory over a long run: RSS/PSS of every process by role, slope per hour after a warm-up"
@@ -43,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long to stream (float; default 10)")
     p.add_argument("--runtime", choices=RUNTIMES, default="local", help="which runtime's processes to soak")
     p.add_argument("--warmup-s", type=float, default=None,
-                   help="seconds left out of the slope (default: a fifth of the run, at most 120)")
+                   help="seconds left out of the slope, counted from when the last role (process kind) appeared "
+                   "(default: a fifth of the run, at most 120)")
     p.add_argument("--interval-s", type=float, default=None, help="seconds between samples (default 5; less "
                    "for runs under a minute)")
     p.add_argument("--sources", type=int, default=16, help="Parquet sources in the spec")
@@ -52,6 +56,10 @@ def add_arguments(p) -> None:
     p.add_argument("--loaders", type=int, default=2, help="ray: SourceLoader actors")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw RSS over time per role (PNG)")
+    p.add_argument("--tracemalloc", metavar="DIR", help="diagnose, not measure: every plait process of the run "
+                   "writes tracemalloc's top 20 growing allocation sites to DIR every --tracemalloc-every s "
+                   "(PLAIT_TRACEMALLOC; tracing slows the processes and adds memory, so its slopes are not figures)")
+    p.add_argument("--tracemalloc-every", type=float, default=60.0, help="seconds between two dumps (default 60)")
 
 
 def run(args) -> int:
@@ -66,6 +74,9 @@ def run(args) -> int:
         # Started in the background (`&`, nohup): SIGINT is ignored here and would be in every process we
         # start, so Ctrl-C (how the run is ended) would not reach them. A handler is reset at exec.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.tracemalloc:  # inherited by every process of the run (Ray's workers through its raylet)
+        os.environ.update(PLAIT_TRACEMALLOC=str(Path(args.tracemalloc).resolve()),
+                          PLAIT_TRACEMALLOC_EVERY=str(args.tracemalloc_every))
     result = soak(args.runtime, seconds, warmup, interval, sources=args.sources, dp=args.dp, seq_len=args.seq_len,
                   loaders=args.loaders)
     print_table(result)
@@ -107,8 +118,11 @@ def soak(runtime: str, seconds: float, warmup: float, interval: float, *, source
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"runtime": runtime, "minutes": round(seconds / 60, 3), "warmup_s": warmup, "interval_s": interval,
-            "sources": sources, "dp": dp, "roles": role_table(sampler.samples, warmup), "left_after_exit": left,
-            "samples": [{"t": round(s["t"], 2), "rss_mib": {r: round(v["rss"] / 2**20, 2) for r, v in s["roles"].items()}}
+            "sources": sources, "dp": dp, "roles": role_table(sampler.samples, warmup),
+            "ray_processes": ray_process_table(sampler.samples, warmup), "left_after_exit": left,
+            "samples": [{"t": round(s["t"], 2), "rss_mib": {r: round(v["rss"] / 2**20, 2) for r, v in s["roles"].items()},
+                         **({"ray_processes_mib": {k: round(v / 2**20, 2) for k, v in s["ray_processes"].items()}}
+                            if s["ray_processes"] else {})}
                         for s in sampler.samples],
             "loadavg": {"start": list(load[0]), "max_1min": max(x[0] for x in load), "end": list(os.getloadavg())},
             "outcome": outcome}
@@ -189,21 +203,26 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     load = result["loadavg"]
-    table = Table(title=f"soak: runtime {result['runtime']}, {result['minutes']:g} min, slope after "
-                        f"{result['warmup_s']:g} s (load average {load['start'][0]:.1f} -> max {load['max_1min']:.1f})")
-    for col in ("role", "processes", "RSS start (MiB)", "RSS end (MiB)", "slope (MiB/hour)", "growth (MiB/day)",
-                "PSS start -> end (MiB)"):
+    table = Table(title=f"soak: runtime {result['runtime']}, {result['minutes']:g} min, slope from "
+                        f"{result['warmup_s']:g} s after the last role started (load average {load['start'][0]:.1f} -> max {load['max_1min']:.1f})")
+    for col in ("role", "processes", "fit from (s)", "RSS start (MiB)", "RSS end (MiB)", "slope (MiB/hour)",
+                "growth (MiB/day)", "2nd half (MiB/hour)", "PSS start -> end (MiB)"):
         table.add_column(col, justify="left" if col == "role" else "right")
     for r in result["roles"]:
         pss = f"{r['pss_start_mib']:,.1f} -> {r['pss_end_mib']:,.1f}" if "pss_start_mib" in r else "-"
-        table.add_row(r["role"], str(r["processes"]), f"{r['rss_start_mib']:,.1f}", f"{r['rss_end_mib']:,.1f}",
-                      f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}", pss)
+        table.add_row(r["role"], str(r["processes"]), f"{r['fit_from_s']:g}", f"{r['rss_start_mib']:,.1f}",
+                      f"{r['rss_end_mib']:,.1f}", f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}",
+                      f"{r['late_slope_mib_per_hour']:+,.2f}", pss)
     console = Console(width=max(120, Console().width))  # the table is unreadable folded
     console.print(table)
     for proc in result["outcome"]["processes"]:
         if proc["exit"] not in (0, 130, None):  # 130: ended by Ctrl-C, as the bench ends `plait run`
             console.print(f"[bold yellow]a {proc['role']} process ended with exit {proc['exit']}[/] (the run may "
                           f"have stopped early): {proc.get('stderr', '')[-600:]}", highlight=False)
+    if result.get("ray_processes"):
+        console.print("Ray's own processes (MiB/hour): " + ", ".join(
+            f"{p['name']} {p['rss_start_mib']:,.0f} -> {p['rss_end_mib']:,.0f} ({p['slope_mib_per_hour']:+,.1f})"
+            for p in result["ray_processes"]), highlight=False)
     left = result["left_after_exit"]
     console.print(f"left {EXIT_GRACE_S:g} s after exit: {len(left)} process(es)"
                   + "".join(f"\n  {p['pid']} {p['role']}: {p['cmdline']}" for p in left), highlight=False)
@@ -220,7 +239,8 @@ def plot(result: dict, path: str) -> None:
     for r in result["roles"]:
         ax.plot(t, [s["rss_mib"].get(r["role"], 0.0) for s in result["samples"]], marker=".",
                 label=f"{r['role']} ({r['slope_mib_per_hour']:+.1f} MiB/h)")
-    ax.axvline(result["warmup_s"] / 60, color="grey", ls=":", label="end of warm-up")
+    fit_from = min((r["fit_from_s"] for r in result["roles"]), default=result["warmup_s"])
+    ax.axvline(fit_from / 60, color="grey", ls=":", label="start of the fit (end of warm-up)")
     ax.set(title=f"RSS per role, runtime {result['runtime']}", xlabel="minutes", ylabel="RSS (MiB)")
     ax.legend(fontsize=8)
     fig.tight_layout()

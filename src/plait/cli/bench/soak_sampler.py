@@ -28,7 +28,8 @@ def actor_role(cmdline: str) -> str | None:
     head = cmdline.split(" ", 1)[0]
     if not head.startswith("ray::"):
         return None
-    name = head[len("ray::"):]
+    # `ray::PlannerActor.step_plan`, or with the actor's name first: `ray::job-1d/planner:PlannerActor.__init__`
+    name = head[len("ray::"):].rsplit(":", 1)[-1]
     for prefix, role in ACTOR_ROLES:
         if name.startswith(prefix):
             return role
@@ -81,6 +82,7 @@ class Sampler:
 
     def sample(self) -> dict:
         roles: dict[str, dict] = {}
+        detail: dict[str, int] = {}
         for p, role in self.processes().values():
             try:
                 if self.pss_available:
@@ -97,7 +99,10 @@ class Sampler:
             r["rss"] += rss
             r["pss"] = None if pss is None or r["pss"] is None else r["pss"] + pss
             r["n"] += 1
-        s = {"t": time.monotonic() - self.t0, "roles": roles}
+            if role == "ray":  # which of Ray's own processes grows: gcs_server, raylet, agents, idle workers
+                name = ray_process_name(p)
+                detail[name] = detail.get(name, 0) + rss
+        s = {"t": time.monotonic() - self.t0, "roles": roles, "ray_processes": detail}
         self.samples.append(s)
         return s
 
@@ -105,6 +110,19 @@ class Sampler:
         """The run's processes still alive (after it ended)."""
         return [{"pid": pid, "role": role, "cmdline": _cmd(p)[:200]} for pid, (p, role) in self.processes().items()
                 if _alive(p)]
+
+
+def ray_process_name(p: psutil.Process) -> str:
+    """A short name for one of Ray's processes: its title (`ray::IDLE`, `ray::DashboardAgent`) or program
+    (gcs_server, raylet, log_monitor.py, ...)."""
+    try:
+        args = p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "?"
+    head = args[0].split(" ")[0] if args else p.name()
+    if not head.startswith("ray::") and len(args) > 1 and head.rsplit("/", 1)[-1].startswith("python"):
+        head = next((a for a in args[1:] if a.endswith(".py")), head)  # python .../log_monitor.py
+    return head.rsplit("/", 1)[-1]
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -128,27 +146,59 @@ def slope_per_hour(t: np.ndarray, y: np.ndarray) -> float:
     return float(np.polyfit(t, y, 1)[0]) * 3600 / MIB
 
 
+def fit_start(samples: list[dict], warmup_s: float) -> float:
+    """Where the slopes start: `warmup_s` after the last role first appeared, i.e. after the whole data
+    plane runs (Ray's Constructors start with the first build, minutes after the driver on a loaded
+    machine; a fit that starts before them measures start-up, not growth). Falls back to `warmup_s` from
+    the start when that would leave fewer than 3 samples."""
+    first_seen: dict[str, float] = {}
+    for s in samples:
+        for role in s["roles"]:
+            first_seen.setdefault(role, s["t"])
+    start = max(first_seen.values(), default=0.0) + warmup_s
+    return start if sum(s["t"] >= start for s in samples) >= 3 else warmup_s
+
+
 def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
-    """Per role: RSS (and PSS) at the first and last sample after the warm-up, the slope after it (MiB/hour)
-    and that slope over a day; a role seen in only some samples counts 0 where it was absent."""
+    """Per role: RSS (and PSS) at the first and last sample of the fit (`fit_start`), the slope over it
+    (MiB/hour), that slope over a day, and the slope of its second half alone (`late`: a slope that is
+    warm-up flattens there, growth does not); a role absent from a sample counts 0 there."""
     names = sorted({r for s in samples for r in s["roles"]}, key=_role_order)
-    after = [s for s in samples if s["t"] >= warmup_s] or samples[-1:]
+    start = fit_start(samples, warmup_s)
+    after = [s for s in samples if s["t"] >= start] or samples[-1:]
     t = np.array([s["t"] for s in after])
+    late = t >= t[0] + (t[-1] - t[0]) / 2
     out = []
     for name in names:
         rss = np.array([s["roles"].get(name, {}).get("rss", 0) for s in after], dtype=np.float64)
         pss_values = [s["roles"].get(name, {}).get("pss") for s in after]
         slope = slope_per_hour(t, rss)
         row = {"role": name, "processes": max(s["roles"].get(name, {}).get("n", 0) for s in after),
+               "fit_from_s": round(float(t[0]), 1),
                "rss_start_mib": round(rss[0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
                "rss_max_mib": round(rss.max() / MIB, 1),
                "slope_mib_per_hour": round(slope, 2), "growth_mib_per_day": round(slope * 24, 1),
+               "late_slope_mib_per_hour": round(slope_per_hour(t[late], rss[late]), 2),
                "samples": len(after)}
         if all(v is not None for v in pss_values):
             pss = np.array(pss_values, dtype=np.float64)
             row.update(pss_start_mib=round(pss[0] / MIB, 1), pss_end_mib=round(pss[-1] / MIB, 1),
                        pss_slope_mib_per_hour=round(slope_per_hour(t, pss), 2))
         out.append(row)
+    return out
+
+
+def ray_process_table(samples: list[dict], warmup_s: float) -> list[dict]:
+    """Ray's own processes by name (summed over processes of one name), fitted as `role_table` does:
+    which of them grows (the `ray` role is their sum)."""
+    after = [s for s in samples if s["t"] >= fit_start(samples, warmup_s)] or samples[-1:]
+    names = sorted({n for s in after for n in s.get("ray_processes", {})})
+    t = np.array([s["t"] for s in after])
+    out = []
+    for name in names:
+        rss = np.array([s.get("ray_processes", {}).get(name, 0) for s in after], dtype=np.float64)
+        out.append({"name": name, "rss_start_mib": round(rss[0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
+                    "slope_mib_per_hour": round(slope_per_hour(t, rss), 2)})
     return out
 
 

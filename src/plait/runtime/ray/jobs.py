@@ -117,7 +117,11 @@ class Heartbeat(threading.Thread):
                 self.beat(self.member.planner)
             except dead_errors():  # a successor (plait.runtime.ray.standby_planner) is found by the job's name
                 try:
-                    self.beat(find_planner(self.member.job, wait=0))
+                    # kept: else every later beat first fails on the dead handle and looks the successor up
+                    # again, a ray.get_actor whose actor class the driver deserializes and keeps each time
+                    # (a soak's tracemalloc saw those lookups pile up in the driver)
+                    self.member.planner = find_planner(self.member.job, wait=0)
+                    self.beat(self.member.planner)
                 except Exception:  # noqa: BLE001 - none yet: the driver's calls find out
                     pass
             except Exception:  # noqa: BLE001 - a busy Planner: the driver's calls find out
