@@ -145,7 +145,7 @@ def simulated_row(steps_iter, clock) -> dict:
 
 
 def run_long_context(args, err) -> list[dict]:
-    from plait.cli.bench.e2e_run import GpuClock
+    from plait.cli.bench.e2e_run import GpuClock, load_average
 
     root = long_data(Path(args.cache) if args.cache else None)
     seqs = [int(x) for x in str(args.long_seq).split(",")]
@@ -157,7 +157,9 @@ def run_long_context(args, err) -> list[dict]:
             clock = GpuClock.of_spec(spec, args.gpu_tflops)
             for strategy, make in (("per-rank", per_rank_steps), ("plait", plait_steps)):
                 err.print(f"[bold]e2e[/] long-context {strategy}, DP {dp}, seq_len {seq_len} ...")
+                load_before = load_average()
                 row = simulated_row(make(spec, args.long_steps), clock)
+                row["load_average"] = [load_before, load_average()]
                 rows.append({"workload": "long-context", "dp": dp, "seq_len": seq_len, "strategy": strategy, **row})
     return rows
 
@@ -233,6 +235,7 @@ def node_trainer(cfg: dict) -> None:
 def run_node_images(args, spec_of, err) -> list[dict]:
     """DP processes, torchrun's environment each: plait (one SourceLoader, loading.workers = W threads) vs
     per-rank (a DataLoader per process, W / DP worker processes each, at least one)."""
+    from plait.cli.bench.e2e_run import load_average
     from plait.cli.bench.memory_realistic import torchrun_env
 
     dp, workers = args.node_dp, args.node_workers
@@ -244,6 +247,7 @@ def run_node_images(args, spec_of, err) -> list[dict]:
         spec_dict["loading"] = {**spec_dict.get("loading", {}), "workers": workers}
         spec_dict["steps"] = args.node_steps
         run_id = f"e2e-{os.getpid()}-{time.time_ns()}"
+        load_before = load_average()
         procs = []
         for r in range(dp):
             cfg = {"strategy": strategy, "spec": spec_dict, "rank": r, "steps": args.node_steps, "warmup": 1,
@@ -263,7 +267,8 @@ def run_node_images(args, spec_of, err) -> list[dict]:
         rows.append({"workload": "node-images", "dp": dp, "seq_len": spec.packing.seq_len, "strategy": strategy,
                      "images_per_s": images / wall, "steps_per_s": (args.node_steps - 1) / wall,
                      "tokens_per_s": None, "wait_fraction": None, "balance_loss": None, "workers": workers,
-                     "processes": dp + (workers if strategy == "per-rank" else 0)})
+                     "processes": dp + (workers if strategy == "per-rank" else 0),
+                     "load_average": [load_before, load_average()]})
     return rows
 
 
