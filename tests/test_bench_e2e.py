@@ -167,7 +167,8 @@ def test_bad_options_are_named(capsys):
 
     for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
                        (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies"),
-                       (["--workloads", "mine"], "--workloads"), (["--long-seq", "x"], "--long-seq")):
+                       (["--workloads", "mine"], "--workloads"), (["--long-seq", "x"], "--long-seq"),
+                       (["--long-max-delay", "-1"], "--long-max-delay")):
         assert main(["bench", "e2e", *argv]) == 2
         assert word in capsys.readouterr().err
     with pytest.raises(PlaitError):
@@ -214,3 +215,10 @@ def test_long_context_buffers_hold_a_step_so_one_process_building_every_rank_rea
     assert step_buffer_mb(8, 32768, 2) == 16.0  # plait's default already holds it
     tokens_mib = 32 * 131072 * 2 * 4 / 2**20  # one 128k DP 32 step of int32 tokens
     assert step_buffer_mb(32, 131072, 2) >= 2 * tokens_mib
+
+
+def test_long_context_max_delay_reaches_plaits_spec_only_when_asked(tmp_path):
+    from plait.cli.bench.e2e_workloads import long_spec
+
+    assert long_spec(tmp_path, 8, 4096, 2).balance.max_delay == 0  # plait's default
+    assert long_spec(tmp_path, 8, 4096, 2, max_delay=4).balance.max_delay == 4

@@ -69,6 +69,10 @@ def add_arguments(p) -> None:
     p.add_argument("--long-seq", default="32768,131072", help="long-context: seq_len values")
     p.add_argument("--long-dp", default="8,32", help="long-context: DP sizes")
     p.add_argument("--long-steps", type=int, default=6, help="long-context: steps per (strategy, DP, seq_len)")
+    p.add_argument("--long-max-delay", type=int, default=0,
+                   help="long-context: plait's balance.max_delay (hold outlier documents up to N steps so several "
+                        "share a step; default 0: off, plait's default). Use --long-steps >= 3 x N: held outliers "
+                        "are charged when delivered, so a run shorter than that flatters plait")
     p.add_argument("--node-dp", type=int, default=8, help="node-images: trainer processes on this node")
     p.add_argument("--node-workers", type=int, default=8,
                    help="node-images: plait's loading.workers, and per-rank worker processes in all")
@@ -150,6 +154,8 @@ def parse(args) -> list[int]:
             raise PlaitError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0 or args.warmup >= args.steps:
         raise PlaitError(f"--warmup must be in 0..steps-1 ({args.steps - 1}), got {args.warmup}")
+    if args.long_max_delay < 0:
+        raise PlaitError(f"--long-max-delay must be >= 0, got {args.long_max_delay}")
     if args.node_steps < 2:
         raise PlaitError(f"--node-steps must be >= 2 (the first is warm-up), got {args.node_steps}")
     if not (args.gpu_tflops > 0 and args.data_bound_tflops > 0):

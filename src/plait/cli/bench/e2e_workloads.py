@@ -66,11 +66,14 @@ def step_buffer_mb(dp: int, seq_len: int, microbatches: int) -> float:
     return max(16.0, 2 * dp * seq_len * microbatches * 4 / 2**20)
 
 
-def long_spec(root: Path, dp: int, seq_len: int, microbatches: int):
+def long_spec(root: Path, dp: int, seq_len: int, microbatches: int, max_delay: int = 0):
+    """`max_delay`: plait's balance.max_delay (outlier documents held until several fill one step; 0: off,
+    plait's default). Per-rank packing has no such option and ignores it."""
     from plait.spec import load_spec
 
     buffer_mb = step_buffer_mb(dp, seq_len, microbatches)
     return load_spec({
+        "balance": {"max_delay": max_delay},
         "seed": 5,
         "sources": [{"name": n, "path": str(root / n / "*.parquet"), "tokens_field": "input_ids", "bos": 0, "eos": 1,
                      "weight": 0.5, "buffer_mb": buffer_mb} for n in ("web", "long")],
@@ -153,13 +156,15 @@ def run_long_context(args, err) -> list[dict]:
     rows = []
     for seq_len in seqs:
         for dp in dps:
-            spec = long_spec(root, dp, seq_len, args.microbatches)
+            spec = long_spec(root, dp, seq_len, args.microbatches, getattr(args, "long_max_delay", 0))
             clock = GpuClock.of_spec(spec, args.gpu_tflops)
             for strategy, make in (("per-rank", per_rank_steps), ("plait", plait_steps)):
                 err.print(f"[bold]e2e[/] long-context {strategy}, DP {dp}, seq_len {seq_len} ...")
                 load_before = load_average()
                 row = simulated_row(make(spec, args.long_steps), clock)
                 row["load_average"] = [load_before, load_average()]
+                if strategy == "plait":
+                    row["max_delay"] = spec.balance.max_delay
                 rows.append({"workload": "long-context", "dp": dp, "seq_len": seq_len, "strategy": strategy, **row})
     return rows
 
