@@ -9,8 +9,9 @@
                 strategy spent producing a step on this machine are reported beside, not charged).
   cpu-pool      the image mixture with the GPU fast enough that delivery sets the pace, where the trainers'
                 side is limited to one core (CPU affinity): per-rank DataLoaders must run there, while
-                plait's SourceLoaders run on a second Ray node pinned to the other core. This is
-                disaggregation (a CPU pool beside the trainer nodes), which per-rank loaders cannot use.
+                plait's SourceLoaders (the same CPU budget) run on the trainers' node and on a second Ray
+                node pinned to the other core. This is disaggregation (a CPU pool beside the trainer
+                nodes), which per-rank loaders cannot use.
   node-images   the local runtime as torchrun starts it: DP processes with LOCAL_RANK / LOCAL_WORLD_SIZE,
                 LOCAL_RANK 0 hosting the node's data plane (plait.runtime.node_share), images/s against
                 per-rank DataLoaders with as many worker processes as plait's SourceLoader has threads.
@@ -169,12 +170,27 @@ def run_long_context(args, err) -> list[dict]:
     return rows
 
 
-# ----- cpu-pool: the trainers' core for per-rank loaders, a second Ray node's core for plait's ----------
-def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
-    """The trainers' side pinned to the first core this process may use; plait's SourceLoaders on a second
-    Ray node pinned to the others (its raylet and workers inherit the affinity they were started with)."""
-    import ray
+# ----- cpu-pool: the trainers' core for per-rank loaders, plus a second Ray node's core for plait's ----
+def start_cluster(err, tries: int = 3):
+    """ray.cluster_utils.Cluster with a head of no CPUs yet, tried again when a node does not register
+    within Ray's fixed 30 s (on a loaded machine)."""
     from ray.cluster_utils import Cluster
+
+    for attempt in range(tries):
+        try:
+            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+            err.print("[yellow]a Ray node did not start in time (loaded machine): trying again[/]")
+
+
+def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
+    """The trainers' side pinned to the first core this process may use: per-rank DataLoaders run there.
+    plait gets the same CPU budget (`--cpus` loaders at most) split over two Ray nodes: half on a node
+    pinned to the trainers' core, half on a second node pinned to the others (the CPU pool; a raylet and
+    its workers inherit the affinity they were started with). Per-rank loaders cannot use the pool."""
+    import ray
 
     from plait.cli.bench.e2e_run import run_per_rank, run_plait, start_ray
 
@@ -184,21 +200,29 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
         err.print("[yellow]cpu-pool needs 2 cores: skipped[/]")
         return []
     trainer, pool = {cores[0]}, set(cores[1:])
+    wanted = getattr(args, "strategy_list", ["per-rank", "plait"])
+    here = max(1, args.cpus // 2)
     base = {"workload": "cpu-pool", "dp": spec.topology.dp, "seq_len": spec.packing.seq_len,
             "trainer_cores": sorted(trainer), "pool_cores": sorted(pool)}
     rows = []
     try:
         os.sched_setaffinity(0, trainer)  # the rank threads and the DataLoader workers forked now
-        err.print(f"[bold]e2e[/] cpu-pool per-rank on core {cores[0]} ...")
-        rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # trainers' node: no loader fits
-        os.sched_setaffinity(0, pool)
-        cluster.add_node(num_cpus=args.cpus)  # the CPU pool: loaders (1 CPU each) run only here
-        os.sched_setaffinity(0, trainer)
-        start_ray(address=cluster.address)
+        if "per-rank" in wanted:
+            err.print(f"[bold]e2e[/] cpu-pool per-rank on core {cores[0]} ...")
+            rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
+        if "plait" not in wanted:
+            return rows
+        cluster = start_cluster(err)
         try:
-            err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on {sorted(pool)} ...")
-            rows.append({**base, "strategy": "plait", **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
+            cluster.add_node(num_cpus=here)  # the trainers' node: loaders may run beside the trainers
+            os.sched_setaffinity(0, pool)
+            cluster.add_node(num_cpus=max(1, args.cpus - here))  # the CPU pool
+            os.sched_setaffinity(0, trainer)
+            start_ray(address=cluster.address)
+            err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on "
+                      f"{cores[0]} and {sorted(pool)} ...")
+            rows.append({**base, "strategy": "plait", "loader_cpus_per_node": [here, max(1, args.cpus - here)],
+                         **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
         finally:
             ray.shutdown()
             cluster.shutdown()
