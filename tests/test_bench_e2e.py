@@ -222,3 +222,20 @@ def test_long_context_max_delay_reaches_plaits_spec_only_when_asked(tmp_path):
 
     assert long_spec(tmp_path, 8, 4096, 2).balance.max_delay == 0  # plait's default
     assert long_spec(tmp_path, 8, 4096, 2, max_delay=4).balance.max_delay == 4
+
+
+def test_a_workload_that_fails_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    from plait.cli import main
+    from plait.cli.bench import e2e_workloads
+
+    def broken(*a, **k):
+        raise RuntimeError("The current node timed out during startup")
+
+    monkeypatch.setattr(e2e_workloads, "run_cpu_pool", broken)
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--workloads", "long-context,cpu-pool", "--long-seq", "2048", "--long-dp", "2",
+            "--long-steps", "1", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+    assert main(argv) == 1
+    result = json.loads(out.read_text())
+    assert {r["workload"] for r in result["rows"]} == {"long-context"}  # every row that ran is there
+    assert [f["workload"] for f in result["failures"]] == ["cpu-pool"] and "timed out" in result["failures"][0]["error"]

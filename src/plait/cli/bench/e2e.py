@@ -171,7 +171,7 @@ def parse(args) -> list[int]:
     return dps
 
 
-def mixture_rows(args, dps, specs, err) -> list[dict]:
+def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
     """gpu-bound and data-bound: per-rank DataLoaders, then plait on Ray (same CPUs, same steps)."""
     autoscale = autoscale_available() and not args.no_autoscale
     runs = [(w, args.gpu_tflops if w == "gpu-bound" else args.data_bound_tflops)
@@ -188,12 +188,23 @@ def mixture_rows(args, dps, specs, err) -> list[dict]:
 
         started = not ray.is_initialized()  # (a caller's instance is used as it is, and left running)
         if started:
-            start_ray(num_cpus=args.cpus, include_dashboard=False)
+            try:
+                start_ray(num_cpus=args.cpus, include_dashboard=False)
+            except Exception as e:  # noqa: BLE001 - the per-rank rows above are still reported
+                failures.append({"workload": ",".join(w for w, _ in runs), "strategy": "plait", "error": str(e)})
+                err.print(f"[red]e2e: Ray did not start ({e}); plait's rows of {failures[-1]['workload']} are missing[/]")
+                return rows
         try:
             for workload, tflops in runs:
                 for dp in dps:
                     err.print(f"[bold]e2e[/] {workload} plait on ray, DP {dp} ...")
-                    row = run_plait(specs[dp], args, GpuClock.of_spec(specs[dp], tflops), autoscale)
+                    try:
+                        row = run_plait(specs[dp], args, GpuClock.of_spec(specs[dp], tflops), autoscale)
+                    except Exception as e:  # noqa: BLE001 - reported; the other rows still run
+                        failures.append({"workload": workload, "dp": dp, "strategy": "plait",
+                                         "error": f"{type(e).__name__}: {e}"})
+                        err.print(f"[red]e2e: {workload} plait, DP {dp} failed: {e}[/]")
+                        continue
                     rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "plait", **row})
         finally:
             if started:
@@ -215,25 +226,36 @@ def run(args) -> int:
     specs = {dp: e2e_spec(demo, image_dir, dp, args) for dp in set(dps) | {args.node_dp}}
     autoscale = autoscale_available() and not args.no_autoscale
     rows: list[dict] = []
+    failures: list[dict] = []  # a workload that failed (Ray not starting on a loaded machine): the others still run
+
+    def attempt(workload: str, fn) -> list[dict]:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported in the result and on stderr, never silently
+            failures.append({"workload": workload, "error": f"{type(e).__name__}: {e}"})
+            err.print(f"[red]e2e: {workload} failed: {type(e).__name__}: {e}[/]")
+            return []
+
     if "long-context" in args.workload_list:
-        rows += more.run_long_context(args, err)
-    rows += mixture_rows(args, dps, specs, err)
+        rows += attempt("long-context", lambda: more.run_long_context(args, err))
+    rows += mixture_rows(args, dps, specs, err, failures)
     if "cpu-pool" in args.workload_list:
         dp = dps[0]
-        rows += more.run_cpu_pool(args, specs[dp], GpuClock.of_spec(specs[dp], args.data_bound_tflops), autoscale, err)
+        clock = GpuClock.of_spec(specs[dp], args.data_bound_tflops)
+        rows += attempt("cpu-pool", lambda: more.run_cpu_pool(args, specs[dp], clock, autoscale, err))
     if "node-images" in args.workload_list:
-        rows += more.run_node_images(args, lambda dp: specs[dp], err)
+        rows += attempt("node-images", lambda: more.run_node_images(args, lambda dp: specs[dp], err))
     rows = [r for r in rows if r["strategy"] in args.strategy_list]
     result = {"gpu_tflops": args.gpu_tflops, "data_bound_tflops": args.data_bound_tflops, "cpus": args.cpus,
               "machine_cores": os.cpu_count(), "microbatches": args.microbatches, "image_weight": args.image_weight,
-              "autoscale": autoscale, "rows": rows, "ratios": ratios(rows),
+              "autoscale": autoscale, "rows": rows, "ratios": ratios(rows), "failures": failures,
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
     if not args.quiet:
         table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         err.print(f"rows written to {args.json}")
-    return 0
+    return 1 if failures else 0
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -295,6 +317,8 @@ def table(result: dict) -> None:
                  if "bound_ratio" in q else "")
         out.print(f"{q['workload']} DP {q['dp']} seq_len {q['seq_len']}: plait / per-rank {rate} = "
                   f"[bold]{q['steps_per_s_ratio']:.2f}x[/] (target >= {goal}x: {verdict}){bound}")
+    for f in result.get("failures") or []:
+        out.print(f"[red]{f['workload']}: no rows ({f['error']})[/]")
     out.print("long-context runs on a simulated clock (data read ahead: it measures balance); cpu-pool is "
               "disaggregation: plait's loaders use a second node's core that per-rank loaders cannot. "
               "MegaScale-Data reports 4.5x end to end.")

@@ -205,7 +205,7 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
     return row
 
 
-def start_ray(tries: int = 3, **options) -> None:
+def start_ray(tries: int = 5, **options) -> None:
     """ray.init, tried again when the node does not register within Ray's fixed 30 s (a loaded machine)."""
     import ray
 
