@@ -205,9 +205,21 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
     return row
 
 
+AGENT_WAIT_MS = "120000"
+
+
+def patient_agents() -> None:
+    """Give a new Ray node's agents 2 minutes to register (Ray waits 30 s: on a loaded machine the
+    dashboard agent's imports take longer, and the raylet aborts: "Timed out waiting for file
+    .../metrics_agent_port"). Ray's processes read it from the environment they inherit."""
+    os.environ.setdefault("RAY_agent_register_timeout_ms", AGENT_WAIT_MS)
+
+
 def start_ray(tries: int = 5, **options) -> None:
     """ray.init, tried again when the node does not register within Ray's fixed 30 s (a loaded machine)."""
     import ray
+
+    patient_agents()
 
     for attempt in range(tries):
         try:

@@ -176,6 +176,9 @@ def start_cluster(err, tries: int = 3):
     within Ray's fixed 30 s (on a loaded machine)."""
     from ray.cluster_utils import Cluster
 
+    from plait.cli.bench.e2e_run import patient_agents
+
+    patient_agents()
     for attempt in range(tries):
         try:
             return Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
