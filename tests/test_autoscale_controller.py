@@ -318,3 +318,22 @@ def test_a_constant_observation_never_undoes_a_change(sources, step_rate, waited
             seen.append(layout)
     if not waited:  # (a stale "waited while saturated" may add a loader per interval: it never undoes one)
         assert len(seen) <= 2  # one target for one demand
+
+
+def test_an_interval_in_which_the_ranks_waited_throughout_does_not_demand_millions_of_cores():
+    # A stall (start-up, a restart): a step was asked for and the ranks waited the whole interval. Dividing
+    # by the ~0 s they worked made the demand ~1e6 cores (seen in `plait bench e2e`: a scale-up that
+    # restarted every loader); the working time now counts at least MIN_WORKING of the interval, and
+    # steps and working seconds are smoothed apart.
+    from plait.runtime.autoscale import MIN_WORKING
+
+    ctrl = controller()
+    layout = plan_layout(demand(), FILES, 16, utilisation=0.6)
+    for t in (2.0, 4.0, 6.0):
+        ctrl.observe(observe_job(COST, TPS, 20.0, layout), layout, t)
+    steady = sum(ctrl.demand())
+    stall = Observation(INTERVAL, 1, INTERVAL, [t * 1 for t in TPS], [c * t for c, t in zip(COST, TPS)],
+                        [0.0, 0.0])
+    ctrl.observe(stall, layout, 8.0)
+    assert ctrl.step_rate <= 1 / (MIN_WORKING * INTERVAL) + 20.0
+    assert sum(ctrl.demand()) < 2 * steady

@@ -167,7 +167,8 @@ def test_bad_options_are_named(capsys):
 
     for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
                        (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies"),
-                       (["--workloads", "mine"], "--workloads"), (["--long-seq", "x"], "--long-seq")):
+                       (["--workloads", "mine"], "--workloads"), (["--long-seq", "x"], "--long-seq"),
+                       (["--long-max-delay", "-1"], "--long-max-delay")):
         assert main(["bench", "e2e", *argv]) == 2
         assert word in capsys.readouterr().err
     with pytest.raises(PlaitError):
@@ -189,3 +190,52 @@ def test_missing_torch_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(PlaitError, match="needs torch"):
         require_torch()
+
+
+def test_simulated_rows_report_the_lower_bound_no_placement_can_beat():
+    from plait.cli.bench.e2e_workloads import simulated_row, step_lower_bound
+
+    clock = GpuClock(CostModel(linear=1.0, quadratic=1.0), EncoderCost(linear=0.0, quadratic=0.0), flops_per_s=1.0)
+    # step 0: one document costs more than the mean rank (the bound is that document);
+    # step 1: balanced work (the bound is the mean rank, and the placement meets it)
+    steps = [[[np.array([10])], [np.array([2, 2])]], [[np.array([3])], [np.array([3])]]]
+    assert step_lower_bound(steps[0], clock) == pytest.approx(110.0)  # 10 + 100 > (110 + 12) / 2
+    assert step_lower_bound(steps[1], clock) == pytest.approx(12.0)
+    row = simulated_row(iter(steps), clock)
+    assert row["steps"] == 2 and row["steps_per_s"] == pytest.approx(2 / (110 + 12))
+    assert row["bound_steps_per_s"] == pytest.approx(2 / (110 + 12))  # both steps at their bound
+    assert row["max_over_lb"] == pytest.approx(1.0)
+    assert row["lb_over_mean"] == pytest.approx((110 / 61 + 1.0) / 2)
+    assert row["first_data_s"] >= 0 and row["data_s_per_step"] >= 0
+
+
+def test_long_context_buffers_hold_a_step_so_one_process_building_every_rank_reads_each_block_once():
+    from plait.cli.bench.e2e_workloads import step_buffer_mb
+
+    assert step_buffer_mb(8, 32768, 2) == 16.0  # plait's default already holds it
+    tokens_mib = 32 * 131072 * 2 * 4 / 2**20  # one 128k DP 32 step of int32 tokens
+    assert step_buffer_mb(32, 131072, 2) >= 2 * tokens_mib
+
+
+def test_long_context_max_delay_reaches_plaits_spec_only_when_asked(tmp_path):
+    from plait.cli.bench.e2e_workloads import long_spec
+
+    assert long_spec(tmp_path, 8, 4096, 2).balance.max_delay == 0  # plait's default
+    assert long_spec(tmp_path, 8, 4096, 2, max_delay=4).balance.max_delay == 4
+
+
+def test_a_workload_that_fails_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    from plait.cli import main
+    from plait.cli.bench import e2e_workloads
+
+    def broken(*a, **k):
+        raise RuntimeError("The current node timed out during startup")
+
+    monkeypatch.setattr(e2e_workloads, "run_cpu_pool", broken)
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--workloads", "long-context,cpu-pool", "--long-seq", "2048", "--long-dp", "2",
+            "--long-steps", "1", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+    assert main(argv) == 1
+    result = json.loads(out.read_text())
+    assert {r["workload"] for r in result["rows"]} == {"long-context"}  # every row that ran is there
+    assert [f["workload"] for f in result["failures"]] == ["cpu-pool"] and "timed out" in result["failures"][0]["error"]

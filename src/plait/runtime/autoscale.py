@@ -9,8 +9,10 @@ How demand is estimated, per source s:
   * seconds per token  c_s = busy_s / tokens of the interval, smoothed (EWMA); an interval in which s
     delivered no tokens keeps the previous estimate;
   * tokens per step    t_s = tokens / steps of the interval, smoothed;
-  * demanded step rate r = steps / (elapsed - wait), smoothed: the rate the trainer would run at if it
-    never waited for data (waiting is the symptom, not the demand);
+  * demanded step rate r = steps / (elapsed - wait): the rate the trainer would run at if it never waited
+    for data (waiting is the symptom, not the demand); steps and working seconds are smoothed apart and
+    divided after, and the working seconds count at least MIN_WORKING of the interval: an interval whose
+    ranks waited all along (the start, a stall) would otherwise divide by ~0 and demand millions of cores;
   * demand (cores)     d_s = c_s x t_s x r.
 
 The target layout is `plait.runtime.placement.plan_layout(d, files, cap, utilisation=target_utilisation)`:
@@ -34,6 +36,10 @@ from plait.runtime.placement import LoaderLayout, plan_layout
 
 WAITED = 0.02  # ranks "waited" in an interval when they waited more than this fraction of it
 EPS_S = 1e-6
+# The least share of an interval counted as the trainers' working time: the demanded step rate is at most
+# 1 / MIN_WORKING times the measured one (a job that waits more than that is data-bound: every loader the
+# budget allows is wanted anyway)
+MIN_WORKING = 0.05
 UP_SEARCH = 8  # a scale-up looks at most this many loaders beyond the plan for a layout that settles
 
 
@@ -152,7 +158,9 @@ class Controller:
         n = len(self.num_files)
         self.cost: list[float | None] = [None] * n  # seconds per token
         self.tokens_per_step: list[float | None] = [None] * n
-        self.step_rate: float | None = None  # demanded steps per second
+        self.step_rate: float | None = None  # demanded steps per second (smoothed steps / smoothed working s)
+        self.steps_seen: float | None = None  # smoothed steps per interval
+        self.working_s: float | None = None  # smoothed seconds per interval the trainers did not wait
         self.last_change: float | None = None
         self.last_unmet: float | None = None
         self.low_streak = 0
@@ -174,8 +182,10 @@ class Controller:
             return False
         for s in range(n):
             self.tokens_per_step[s] = self._smooth(self.tokens_per_step[s], obs.source_tokens[s] / obs.steps)
-        working = max(obs.elapsed_s - max(0.0, obs.wait_s), EPS_S)
-        self.step_rate = self._smooth(self.step_rate, obs.steps / working)
+        working = max(obs.elapsed_s - max(0.0, obs.wait_s), MIN_WORKING * obs.elapsed_s, EPS_S)
+        self.steps_seen = self._smooth(self.steps_seen, float(obs.steps))
+        self.working_s = self._smooth(self.working_s, working)
+        self.step_rate = self.steps_seen / self.working_s
         return True
 
     def demand(self) -> list[float]:

@@ -69,6 +69,10 @@ def add_arguments(p) -> None:
     p.add_argument("--long-seq", default="32768,131072", help="long-context: seq_len values")
     p.add_argument("--long-dp", default="8,32", help="long-context: DP sizes")
     p.add_argument("--long-steps", type=int, default=6, help="long-context: steps per (strategy, DP, seq_len)")
+    p.add_argument("--long-max-delay", type=int, default=0,
+                   help="long-context: plait's balance.max_delay (hold outlier documents up to N steps so several "
+                        "share a step; default 0: off, plait's default). Use --long-steps >= 3 x N: held outliers "
+                        "are charged when delivered, so a run shorter than that flatters plait")
     p.add_argument("--node-dp", type=int, default=8, help="node-images: trainer processes on this node")
     p.add_argument("--node-workers", type=int, default=8,
                    help="node-images: plait's loading.workers, and per-rank worker processes in all")
@@ -150,6 +154,8 @@ def parse(args) -> list[int]:
             raise PlaitError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0 or args.warmup >= args.steps:
         raise PlaitError(f"--warmup must be in 0..steps-1 ({args.steps - 1}), got {args.warmup}")
+    if args.long_max_delay < 0:
+        raise PlaitError(f"--long-max-delay must be >= 0, got {args.long_max_delay}")
     if args.node_steps < 2:
         raise PlaitError(f"--node-steps must be >= 2 (the first is warm-up), got {args.node_steps}")
     if not (args.gpu_tflops > 0 and args.data_bound_tflops > 0):
@@ -165,7 +171,7 @@ def parse(args) -> list[int]:
     return dps
 
 
-def mixture_rows(args, dps, specs, err) -> list[dict]:
+def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
     """gpu-bound and data-bound: per-rank DataLoaders, then plait on Ray (same CPUs, same steps)."""
     autoscale = autoscale_available() and not args.no_autoscale
     runs = [(w, args.gpu_tflops if w == "gpu-bound" else args.data_bound_tflops)
@@ -182,12 +188,23 @@ def mixture_rows(args, dps, specs, err) -> list[dict]:
 
         started = not ray.is_initialized()  # (a caller's instance is used as it is, and left running)
         if started:
-            start_ray(num_cpus=args.cpus, include_dashboard=False)
+            try:
+                start_ray(num_cpus=args.cpus, include_dashboard=False)
+            except Exception as e:  # noqa: BLE001 - the per-rank rows above are still reported
+                failures.append({"workload": ",".join(w for w, _ in runs), "strategy": "plait", "error": str(e)})
+                err.print(f"[red]e2e: Ray did not start ({e}); plait's rows of {failures[-1]['workload']} are missing[/]")
+                return rows
         try:
             for workload, tflops in runs:
                 for dp in dps:
                     err.print(f"[bold]e2e[/] {workload} plait on ray, DP {dp} ...")
-                    row = run_plait(specs[dp], args, GpuClock.of_spec(specs[dp], tflops), autoscale)
+                    try:
+                        row = run_plait(specs[dp], args, GpuClock.of_spec(specs[dp], tflops), autoscale)
+                    except Exception as e:  # noqa: BLE001 - reported; the other rows still run
+                        failures.append({"workload": workload, "dp": dp, "strategy": "plait",
+                                         "error": f"{type(e).__name__}: {e}"})
+                        err.print(f"[red]e2e: {workload} plait, DP {dp} failed: {e}[/]")
+                        continue
                     rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "plait", **row})
         finally:
             if started:
@@ -209,25 +226,36 @@ def run(args) -> int:
     specs = {dp: e2e_spec(demo, image_dir, dp, args) for dp in set(dps) | {args.node_dp}}
     autoscale = autoscale_available() and not args.no_autoscale
     rows: list[dict] = []
+    failures: list[dict] = []  # a workload that failed (Ray not starting on a loaded machine): the others still run
+
+    def attempt(workload: str, fn) -> list[dict]:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported in the result and on stderr, never silently
+            failures.append({"workload": workload, "error": f"{type(e).__name__}: {e}"})
+            err.print(f"[red]e2e: {workload} failed: {type(e).__name__}: {e}[/]")
+            return []
+
     if "long-context" in args.workload_list:
-        rows += more.run_long_context(args, err)
-    rows += mixture_rows(args, dps, specs, err)
+        rows += attempt("long-context", lambda: more.run_long_context(args, err))
+    rows += mixture_rows(args, dps, specs, err, failures)
     if "cpu-pool" in args.workload_list:
         dp = dps[0]
-        rows += more.run_cpu_pool(args, specs[dp], GpuClock.of_spec(specs[dp], args.data_bound_tflops), autoscale, err)
+        clock = GpuClock.of_spec(specs[dp], args.data_bound_tflops)
+        rows += attempt("cpu-pool", lambda: more.run_cpu_pool(args, specs[dp], clock, autoscale, err))
     if "node-images" in args.workload_list:
-        rows += more.run_node_images(args, lambda dp: specs[dp], err)
+        rows += attempt("node-images", lambda: more.run_node_images(args, lambda dp: specs[dp], err))
     rows = [r for r in rows if r["strategy"] in args.strategy_list]
     result = {"gpu_tflops": args.gpu_tflops, "data_bound_tflops": args.data_bound_tflops, "cpus": args.cpus,
               "machine_cores": os.cpu_count(), "microbatches": args.microbatches, "image_weight": args.image_weight,
-              "autoscale": autoscale, "rows": rows, "ratios": ratios(rows),
+              "autoscale": autoscale, "rows": rows, "ratios": ratios(rows), "failures": failures,
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
     if not args.quiet:
         table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         err.print(f"rows written to {args.json}")
-    return 0
+    return 1 if failures else 0
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -241,6 +269,8 @@ def ratios(rows: list[dict]) -> list[dict]:
             q = {"workload": key[0], "dp": key[1], "seq_len": key[2], "steps_per_s_ratio": a[rate] / max(b[rate], 1e-12)}
             if a.get("tokens_per_s") and b.get("tokens_per_s"):
                 q["tokens_per_s_ratio"] = a["tokens_per_s"] / max(b["tokens_per_s"], 1e-12)
+            if a.get("bound_steps_per_s"):  # long-context: no placement of plait's documents beats this
+                q["bound_ratio"] = a["bound_steps_per_s"] / max(b[rate], 1e-12)
             out.append(q)
     return out
 
@@ -267,7 +297,8 @@ def table(result: dict) -> None:
     t = Table(title=f"end to end: plait vs per-rank loaders, {result['cpus']} CPUs budget on "
                     f"{result['machine_cores']} cores, load average {result['load_average']['before'][0]:.1f} -> "
                     f"{result['load_average']['after'][0]:.1f}")
-    for col in ("workload", "strategy", "dp", "seq_len", "steps/s", "images/s", "wait", "balance loss", "tokens/s", "loaders"):
+    for col in ("workload", "strategy", "dp", "seq_len", "steps/s", "images/s", "wait", "balance loss", "tokens/s", "loaders",
+                "load"):
         t.add_column(col, justify="left" if col in ("workload", "strategy", "loaders") else "right")
     for r in result["rows"]:
         procs = (f"{r['processes']} proc" if r["strategy"] == "per-rank" and "processes" in r
@@ -275,14 +306,19 @@ def table(result: dict) -> None:
                  else f"{r.get('workers', '-')} threads" if r["workload"] == "node-images" else "local")
         t.add_row(r["workload"] + (" (disaggregation)" if r["workload"] == "cpu-pool" else ""), r["strategy"],
                   str(r["dp"]), str(r["seq_len"]), fmt(r["steps_per_s"], ".3f"), fmt(r.get("images_per_s"), ".1f"),
-                  fmt(r["wait_fraction"], ".1%"), fmt(r["balance_loss"], ".3f"), fmt(r["tokens_per_s"], ",.0f"), procs)
+                  fmt(r["wait_fraction"], ".1%"), fmt(r["balance_loss"], ".3f"), fmt(r["tokens_per_s"], ",.0f"), procs,
+                  "->".join(f"{x:.1f}" for x in r.get("load_average") or []) or "-")
     out.print(t)
     for q in result["ratios"]:
         goal = target_of(q)
         verdict = "met" if q["steps_per_s_ratio"] >= goal else "[red]missed[/]"
         rate = "images/s" if q["workload"] == "node-images" else "steps/s"
+        bound = (f"; at most {q['bound_ratio']:.2f}x for any balancer (plait's steps at their lower bound)"
+                 if "bound_ratio" in q else "")
         out.print(f"{q['workload']} DP {q['dp']} seq_len {q['seq_len']}: plait / per-rank {rate} = "
-                  f"[bold]{q['steps_per_s_ratio']:.2f}x[/] (target >= {goal}x: {verdict})")
+                  f"[bold]{q['steps_per_s_ratio']:.2f}x[/] (target >= {goal}x: {verdict}){bound}")
+    for f in result.get("failures") or []:
+        out.print(f"[red]{f['workload']}: no rows ({f['error']})[/]")
     out.print("long-context runs on a simulated clock (data read ahead: it measures balance); cpu-pool is "
               "disaggregation: plait's loaders use a second node's core that per-rank loaders cannot. "
               "MegaScale-Data reports 4.5x end to end.")

@@ -136,6 +136,12 @@ def summarize(trace: Trace, warmup: int) -> dict:
 
 
 # ----- the two strategies ------------------------------------------------------------------------
+def load_average() -> float:
+    """The machine's 1-minute load average (recorded at each row's start and end: this bench shares the
+    machine's cores, so a row is read against the load it ran under)."""
+    return round(os.getloadavg()[0], 2)
+
+
 def run_per_rank(spec, args, clock: GpuClock) -> dict:
     import gc
 
@@ -144,6 +150,7 @@ def run_per_rank(spec, args, clock: GpuClock) -> dict:
 
     warm_up()  # compiled before the workers fork, as plait's actors compile theirs at start
     workers = max(1, args.cpus // spec.topology.dp)
+    load_before = load_average()
     t0 = time.perf_counter()
     streams = rank_loaders(spec, workers)
     trace = run_synchronous(streams, args.steps, args.microbatches, clock, torch_shape)
@@ -151,7 +158,8 @@ def run_per_rank(spec, args, clock: GpuClock) -> dict:
     row = summarize(trace, args.warmup)
     del streams, trace
     gc.collect()  # ends the DataLoaders' worker processes now
-    row.update(workers_per_rank=workers, processes=workers * spec.topology.dp)
+    row.update(workers_per_rank=workers, processes=workers * spec.topology.dp,
+               load_average=[load_before, load_average()])
     return row
 
 
@@ -175,6 +183,7 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
     options = {"loaders": "auto", "step_time": max(full_step_seconds(spec, clock), 0.01), **options,
                **({"autoscale": True} if autoscale else {})}
     job = f"bench-e2e-{os.getpid()}-{time.time_ns()}"
+    load_before = load_average()
     t0 = time.perf_counter()
     loaders = [plait.Loader(spec, dp_rank=r, runtime="ray", job=job, attach=r > 0, steps=args.steps, **options)
                for r in range(ranks)]  # rank 0 creates the job, the others join it
@@ -190,13 +199,27 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
     events = (report or {}).get("events") or []
     row.update(loaders_at_start=layout.loaders, autoscale=autoscale,
                loaders_at_end=events[-1]["loaders"] if events else layout.loaders,
-               rescale_events=None if report is None else len(events))
+               rescale_events=None if report is None else len([e for e in events if e.get("kind") != "unmet"]),
+               unmet_reports=len([e for e in events if e.get("kind") == "unmet"]),
+               load_average=[load_before, load_average()])
     return row
 
 
-def start_ray(tries: int = 3, **options) -> None:
+AGENT_WAIT_MS = "120000"
+
+
+def patient_agents() -> None:
+    """Give a new Ray node's agents 2 minutes to register (Ray waits 30 s: on a loaded machine the
+    dashboard agent's imports take longer, and the raylet aborts: "Timed out waiting for file
+    .../metrics_agent_port"). Ray's processes read it from the environment they inherit."""
+    os.environ.setdefault("RAY_agent_register_timeout_ms", AGENT_WAIT_MS)
+
+
+def start_ray(tries: int = 5, **options) -> None:
     """ray.init, tried again when the node does not register within Ray's fixed 30 s (a loaded machine)."""
     import ray
+
+    patient_agents()
 
     for attempt in range(tries):
         try:

@@ -9,8 +9,9 @@
                 strategy spent producing a step on this machine are reported beside, not charged).
   cpu-pool      the image mixture with the GPU fast enough that delivery sets the pace, where the trainers'
                 side is limited to one core (CPU affinity): per-rank DataLoaders must run there, while
-                plait's SourceLoaders run on a second Ray node pinned to the other core. This is
-                disaggregation (a CPU pool beside the trainer nodes), which per-rank loaders cannot use.
+                plait's SourceLoaders (the same CPU budget) run on the trainers' node and on a second Ray
+                node pinned to the other core. This is disaggregation (a CPU pool beside the trainer
+                nodes), which per-rank loaders cannot use.
   node-images   the local runtime as torchrun starts it: DP processes with LOCAL_RANK / LOCAL_WORLD_SIZE,
                 LOCAL_RANK 0 hosting the node's data plane (plait.runtime.node_share), images/s against
                 per-rank DataLoaders with as many worker processes as plait's SourceLoader has threads.
@@ -56,13 +57,27 @@ def long_data(cache: Path | None) -> Path:
     return root
 
 
-def long_spec(root: Path, dp: int, seq_len: int, microbatches: int):
+def step_buffer_mb(dp: int, seq_len: int, microbatches: int) -> float:
+    """A source's buffer_mb that holds one global step of tokens (int32) with room to spare. Both
+    strategies' ranks run in this one process, so plait's one SourceLoader serves all of them: with the
+    default 16 MiB a 128k x DP 32 step (8.4M tokens, 17 MiB a source) did not fit, and each rank's build
+    read its blocks again (1,675 row-group reads for 2 steps instead of 124: 28 s of the step's time on a
+    loaded machine). Row groups here decode to < 2 MiB, under a quarter of either budget, so the budget
+    changes no block and no order: the data is the same."""
+    return max(16.0, 2 * dp * seq_len * microbatches * 4 / 2**20)
+
+
+def long_spec(root: Path, dp: int, seq_len: int, microbatches: int, max_delay: int = 0):
+    """`max_delay`: plait's balance.max_delay (outlier documents held until several fill one step; 0: off,
+    plait's default). Per-rank packing has no such option and ignores it."""
     from plait.spec import load_spec
 
+    buffer_mb = step_buffer_mb(dp, seq_len, microbatches)
     return load_spec({
+        "balance": {"max_delay": max_delay},
         "seed": 5,
         "sources": [{"name": n, "path": str(root / n / "*.parquet"), "tokens_field": "input_ids", "bos": 0, "eos": 1,
-                     "weight": 0.5} for n in ("web", "long")],
+                     "weight": 0.5, "buffer_mb": buffer_mb} for n in ("web", "long")],
         "packing": {"seq_len": seq_len, "microbatches": microbatches},
         "topology": {"dp": dp},
         "cost": {"hidden": 4096, "layers": 32, "ffn": 11008, "heads": 32},
@@ -100,25 +115,41 @@ def per_rank_steps(spec, steps: int):
             s.close()
 
 
+def step_lower_bound(per_rank, clock) -> float:
+    """Seconds no placement of this step's documents over its ranks can beat: max(mean rank, the costliest
+    document): a document is never split across ranks (plait.balance.certificate.lower_bound)."""
+    docs = np.concatenate([lengths for mbs in per_rank for lengths in mbs])
+    costs = clock.llm.text(docs) / clock.flops_per_s
+    return max(float(costs.sum()) / len(per_rank), float(costs.max(initial=0.0)))
+
+
 def simulated_row(steps_iter, clock) -> dict:
-    """Rates on the simulated clock: a step takes its slowest rank's compute (data read ahead)."""
+    """Rates on the simulated clock: a step takes its slowest rank's compute (data read ahead). Beside
+    them, `bound_steps_per_s`: the rate if every step ran at its lower bound (step_lower_bound), and
+    the seconds this process spent producing a step (the first one apart: it loads compiled kernels)."""
     from plait.cli.bench.e2e_run import balance_loss
 
-    computes, tokens, data_s = [], 0, []
+    computes, bounds, tokens, data_s = [], [], 0, []
     t = time.perf_counter()
     for per_rank in steps_iter:
         data_s.append(time.perf_counter() - t)
         computes.append([sum(clock.seconds(lengths, np.zeros(0, np.int64)) for lengths in mbs) for mbs in per_rank])
+        bounds.append(step_lower_bound(per_rank, clock))
         tokens += sum(int(lengths.sum()) for mbs in per_rank for lengths in mbs)
         t = time.perf_counter()
     c = np.asarray(computes)
     wall = float(c.max(axis=1).sum())
     return {"steps": len(c), "steps_per_s": len(c) / wall, "tokens_per_s": tokens / wall, "wait_fraction": 0.0,
-            "balance_loss": balance_loss(c), "clock": "simulated", "data_s_per_step": float(np.mean(data_s))}
+            "balance_loss": balance_loss(c), "clock": "simulated",
+            "bound_steps_per_s": len(c) / float(np.sum(bounds)),
+            "max_over_lb": float(np.mean(c.max(axis=1) / np.asarray(bounds))),
+            "lb_over_mean": float(np.mean(np.asarray(bounds) / c.mean(axis=1))),
+            "first_data_s": float(data_s[0]),
+            "data_s_per_step": float(np.mean(data_s[1:])) if len(data_s) > 1 else float(data_s[0])}
 
 
 def run_long_context(args, err) -> list[dict]:
-    from plait.cli.bench.e2e_run import GpuClock
+    from plait.cli.bench.e2e_run import GpuClock, load_average
 
     root = long_data(Path(args.cache) if args.cache else None)
     seqs = [int(x) for x in str(args.long_seq).split(",")]
@@ -126,21 +157,43 @@ def run_long_context(args, err) -> list[dict]:
     rows = []
     for seq_len in seqs:
         for dp in dps:
-            spec = long_spec(root, dp, seq_len, args.microbatches)
+            spec = long_spec(root, dp, seq_len, args.microbatches, getattr(args, "long_max_delay", 0))
             clock = GpuClock.of_spec(spec, args.gpu_tflops)
             for strategy, make in (("per-rank", per_rank_steps), ("plait", plait_steps)):
                 err.print(f"[bold]e2e[/] long-context {strategy}, DP {dp}, seq_len {seq_len} ...")
+                load_before = load_average()
                 row = simulated_row(make(spec, args.long_steps), clock)
+                row["load_average"] = [load_before, load_average()]
+                if strategy == "plait":
+                    row["max_delay"] = spec.balance.max_delay
                 rows.append({"workload": "long-context", "dp": dp, "seq_len": seq_len, "strategy": strategy, **row})
     return rows
 
 
-# ----- cpu-pool: the trainers' core for per-rank loaders, a second Ray node's core for plait's ----------
-def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
-    """The trainers' side pinned to the first core this process may use; plait's SourceLoaders on a second
-    Ray node pinned to the others (its raylet and workers inherit the affinity they were started with)."""
-    import ray
+# ----- cpu-pool: the trainers' core for per-rank loaders, plus a second Ray node's core for plait's ----
+def start_cluster(err, tries: int = 3):
+    """ray.cluster_utils.Cluster with a head of no CPUs yet, tried again when a node does not register
+    within Ray's fixed 30 s (on a loaded machine)."""
     from ray.cluster_utils import Cluster
+
+    from plait.cli.bench.e2e_run import patient_agents
+
+    patient_agents()
+    for attempt in range(tries):
+        try:
+            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+            err.print("[yellow]a Ray node did not start in time (loaded machine): trying again[/]")
+
+
+def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
+    """The trainers' side pinned to the first core this process may use: per-rank DataLoaders run there.
+    plait gets the same CPU budget (`--cpus` loaders at most) split over two Ray nodes: half on a node
+    pinned to the trainers' core, half on a second node pinned to the others (the CPU pool; a raylet and
+    its workers inherit the affinity they were started with). Per-rank loaders cannot use the pool."""
+    import ray
 
     from plait.cli.bench.e2e_run import run_per_rank, run_plait, start_ray
 
@@ -150,21 +203,29 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
         err.print("[yellow]cpu-pool needs 2 cores: skipped[/]")
         return []
     trainer, pool = {cores[0]}, set(cores[1:])
+    wanted = getattr(args, "strategy_list", ["per-rank", "plait"])
+    here = max(1, args.cpus // 2)
     base = {"workload": "cpu-pool", "dp": spec.topology.dp, "seq_len": spec.packing.seq_len,
             "trainer_cores": sorted(trainer), "pool_cores": sorted(pool)}
     rows = []
     try:
         os.sched_setaffinity(0, trainer)  # the rank threads and the DataLoader workers forked now
-        err.print(f"[bold]e2e[/] cpu-pool per-rank on core {cores[0]} ...")
-        rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # trainers' node: no loader fits
-        os.sched_setaffinity(0, pool)
-        cluster.add_node(num_cpus=args.cpus)  # the CPU pool: loaders (1 CPU each) run only here
-        os.sched_setaffinity(0, trainer)
-        start_ray(address=cluster.address)
+        if "per-rank" in wanted:
+            err.print(f"[bold]e2e[/] cpu-pool per-rank on core {cores[0]} ...")
+            rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
+        if "plait" not in wanted:
+            return rows
+        cluster = start_cluster(err)
         try:
-            err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on {sorted(pool)} ...")
-            rows.append({**base, "strategy": "plait", **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
+            cluster.add_node(num_cpus=here)  # the trainers' node: loaders may run beside the trainers
+            os.sched_setaffinity(0, pool)
+            cluster.add_node(num_cpus=max(1, args.cpus - here))  # the CPU pool
+            os.sched_setaffinity(0, trainer)
+            start_ray(address=cluster.address)
+            err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on "
+                      f"{cores[0]} and {sorted(pool)} ...")
+            rows.append({**base, "strategy": "plait", "loader_cpus_per_node": [here, max(1, args.cpus - here)],
+                         **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -206,6 +267,7 @@ def node_trainer(cfg: dict) -> None:
 def run_node_images(args, spec_of, err) -> list[dict]:
     """DP processes, torchrun's environment each: plait (one SourceLoader, loading.workers = W threads) vs
     per-rank (a DataLoader per process, W / DP worker processes each, at least one)."""
+    from plait.cli.bench.e2e_run import load_average
     from plait.cli.bench.memory_realistic import torchrun_env
 
     dp, workers = args.node_dp, args.node_workers
@@ -217,6 +279,7 @@ def run_node_images(args, spec_of, err) -> list[dict]:
         spec_dict["loading"] = {**spec_dict.get("loading", {}), "workers": workers}
         spec_dict["steps"] = args.node_steps
         run_id = f"e2e-{os.getpid()}-{time.time_ns()}"
+        load_before = load_average()
         procs = []
         for r in range(dp):
             cfg = {"strategy": strategy, "spec": spec_dict, "rank": r, "steps": args.node_steps, "warmup": 1,
@@ -236,7 +299,8 @@ def run_node_images(args, spec_of, err) -> list[dict]:
         rows.append({"workload": "node-images", "dp": dp, "seq_len": spec.packing.seq_len, "strategy": strategy,
                      "images_per_s": images / wall, "steps_per_s": (args.node_steps - 1) / wall,
                      "tokens_per_s": None, "wait_fraction": None, "balance_loss": None, "workers": workers,
-                     "processes": dp + (workers if strategy == "per-rank" else 0)})
+                     "processes": dp + (workers if strategy == "per-rank" else 0),
+                     "load_average": [load_before, load_average()]})
     return rows
 
 
