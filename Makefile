@@ -19,8 +19,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
+# Every test, on TEST_WORKERS processes (pytest-xdist): the tests that touch Ray run on one of them, in order
+# (tests/conftest.py), each other module whole on one. `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(VENV)/bin/plait bench throughput

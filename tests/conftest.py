@@ -41,10 +41,23 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
-    """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark."""
+    """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark.
+
+    Under `pytest -n N --dist loadgroup` (`make test`), every test that touches Ray in this process (the
+    `ray` mark) runs on one worker, in this order: the tests that start or join a Ray of their own first,
+    then the modules on the session's instance; any other module runs whole on one worker (its module
+    fixtures are made once). The other workers never start Ray."""
     shared = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
     for item in items:
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
     items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]
+    if config.getoption("dist", "no") == "loadgroup":
+        for item in items:
+            group = "ray" if item.get_closest_marker("ray") else item.path.name
+            item.add_marker(pytest.mark.xdist_group(group))
+        # the Ray group is the longest: it starts first (with --no-loadscope-reorder, as `make test` runs)
+        on_ray = [i for i in items if i.get_closest_marker("ray")]
+        items[:] = on_ray + [i for i in items if not i.get_closest_marker("ray")]
