@@ -41,6 +41,15 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def demo_spec_path(tmp_path_factory):
+    """The demo corpus (`plait demo`'s text sources, ~8 s of CPU to write), generated once per session and only
+    read by the tests that take it."""
+    from plait.cli.demo_data import generate
+
+    return generate(tmp_path_factory.mktemp("demo"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark.
@@ -54,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
     items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]
-    if config.getoption("dist", "no") == "loadgroup":
+    if getattr(config.option, "loadgroup", False):  # set on pytest-xdist's workers (they collect) for loadgroup
         for item in items:
             group = "ray" if item.get_closest_marker("ray") else item.path.name
             item.add_marker(pytest.mark.xdist_group(group))
