@@ -50,23 +50,12 @@ def demo_spec_path(tmp_path_factory):
     return generate(tmp_path_factory.mktemp("demo"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
+@pytest.hookimpl(tryfirst=True)  # the ray mark is added before `-m ray` / `-m "not ray"` selects on it
 def pytest_collection_modifyitems(config, items):
     """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark.
-
-    Under `pytest -n N --dist loadgroup` (`make test`), every test that touches Ray in this process (the
-    `ray` mark) runs on one worker, in this order: the tests that start or join a Ray of their own first,
-    then the modules on the session's instance; any other module runs whole on one worker (its module
-    fixtures are made once). The other workers never start Ray."""
+    `make test-split` runs `-m ray` and `-m "not ray"` as two processes at once: only the first starts Ray."""
     shared = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
     for item in items:
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
     items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]
-    if getattr(config.option, "loadgroup", False):  # set on pytest-xdist's workers (they collect) for loadgroup
-        for item in items:
-            group = "ray" if item.get_closest_marker("ray") else item.path.name
-            item.add_marker(pytest.mark.xdist_group(group))
-        # the Ray group is the longest: it starts first (with --no-loadscope-reorder, as `make test` runs)
-        on_ray = [i for i in items if i.get_closest_marker("ray")]
-        items[:] = on_ray + [i for i in items if not i.get_closest_marker("ray")]
