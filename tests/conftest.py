@@ -41,8 +41,19 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def demo_spec_path(tmp_path_factory):
+    """The demo corpus (`plait demo`'s text sources, ~8 s of CPU to write), generated once per session and only
+    read by the tests that take it."""
+    from plait.cli.demo_data import generate
+
+    return generate(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.hookimpl(tryfirst=True)  # the ray mark is added before `-m ray` / `-m "not ray"` selects on it
 def pytest_collection_modifyitems(config, items):
-    """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark."""
+    """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark.
+    `make test-split` runs `-m ray` and `-m "not ray"` as two processes at once: only the first starts Ray."""
     shared = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
     for item in items:
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):

@@ -81,10 +81,8 @@ def test_shards_are_cut_once():
         raise AssertionError("a CP shard must not be sharded again")
 
 
-def test_loader_hands_each_cp_rank_its_shard(tmp_path):
-    from plait.cli.demo_data import generate
-
-    spec = plait.load_spec(generate(tmp_path / "demo")).with_overrides(
+def test_loader_hands_each_cp_rank_its_shard(demo_spec_path):
+    spec = plait.load_spec(demo_spec_path).with_overrides(
         topology={"dp": 2, "cp": 2}, packing={"seq_len": 4096, "microbatches": 1}, steps=2)
     from plait.runtime.local import LocalRuntime
 
@@ -96,14 +94,12 @@ def test_loader_hands_each_cp_rank_its_shard(tmp_path):
 
 
 @pytest.mark.subprocess
-def test_local_runtime_and_cp_work_without_ray(tmp_path):
+def test_local_runtime_and_cp_work_without_ray(demo_spec_path):
     """Ray is an optional extra: with `import ray` failing, the local runtime and CP sharding still work."""
     import subprocess
     import sys
 
-    from plait.cli.demo_data import generate
-
-    spec_path = generate(tmp_path / "demo")
+    spec_path = demo_spec_path
     code = (
         "import sys; sys.modules['ray'] = None\n"
         "import plait\n"

@@ -9,7 +9,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import plait  # noqa: E402
-from plait.cli.demo_data import generate  # noqa: E402
 from plait.metrics import combined_digest  # noqa: E402
 from plait.cli.stream import stream  # noqa: E402
 
@@ -17,9 +16,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    path = generate(tmp_path_factory.mktemp("demo"))
-    return plait.load_spec(path).with_overrides(
+def spec(demo_spec_path):
+    return plait.load_spec(demo_spec_path).with_overrides(
         topology={"dp": 4}, packing={"seq_len": 4096, "microbatches": 2}, steps=6
     )
 

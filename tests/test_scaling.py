@@ -105,6 +105,7 @@ def test_probe_measures_tokenizing_dearer_than_token_ids(tmp_path):
     assert len(rows) == layout.loaders and "µs per 1k tokens" in format_layout(layout, spec.source_names)[0]
 
 
+@pytest.mark.ray  # joins (tries to) a Ray cluster: it must run before the session's instance starts in its process
 def test_bad_ray_address_fails_fast():
     pytest.importorskip("ray")
     from plait.runtime.ray import RayRuntime, check_reachable

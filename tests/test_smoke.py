@@ -1,9 +1,8 @@
 import plait
-from plait.cli.demo_data import generate
 
 
-def test_demo_spec_streams(tmp_path):
-    spec = plait.load_spec(generate(tmp_path / "demo"))
+def test_demo_spec_streams(demo_spec_path):
+    spec = plait.load_spec(demo_spec_path)
     loader = plait.Loader(spec, dp_rank=0, steps=2)
     batches = list(loader)
     assert len(batches) == 2 * spec.packing.num_microbatches
