@@ -210,9 +210,11 @@ def test_a_successor_plans_each_logged_step_from_the_state_it_was_planned_from(s
     """The successor's replay (no Ray): started from an older logged step, it plans the very same steps,
     including those after a run-time change its start state did not have yet; it rewinds to a logged step
     asked again."""
-    from collections import OrderedDict
+    import threading
     from types import SimpleNamespace
 
+    from plait.job.consumers import Consumers
+    from plait.job.window import PlanWindow
     from plait.runtime.ray.standby_planner import Replay
 
     dead, successor = LocalRuntime(spec), LocalRuntime(spec)
@@ -227,16 +229,18 @@ def test_a_successor_plans_each_logged_step_from_the_state_it_was_planned_from(s
         replay = Replay({"gen": 0, "states": states, "low": 1, "meta": {}, "window": 64, "at": 0.0})
         assert replay.start == 1
         successor.planner.load_state_dict(states[replay.start])
-        window = OrderedDict()
+        # the Ray Planner's window (job.window), filled here by hand: the test plans step by step itself
+        window = PlanWindow(successor.planner.plan_step, lambda: successor.planner.step, Consumers(),
+                            threading.RLock())
         for want in planned[1:]:
             replay.align(successor.planner)
             got = successor.planner.plan_step()
-            window[got.step] = got
+            window.steps[got.step] = got
             assert np.array_equal(got.items.sample_ids(), want.items.sample_ids())
             assert np.array_equal(got.weights, want.weights)
         assert planned[-1].weights[2] == pytest.approx(0.7)
         actor = SimpleNamespace(planner=successor.planner, window=window)
-        assert replay.rewind(actor, 2, states[2]) and successor.planner.step == 2 and list(window) == [1]
+        assert replay.rewind(actor, 2, states[2]) and successor.planner.step == 2 and list(window.steps) == [1]
         assert not replay.rewind(actor, 1, states[2])  # another state than the logged one: a new stream
         assert not replay.rewind(actor, 7, None)  # never logged
         replay.align(successor.planner)

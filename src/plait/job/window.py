@@ -60,6 +60,18 @@ class PlanWindow:
         self.cond.notify_all()
         return self.gen
 
+    def adopt(self, gen: int) -> None:
+        """Continue generation `gen` of a stream planned elsewhere (a successor of a dead Planner: requests
+        in flight for `gen` stay valid); nothing planned kept."""
+        self.steps.clear()
+        self.gen = int(gen)
+        self.base_step = self.next_step()
+
+    def forget_from(self, step: int) -> None:
+        """Drop the planned steps from `step` on: the Planner was set back to plan them again (identically)."""
+        for s in [s for s in self.steps if s >= step]:
+            del self.steps[s]
+
     def check(self, gen: int) -> None:
         if gen != self.gen:
             raise StaleGeneration(f"the plan stream was reset (generation {self.gen}, asked {gen}): another "

@@ -5,7 +5,15 @@ the `plait` namespace, so trainer processes started by torchrun join a job by it
 One module each:
 
   runtime            RayRuntime, the driver side a trainer process or `plait run` holds (options: RayOptions)
-  planner_actor      the job's one Planner: decides the layout, plans every step once, keeps a window
+  planner_actor      the job's one Planner: plans every step once, keeps the window of planned steps
+                     (plait.job.window, the window every runtime's job service keeps)
+  planner_requests   how the Planner serves a request (its lock) and whom it tells: the observers of
+                     each planning call and each request (standby, routing, shadows, presence)
+  planner_layout     the Planner's loader layouts: the first one, rescaling and autoscaling while it runs
+  planner_jobs       the Planner's side of a job's lifetime: attached trainers, heartbeats, idle end
+  planner_reports    skipped records and the job's memory, gathered from its actors
+  planner_host       `constructors="planner"`: the Planner's process builds every rank's batches too
+  routing            which loaders serve which blocks, by layout version (the Constructors' routes)
   loader_actor       a SourceLoader owning partitions of one or several sources (plait.runtime.placement)
   shadow_actor       a standby SourceLoader following its primary's deltas
   constructor_actor  builds (step, dp_rank) once for every TP/PP/CP rank of a replica, from payloads
@@ -16,7 +24,7 @@ One module each:
   jobs               a job's lifecycle: joining (attach, torchrun), a trainer's membership and heartbeat,
                      leaving at close, garbage collection or exit; `plait jobs` list/stop
   liveness           the Planner's roster of live trainers: a job whose trainers all stopped ends
-  instance           joining a cluster or starting the local instance (set up for a long job)
+  instance           joining a cluster or starting the local instance (set up for a long job): RayUse
   job_metrics        the job's Prometheus endpoint, served by the Planner (per-loader and delivered counts
                      collected from the actors at scrape time)
   common             namespace, names, `get`, dead-actor errors, actor options, Ray's long-run settings

@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 from plait.errors import PlaitError
+from plait.runtime.ray import jobs
 from plait.runtime.ray.common import NAMESPACE, long_run_settings, ray_module
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
@@ -106,6 +107,41 @@ class LocalInstance:
         """True when the caller was the last user (and should shut the instance down)."""
         cls.users = max(0, cls.users - 1)
         return cls.users == 0
+
+
+class RayUse:
+    """One runtime's use of Ray in this process: it joins the running instance, or the local one the job's
+    creator on this machine published (`attach` without an address), or starts one (published under the
+    job's name for the trainers that attach); `release` leaves it, shutting down a local instance when its
+    last user leaves."""
+
+    def __init__(self, address: str | None, attach: bool, job: str | None, init_options: dict | None = None,
+                 dashboard: bool = False):
+        ray = ray_module()
+        self.job = job
+        self.uses_local = self.published = False
+        if not ray.is_initialized():
+            if address is None and attach:  # the job's creator on this machine started Ray
+                address = jobs.local_instance_address(job)
+            self.uses_local = start_ray(address, init_options, dashboard)
+            self.published = self.uses_local and job is not None
+            if self.published:
+                jobs.publish_local_instance(job)
+        elif LocalInstance.users > 0:  # the instance another plait runtime of this process started
+            self.uses_local = True
+        if self.uses_local:
+            LocalInstance.attach()
+
+    def release(self) -> None:
+        ray = ray_module()
+        if not ray.is_initialized():  # Ray is gone already: a call now would start a new instance
+            if self.uses_local:
+                LocalInstance.detach()
+            return
+        if self.published:
+            jobs.unpublish_local_instance(self.job)
+        if self.uses_local and LocalInstance.detach():
+            ray.shutdown()
 
 
 def start_ray(address: str | None, init_options: dict | None = None, dashboard: bool = False) -> bool:

@@ -6,17 +6,15 @@ the Constructor's `get`, `telemetry` and `serve_flight`: every trainer process's
 the Planner's handle as its Constructor. The Constructor role (plait.runtime.ray.constructor_actor) runs
 unchanged inside it: its requests to the Planner go to this very object through `InProcess` (no Ray hop,
 no second copy of a plan) and its payloads still come straight from the loaders. The actor serves many
-calls at once (a trainer waiting for a build must not hold up the others), so every Planner method runs
-under one lock, as the Planner's own single thread ran them before.
+calls at once (a trainer waiting for a build must not hold up the others); every Planner request holds the
+Planner's own lock (plait.runtime.ray.planner_requests.planner_call), so they still run one at a time, and
+the Constructor's side here runs beside them.
 
 Suited to a job on one node: on several nodes every trainer would fetch its batches from the Planner's
 node. Off by default.
 """
 
 from __future__ import annotations
-
-import functools
-import threading
 
 from plait.runtime.ray.common import planner_name, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorActor
@@ -25,23 +23,19 @@ from plait.runtime.ray.planner_actor import PlannerActor
 
 class InProcess:
     """Looks like an actor handle of an object in this process: `h.method.remote(*args)` runs the method
-    now, under `lock`, and returns an object reference to its result, so code written against actor
-    handles (the Constructor's requests to its Planner) runs unchanged."""
+    now (a Planner request takes the Planner's lock itself) and returns an object reference to its result,
+    so code written against actor handles (the Constructor's requests to its Planner) runs unchanged."""
 
-    def __init__(self, target, lock: threading.RLock):
+    def __init__(self, target):
         self.target = target
-        self.lock = lock
 
     def __getattr__(self, name: str):
         method = getattr(self.target, name)
-        lock = self.lock
 
         class Call:
             @staticmethod
             def remote(*args, **kwargs):
-                with lock:
-                    value = method(*args, **kwargs)
-                return ray_module().put(value)
+                return ray_module().put(method(*args, **kwargs))
 
         return Call
 
@@ -52,16 +46,14 @@ class PlannerHostActor(PlannerActor):
     ACTOR_OPTIONS = {"max_concurrency": 64}  # a trainer waiting for its build must not hold up the others
 
     def __init__(self, spec_dict: dict, job: str, options: dict):
-        self.lock = threading.RLock()
-        with self.lock:
-            super().__init__(spec_dict, job, options)
+        super().__init__(spec_dict, job, options)
         prefetch = int(options.get("prefetch", 2))
-        self.builder = ConstructorActor(job, prefetch, planner=InProcess(self, self.lock))
+        self.builder = ConstructorActor(job, prefetch, planner=InProcess(self))
         # The job's /metrics asks the Constructors for what they built: this actor is the one.
         names = self.metrics.constructor_names
         self.metrics.constructor_names = lambda: list(names()) + [planner_name(job)]
 
-    # ----- the Constructor's side (not under the lock: a build waits for the Planner's side) ------------
+    # ----- the Constructor's side (not a Planner request: a build waits for the Planner's side) ----------
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0),
             with_state: bool = True, client: str | None = None):
         return self.builder.get(gen, step, dp_rank, limit, cp, with_state, client)
@@ -74,25 +66,8 @@ class PlannerHostActor(PlannerActor):
 
     def info(self) -> dict:
         """PlannerActor.info, and that this Planner is the job's Constructor (trainers that attach use it)."""
-        with self.lock:
-            return {**PlannerActor.info(self), "constructors": "planner"}
+        return {**super().info(), "constructors": "planner"}
 
     def stats(self) -> dict:
         """The Planner's figures and the Constructor's (requests, waits, pid, rss)."""
-        with self.lock:
-            planner = PlannerActor.stats(self)
-        return {**planner, **self.builder.stats()}
-
-
-def _locked(method):
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-
-    return call
-
-
-for _name, _method in list(vars(PlannerActor).items()):
-    if callable(_method) and not _name.startswith("_") and _name not in vars(PlannerHostActor):
-        setattr(PlannerHostActor, _name, _locked(_method))
+        return {**super().stats(), **self.builder.stats()}

@@ -266,6 +266,22 @@ class LoaderFleet:
                 pass
 
 
+class ShadowUpkeep:
+    """The loaders' recovery bookkeeping as a Planner observer (plait.runtime.ray.planner_requests): after
+    each planning call, the current fleet (`fleet()`: it changes with a rescale) checkpoints its loaders to
+    their shadows and starts the shadows that are due (`LoaderFleet.after_planning`)."""
+
+    def __init__(self, fleet: Callable[[], LoaderFleet]):
+        self.fleet = fleet
+
+    def on_planned(self, plans) -> None:
+        if plans:
+            self.fleet().after_planning(int(plans[-1].step) + 1)
+
+    def on_request(self, request) -> None:
+        """Requests do not move the loaders' checkpoints."""
+
+
 def unchanged_loaders(old: LoaderLayout, new: LoaderLayout) -> dict[int, int]:
     """{new loader index: old loader index} for the loaders of `new` that own exactly the partitions of a
     loader of `old`, their sources cut into as many partitions in both (the same blocks, the same buffer):

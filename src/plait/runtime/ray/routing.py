@@ -106,6 +106,26 @@ class RoutingTable:
         self.current.fleet.close()
 
 
+class RoutingUpkeep:
+    """The routing table's upkeep, as a Planner observer (plait.runtime.ray.planner_requests): after planning,
+    orders for steps out of the plan `window` (a job.window.PlanWindow) are forgotten and due versions end;
+    after a new generation (a seek), orders of older generations are forgotten."""
+
+    def __init__(self, routes: RoutingTable, window):
+        self.routes = routes
+        self.window = window
+
+    def on_planned(self, plans) -> None:
+        gen, held = self.window.gen, self.window.steps
+        self.routes.forget(lambda g, step: g == gen and step in held)
+        self.routes.retire_due()
+
+    def on_request(self, request) -> None:
+        if request.state:  # a seek may have started a new generation: builds of the old one never report
+            gen = self.window.gen
+            self.routes.forget(lambda g, _: g == gen)
+
+
 class Route:
     """A Constructor's view of the routing: (version, PartitionMap, loader handles), swapped as a whole
     (each fetch reads it once, so concurrent builds never mix two versions)."""

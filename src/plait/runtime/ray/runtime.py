@@ -26,10 +26,9 @@ from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
 from plait.runtime.ray.instance import (  # noqa: F401 - check_reachable, explain_join_failure: this module's API too
-    LocalInstance,
+    RayUse,
     check_reachable,
     explain_join_failure,
-    start_ray,
 )
 from plait.runtime.ray.liveness import HEARTBEAT_INTERVAL_S, JobNameTaken
 from plait.runtime.ray.planner_actor import PlannerRecipe
@@ -189,19 +188,7 @@ class RayRuntime:
         self.telemetry = Telemetry(self.spec.source_names)
         port = opts.metrics_port
         self.metrics_port = None if port is None else self.telemetry.serve(port, self.spec.metrics.address)
-        self._uses_local_instance = self._published = False
-        if not ray.is_initialized():
-            address = opts.address
-            if address is None and opts.attach:  # the job's creator on this machine started Ray
-                address = jobs.local_instance_address(opts.job)
-            self._uses_local_instance = start_ray(address, opts.init_options, opts.dashboard)
-            self._published = self._uses_local_instance and opts.job is not None
-            if self._published:
-                jobs.publish_local_instance(opts.job)
-        elif LocalInstance.users > 0:  # the instance another plait runtime of this process started
-            self._uses_local_instance = True
-        if self._uses_local_instance:
-            LocalInstance.attach()
+        self._ray = RayUse(opts.address, opts.attach, opts.job, opts.init_options, opts.dashboard)
         self.shared = opts.job is not None
         self.job = opts.job or f"job-{uuid.uuid4().hex[:12]}"
         self.prefetch = opts.prefetch
@@ -226,7 +213,6 @@ class RayRuntime:
         jobs.leave_when_dropped(self, self.membership)  # a Loader garbage-collected without close() leaves
         # A recreated Planner keeps this layout (no second probe, same loaders).
         planner_options["layout"] = self.info["layout"]
-        self._recipe = recipe  # how to make the Planner again, should it die
         self.layout = LoaderLayout.from_dict(self.info["layout"])
         if opts.on_layout is not None:
             opts.on_layout(describe(self.layout, self.spec.source_names))
@@ -239,9 +225,9 @@ class RayRuntime:
         self._plan_refs: dict[int, Any] = {}
         self._build_refs: dict[int, Any] = {}
         self._build_step: int | None = None
-        self.recovery_log: list[dict] = []  # this process's recoveries (Constructors); loaders: the Planner's
         # To rebuild a dead Planner: the data state of the steps this process is at.
         self._planner_log = PlannerLog(base)
+        self._failover = PlannerFailover(recipe, self.shared, self.membership, self._constructors, self._planner_log)
         jobs.close_at_exit(self)  # a trainer that exits without close() still detaches
 
     @property
@@ -249,13 +235,14 @@ class RayRuntime:
         """The job's Planner actor (a successor's once the standby made one)."""
         return self.membership.planner
 
-    @planner.setter
-    def planner(self, handle) -> None:
-        self.membership.planner = handle
-
     @property
     def heartbeat(self):
         return self.membership.heartbeat
+
+    @property
+    def recovery_log(self) -> list[dict]:
+        """This process's recoveries (Planner, Constructors); the loaders' are the Planner's."""
+        return self._failover.recovery_log
 
     def _constructor_for(self, dp_rank: int):
         return self._constructors.for_rank(dp_rank, self.planner)
@@ -323,40 +310,22 @@ class RayRuntime:
                 return get(ref)
             except dead_errors():
                 if recovery.planner_alive(self.planner):
-                    self._constructor_died(dp_rank, step)
+                    self._failover.constructor_died(dp_rank, step)
                 else:  # the Constructor failed because the Planner (and its loaders) are gone
                     self._planner_died(step)
                 ref = self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, *extra)
 
     def _planner_died(self, step: int) -> None:
-        # A shared job's standby makes the successor (once for all processes; same generation, same stream).
-        successor = standby_planner.successor(self.job, self.planner) if self.shared else None
-        if successor is not None:
-            self._took_over(successor)
-            return
-        self.planner, self._gen, event = recovery.recreate_planner(
-            self._recipe, self._planner_log.latest(), self._constructors, step)
-        self.info = get(self.planner.info.remote())
-        for ref in list(self._plan_refs.values()) + list(self._build_refs.values()):
-            try:  # collect the errors of requests to the dead actors (else Ray reports them as unhandled)
-                get(ref, timeout=0.5)
-            except Exception:  # noqa: BLE001
-                pass
+        """Continue with the successor the standby made (same generation: the builds asked for stand) or
+        with a Planner recreated from this process's data state (a new generation)."""
+        gen = self._failover.replace(step)
+        stale = list(self._plan_refs.values()) + (list(self._build_refs.values()) if gen is not None else [])
+        collect_errors(stale)
         self._plan_refs.clear()
-        self._build_refs = {}
-        self._recovered(event)
-
-    def _took_over(self, successor: tuple) -> None:
-        """Continue with the Planner the standby made: same generation; the Constructors' builds stand."""
-        self.planner, event = successor
-        self.info = get(self.planner.info.remote())
-        for ref in self._plan_refs.values():
-            try:  # collect the errors of requests to the dead Planner (else Ray reports them as unhandled)
-                get(ref, timeout=0.5)
-            except Exception:  # noqa: BLE001
-                pass
-        self._plan_refs.clear()
-        self.recovery_log.append(event)  # counted once on the job's endpoint, by the successor
+        if gen is not None:
+            self._build_refs = {}
+            self._gen = gen
+        self.info = self._failover.info
 
     def ask_planner(self, method: str, *args, timeout: float | None = None):
         """`method(*args)` of the job's Planner; if it died, of the successor its standby made (without
@@ -364,21 +333,12 @@ class RayRuntime:
         try:
             return get(getattr(self.planner, method).remote(*args), timeout=timeout)
         except dead_errors():
-            successor = standby_planner.successor(self.job, self.planner) if self.shared else None
-            if successor is None:
+            if not self._failover.take_over():
                 raise
-            self._took_over(successor)
+            collect_errors(list(self._plan_refs.values()))
+            self._plan_refs.clear()
+            self.info = self._failover.info
         return get(getattr(self.planner, method).remote(*args), timeout=timeout)
-
-    def _constructor_died(self, dp_rank: int, step: int) -> None:
-        event = recovery.replace_dead_constructors(self._constructors, self.planner, step, dp_rank)
-        if event is not None:
-            self._recovered(event)
-
-    def _recovered(self, event: dict) -> None:
-        """Keep a recovery of this process's (Planner, Constructor) and count it on the job's endpoint."""
-        self.recovery_log.append(event)
-        self.planner.record_recovery.remote(event["role"])
 
     def _seek(self, state: dict) -> None:
         gen = self.ask_planner("seek", state)
@@ -453,17 +413,68 @@ class RayRuntime:
             return
         self._closed = True
         jobs.closed(self)
-        ray = ray_module()
         left = self.membership.leave()  # the last trainer out ends the job's actors
         if left is not None and left <= 0:
             for _, c in self._constructors.items():
-                ray.kill(c)
-        if not ray.is_initialized():  # Ray is gone already: a call now would start a new instance
-            if self._uses_local_instance:
-                LocalInstance.detach()
-            return
-        if self._published:
-            jobs.unpublish_local_instance(self.job)
-        if self._uses_local_instance and LocalInstance.detach():
-            ray.shutdown()
+                ray_module().kill(c)
+        self._ray.release()
+
+
+class PlannerFailover:
+    """What a trainer process does when the job's Planner or one of its Constructors died (found where a
+    request failed): a shared job's standby makes the successor (once for all processes; same generation,
+    same stream: plait.runtime.ray.standby_planner), else the Planner is recreated from the data state this
+    process last saw (plait.runtime.ray.recovery.recreate_planner); a dead Constructor is replaced. Every
+    recovery is kept (`recovery_log`) and counted once on the job's endpoint."""
+
+    def __init__(self, recipe: PlannerRecipe, shared: bool, membership: jobs.Membership,
+                 constructors: ConstructorPool, planner_log: PlannerLog):
+        self.recipe = recipe  # how to make the Planner again, should it die
+        self.shared = shared
+        self.membership = membership  # holds the Planner's handle (its heartbeat follows it)
+        self.constructors = constructors
+        self.planner_log = planner_log
+        self.info: dict = {}  # the current Planner's info, after a replacement
+        self.recovery_log: list[dict] = []
+
+    def take_over(self) -> bool:
+        """The successor the standby made, if the job has one: True when there is one now."""
+        successor = standby_planner.successor(self.recipe.job, self.membership.planner) if self.shared else None
+        if successor is None:
+            return False
+        self.membership.planner, event = successor
+        self.info = get(self.membership.planner.info.remote())
+        self.recovery_log.append(event)  # counted once on the job's endpoint, by the successor
+        return True
+
+    def replace(self, step: int) -> int | None:
+        """A new Planner for the dead one: None when a successor continues the generation, else the new
+        generation of a recreated Planner (seeked to this process's data state at `step`)."""
+        if self.take_over():
+            return None
+        planner, gen, event = recovery.recreate_planner(self.recipe, self.planner_log.latest(), self.constructors,
+                                                        step)
+        self.membership.planner = planner
+        self.info = get(planner.info.remote())
+        self.recovered(event)
+        return gen
+
+    def constructor_died(self, dp_rank: int, step: int) -> None:
+        event = recovery.replace_dead_constructors(self.constructors, self.membership.planner, step, dp_rank)
+        if event is not None:
+            self.recovered(event)
+
+    def recovered(self, event: dict) -> None:
+        """Keep a recovery of this process's (Planner, Constructor) and count it on the job's endpoint."""
+        self.recovery_log.append(event)
+        self.membership.planner.record_recovery.remote(event["role"])
+
+
+def collect_errors(refs: list) -> None:
+    """Collect the errors of requests to dead actors (else Ray reports them as unhandled)."""
+    for ref in refs:
+        try:
+            get(ref, timeout=0.5)
+        except Exception:  # noqa: BLE001
+            pass
 

@@ -219,13 +219,11 @@ class StandbyLink:
             return
         package = self.replay.package
         meta = package["meta"]
-        actor.gen, actor.base_state = package["gen"], package["base"]
-        tokens = meta.get("trainers", ())
-        actor.trainers.restore(tokens, anonymous=int(meta.get("clients", 0)) - len(tokens))
-        actor.constructors = set(meta.get("constructors", ()))
+        actor.base_state = package["base"]
+        actor.presence.restore(meta)
         actor.planned = int(meta.get("planned", 0))
-        actor.started = float(meta.get("started", actor.started))
         actor.planner.load_state_dict(self.replay.states[self.replay.start])
+        actor.window.adopt(package["gen"])
         actor.built = {s: set(range(actor.planner.ranks)) for s in self.replay.states if s < package["low"]}
         actor.loaders.start_shadows(after_step=max(self.replay.states))  # the loaders' shadows died with it
         actor.metrics.telemetry.observe_recovery("planner")
@@ -258,17 +256,16 @@ class StandbyLink:
         if self.handle is None:
             return
         current = actor.planner.state_dict()
-        meta = {"clients": actor.trainers.count, "trainers": actor.trainers.tokens(),
-                "constructors": sorted(actor.constructors), "planned": actor.planned,
-                "started": actor.started, "loader_generations": list(actor.loaders.generation),
+        meta = {**actor.presence.facts(), "planned": actor.planned,
+                "loader_generations": list(actor.loaders.generation),
                 "layout": actor.routes.current.layout.to_dict(), "layout_version": actor.routes.version}
         if self._check() or self.sent is None or self.sent_gen != actor.gen:
-            states = {int(plan.state_before["step"]): plan.state_before for plan in actor.window.values()}
+            states = {int(plan.state_before["step"]): plan.state_before for plan in actor.window.steps.values()}
             states[int(current["step"])] = current
             message = {"reset": True, "gen": actor.gen, "base": actor.base_state, "states": states,
                        "window": self.window, "meta": meta}
         else:
-            chain = [p.state_before for s, p in actor.window.items() if s > int(self.sent["step"])] + [current]
+            chain = [p.state_before for s, p in actor.window.steps.items() if s > int(self.sent["step"])] + [current]
             diffs = []
             for state in chain:
                 if state != self.sent:
@@ -289,6 +286,10 @@ class StandbyLink:
                     self.sent = None
             except Exception:  # noqa: BLE001 - a dead standby: noticed and replaced at the next sync
                 self.sent = None
+
+    def low_moved(self, actor) -> bool:
+        """Whether the oldest step a Constructor still needs is no longer the one the standby was told."""
+        return self.handle is not None and oldest_needed(actor) != self.sent_low
 
     def _check(self) -> bool:
         """Look at the finished follow calls (no extra traffic): True when a full resend is due (the
@@ -323,6 +324,26 @@ class StandbyLink:
             self.handle = None
 
 
+class StandbySync:
+    """The standby as a Planner observer (plait.runtime.ray.planner_requests): after planning, the states
+    planned are sent; after a request that changed the data state in a way planning cannot reproduce, the
+    standby has it before the request returns; after a change of the job's trainers or Constructors, or a
+    build that moved the oldest step still needed, the news goes out without waiting."""
+
+    def __init__(self, link: StandbyLink, actor):
+        self.link = link
+        self.actor = actor
+
+    def on_planned(self, plans) -> None:
+        self.link.sync(self.actor)
+
+    def on_request(self, request) -> None:
+        if request.state:
+            self.link.sync(self.actor, wait=True)
+        elif request.facts or (request.built and self.link.low_moved(self.actor)):
+            self.link.sync(self.actor)
+
+
 def start_standby(recipe):
     """Start (or find by name) the job's standby; detached like the job's other actors."""
     ray = ray_module()
@@ -333,7 +354,7 @@ def start_standby(recipe):
 def oldest_needed(actor) -> int:
     """The oldest step a Constructor may still ask for: the first planned step not built for every rank."""
     ranks = actor.planner.ranks
-    unbuilt = [s for s in actor.window if len(actor.built.get(s, ())) < ranks]
+    unbuilt = [s for s in actor.window.steps if len(actor.built.get(s, ())) < ranks]
     return min(unbuilt, default=int(actor.planner.step))
 
 
@@ -358,6 +379,5 @@ class Replay:
         if logged is None or (state is not None and state != logged):
             return False
         actor.planner.load_state_dict(logged)
-        for s in [s for s in actor.window if s >= step]:
-            del actor.window[s]
+        actor.window.forget_from(step)
         return True
