@@ -324,7 +324,7 @@ class FakeProvider:
 # ----- the read-only formats: writers from their published layouts ---------------------------------
 # Each writes what the format's reference writer writes (megatron-core's IndexedDatasetBuilder,
 # `datasets`' save_to_disk, streaming's MDSWriter), from the published layout, byte for byte where the
-# layout fixes the bytes (tests/test_formats.py checks against the reference writers when installed).
+# layout fixes the bytes (tests/sources/test_formats.py checks against the reference writers when installed).
 MEGATRON_DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
                         np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.float32): 7,
                         np.dtype(np.uint16): 8}
@@ -465,3 +465,17 @@ def mds_source(root, *, name: str = "mds", docs: int = 40, per_shard: int = 15, 
     docs_ = {(i // per_shard, i % per_shard): x for i, x in enumerate(d)}
     return Dataset({"name": name, "path": str(root), "format": "mds", "tokens_field": "ids", **options},
                    sorted(files), docs_)
+
+
+def scrape_metrics(port: int) -> dict:
+    """A /metrics page as {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

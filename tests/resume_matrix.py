@@ -1,4 +1,4 @@
-"""The resume matrix shared by tests/test_resume_changes.py and tests/test_resume_changes_ray.py: a
+"""The resume matrix shared by tests/state/test_resume_changes.py and tests/runtime/ray/test_resume_changes_ray.py: a
 step-boundary checkpoint of any runtime resumes under every allowed spec change (weights, a source
 added, a source removed), on the same DP size or another one."""
 

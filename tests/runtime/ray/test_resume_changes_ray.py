@@ -1,4 +1,4 @@
-"""The ray runtime's row of the resume matrix (tests/test_resume_changes.py): its step-boundary state
+"""The ray runtime's row of the resume matrix (tests/state/test_resume_changes.py): its step-boundary state
 carries the state after the step (`next`) and resumes under every allowed spec change, on the same DP
 size or another, as the local runtime does. One small local Ray instance for the module."""
 
@@ -33,7 +33,7 @@ def saved(data, ray_instance):
 
 
 # Each change once, each layout at least once: a ray job takes ~30 s to start on a loaded 2-core machine
-# (the whole matrix runs on the other runtimes in tests/test_resume_changes.py).
+# (the whole matrix runs on the other runtimes in tests/state/test_resume_changes.py).
 @pytest.mark.parametrize("change, dp", [(CHANGES[0], DPS[1]), (CHANGES[1], DPS[0]), (CHANGES[2], DPS[1])])
 def test_ray_boundary_state_resumes_under_a_spec_change(data, saved, change, dp):
     with plait.Loader(spec_before(data), 0, prefetch=0, share="process") as loader:

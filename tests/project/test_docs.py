@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
@@ -91,9 +91,9 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves_inside_the_repo
 
 def test_links_that_leave_the_docs_become_repository_paths():
     docs = ROOT / "docs"
-    text = "[the test](../tests/test_docs.py), [a page](concepts/step.md), [web](https://x.org/a.md)"
+    text = "[the test](../tests/project/test_docs.py), [a page](concepts/step.md), [web](https://x.org/a.md)"
     out = gen_ref().repo_links_as_code(text, docs, docs)
-    assert out == "the test (`tests/test_docs.py`), [a page](concepts/step.md), [web](https://x.org/a.md)"
+    assert out == "the test (`tests/project/test_docs.py`), [a page](concepts/step.md), [web](https://x.org/a.md)"
 
 
 @pytest.mark.slow

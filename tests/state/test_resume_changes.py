@@ -1,7 +1,7 @@
 """A step-boundary checkpoint of every runtime resumes under every allowed spec change (issue 22, item 4):
 runtime (local in process, node-shared, thin Flight client) x change (weights, source added, source
 removed) x layout (the same DP size, another one). The resumed stream is the local runtime's, bit for
-bit, from the step after the checkpoint. Ray: tests/test_resume_changes_ray.py."""
+bit, from the step after the checkpoint. Ray: tests/runtime/ray/test_resume_changes_ray.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import plait
 from plait import cli
 from plait.runtime.local import LocalRuntime
 from plait.telemetry import event, json_logs
-from helpers import make_spec, text_source, token_parquet
+from helpers import make_spec, scrape_metrics as scrape, text_source, token_parquet
 
 
 @pytest.fixture
@@ -23,15 +23,6 @@ def spec(tmp_path):
     a = token_parquet(tmp_path / "a", name="a", files=2, docs_per_file=30, row_group_size=6, lo=4, hi=40)
     b = text_source(tmp_path / "b", fmt="jsonl", name="b", files=1, docs_per_file=30, eos=256)
     return make_spec([a, b], seq_len=64, microbatches=2, dp=2)
-
-
-def scrape(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def test_counters_move_with_what_was_delivered(spec):

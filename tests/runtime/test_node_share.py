@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("pyarrow.flight")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers): this file also runs as a trainer script
 from helpers import batch_digest, make_spec, token_parquet  # noqa: E402
 
 import plait  # noqa: E402
@@ -54,7 +55,7 @@ def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp
                                                                     "slow": 0.15 if r == 1 else 0,
                                                                     "close": host_closes or r == 1})],
                               env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parent) for r in range(2)]
+                              text=True, cwd=Path(__file__).parents[1]) for r in range(2)]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=150)
@@ -161,7 +162,7 @@ def test_ranks_far_apart_wait_for_each_other_instead_of_failing(tmp_path):
             cfg["pause_after"] = mark  # then it waits 2 s more: rank 0 runs into the window's edge meanwhile
         procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env={**env, "LOCAL_RANK": str(r)},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=Path(__file__).parent))
+                                      cwd=Path(__file__).parents[1]))
     outs, errs = [], []
     for p in procs:
         out, err = p.communicate(timeout=240)
@@ -204,5 +205,4 @@ def _worker(cfg: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     _worker(json.loads(sys.argv[1]))

@@ -1,7 +1,7 @@
 """Smaller things a new user hit (issue 22, item 9): a source smaller than its share of a step is warned
 about; a closed Loader is not iterated; tables are not cut at 80 columns when piped; skips through the
 Python API are logged; a killed node host leaves no rendezvous file. (--save-state files in
-Loader.load_state_dict: tests/test_state_checks.py; from_torchrun's dp: tests/test_trainer_integration.py.)"""
+Loader.load_state_dict: tests/state/test_state_checks.py; from_torchrun's dp: tests/client/test_trainer_integration.py.)"""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_a_host_ended_by_sigterm_removes_its_rendezvous_file(small, tmp_path):
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(make_spec([small])))
     proc = subprocess.Popen([sys.executable, "-c", HOST, str(spec_path)], env=node_env(tmp_path, "term"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
         assert list((tmp_path / "rdzv").glob("node-*.json"))

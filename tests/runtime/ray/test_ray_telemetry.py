@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 import plait  # noqa: E402
 from plait import cli  # noqa: E402
 from helpers import make_spec, text_source, token_parquet  # noqa: E402
-from test_telemetry import scrape  # noqa: E402
+from helpers import scrape_metrics as scrape  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

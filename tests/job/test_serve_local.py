@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 JOB = "serve-local-test"
 
 
-# The same helpers as tests/test_flight.py's, here so that this Ray-free test runs where Ray is not installed.
+# The same helpers as tests/runtime/test_flight.py's, here so that this Ray-free test runs where Ray is not installed.
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,7 @@ from plait.runtime.ray.jobs import find_planner, list_jobs  # noqa: E402
 from helpers import make_spec, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 
 
