@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(VENV)/bin/plait bench throughput
 	$(VENV)/bin/plait bench balance
 
-# The docs site (MkDocs, generated reference pages): warnings are errors, as in CI (tests/test_docs.py).
+# The docs site (MkDocs, generated reference pages): warnings are errors, as in CI (tests/project/test_docs.py).
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -d site
 

@@ -9,7 +9,7 @@
   command that made it and the machine's load) and the dated reports (benchmarks/reports/*.md).
 
 Pages that link to files of the repository outside docs/ (tests, examples, benchmarks) keep the path as
-code: a site has no such page, and tests/test_docs.py checks that every such path exists.
+code: a site has no such page, and tests/project/test_docs.py checks that every such path exists.
 mkdocs.yml runs this file (`hooks:`); `python docs/gen_ref.py OUT` writes the pages to OUT instead.
 """
 
@@ -165,7 +165,7 @@ def code_map_page() -> str:
     src = ROOT / "src" / "plait"
     out = ["# Code map", "", "Generated from the modules' docstrings under `src/plait/` (every module, its first "
            "paragraph). Read top-down: the spec, then the roles, then how a runtime wires them. Import rules: "
-           "the import-linter contracts in `pyproject.toml`, checked by `tests/test_architecture.py`.", ""]
+           "the import-linter contracts in `pyproject.toml`, checked by `tests/project/test_architecture.py`.", ""]
     for folder in [src, *sorted(p for p in src.rglob("*") if p.is_dir() and (p / "__init__.py").exists())]:
         modules = sorted(folder.glob("*.py"))
         if not modules:
