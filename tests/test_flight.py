@@ -28,7 +28,7 @@ flight = pytest.importorskip("pyarrow.flight")
 import plait  # noqa: E402
 from plait.batch import MicroBatch  # noqa: E402
 from plait.metrics import batch_digest_update, combined_digest  # noqa: E402
-from plait.runtime import Runtime, runtime_class  # noqa: E402
+from plait.runtime import RankStream, make_driver, runtime_class  # noqa: E402
 from plait.runtime.flight import Channel, decode_batch, dumps, step_schema  # noqa: E402
 from plait.runtime.ray.flight_server import ConstructorFlight  # noqa: E402
 from helpers import make_spec, token_parquet  # noqa: E402
@@ -143,8 +143,8 @@ def local_streams(spec) -> dict[int, list[MicroBatch]]:
 
 def test_flight_runtime_keeps_the_runtime_contract():
     cls = runtime_class("flight")
-    for method in [n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")]:
-        want = list(inspect.signature(getattr(Runtime, method)).parameters)
+    for method in [n for n, v in vars(RankStream).items() if callable(v) and not n.startswith("_")]:
+        want = list(inspect.signature(getattr(RankStream, method)).parameters)
         have = list(inspect.signature(getattr(cls, method)).parameters)
         assert have[: len(want)] == want or "args" in have[-1:], f"flight.{method}{have} != contract {want}"
 
@@ -235,8 +235,9 @@ def test_a_wrong_token_or_address_is_refused_in_one_sentence(served, spec, monke
         plait.Loader(spec, runtime="flight", address=f"127.0.0.1:{free_port()}", token="x", timeout=5)
     with plait.Loader(spec, runtime="flight", address=served["address"], token=served["token"]) as loader:
         assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}  # forwarded to the Planner
-        with pytest.raises(plait.PlaitError, match="not available on the thin client"):
-            loader.runtime.plan()
+        assert not hasattr(loader.runtime, "plan")  # a stream, not a driver (plait.runtime.JobDriver)
+        with pytest.raises(plait.PlaitError, match="drives no job"):
+            make_driver(spec, "flight")
 
 
 def test_a_thin_client_survives_its_constructors_death(served, spec):

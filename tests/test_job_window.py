@@ -14,7 +14,7 @@ from helpers import batch_digest, make_spec, token_parquet
 import plait
 from plait.job.consumers import Consumers, RankProgress
 from plait.job.service import JobService
-from plait.runtime.local import LocalRuntime
+from plait.runtime.local import LocalRoles
 
 
 def small_spec(tmp_path, steps: int = 16):
@@ -26,7 +26,7 @@ def test_fast_reader_waits_for_the_slow_one_and_goes_on_when_it_leaves(tmp_path,
     monkeypatch.setenv("PLAIT_LAG_REPORT_S", "0.2")
     spec = small_spec(tmp_path)
     expected = {r: batch_digest(plait.Loader(spec, dp_rank=r, prefetch=0, share="process")) for r in range(2)}
-    svc = JobService(LocalRuntime(spec), prefetch=1, window=4)
+    svc = JobService(LocalRoles(spec), build_ahead=1, window=4)
     got: dict[int, list] = {0: [], 1: []}
     try:
         got[1] += svc.get(0, 0, 1, limit=16, client="slow")[1]

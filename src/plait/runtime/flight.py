@@ -48,6 +48,7 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
+from plait.job.stream import asked, read_rank
 from plait.state.log import StateRef
 from plait.spec import Spec, load_spec
 
@@ -355,22 +356,20 @@ class FlightRuntime:
     def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
                   cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
         """One rank's micro-batches from a data state on, each CP rank's shard cut by the Constructor; the
-        Constructor builds `prefetch` steps ahead of the requests."""
+        Constructor builds steps ahead of the requests."""
         self._seek(start_state)
-        step, skip = int(start_state["step"]), start_micro
-        channel = self._channel(dp_rank)
-        while max_steps is None or step < max_steps:
+        channel = [self._channel(dp_rank)]  # the rank's server: replaced when it is lost
+
+        def receive(step: int, _: int) -> tuple[dict | StateRef, list[MicroBatch]]:
             ticket = {"gen": self._gen, "step": step, "dp_rank": dp_rank, "limit": max_steps,
                       "cp": [self.spec.topology.cp, cp_rank], "state": False, "client": self.client_id}
-            state, batches, channel = self._fetch_step(channel, ticket)
+            state, batches, channel[0] = self._fetch_step(channel[0], ticket)
             if state is None:  # fetched only if the trainer checkpoints during this step
                 state = StateRef(step, functools.partial(self.state_at, self._gen, step))
             self._next_step = step + 1
-            for mb in batches:
-                if mb.microbatch >= skip:
-                    yield state, mb
-            skip = 0
-            step += 1
+            return state, batches
+
+        return read_rank(asked, receive, int(start_state["step"]), start_micro, max_steps)
 
     def _fetch_step(self, channel: Channel, ticket: dict) -> tuple[dict | None, list[MicroBatch], Channel]:
         """A step from the rank's Constructor; if it is lost, the rendezvous replaces a dead one (which
@@ -420,6 +419,10 @@ class FlightRuntime:
         self._next_step = int(state["step"])
         return list(changes)
 
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """Elastic resume (plait.job.elastic): the job re-plans the step on its saved layout."""
+        return self.control.action("replan_after", {"state": state, "layout": layout})
+
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """The job's one Planner applies it (call it from one rank); a planned step is refused."""
         self.control.action("set_weights", {"weights": dict(weights), "at_step": int(at_step)})
@@ -433,18 +436,6 @@ class FlightRuntime:
     def scaling_report(self) -> dict:
         """A thin client sees no loaders (the job's ray driver reports their rescaling)."""
         return {"events": [], "timeline": [], "options": None}
-
-    # ----- whole-job driving: not a thin client's job ----------------------------------------------------
-    def plan(self):
-        raise PlaitError("plan() is not available on the thin client: the job's Planner plans; drive a whole job "
-                         "with runtime='ray' (or `plait run`)")
-
-    def build(self, plan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        raise PlaitError("build() is not available on the thin client: iterate a Loader (iter_rank) instead, or "
-                         "drive a whole job with runtime='ray'")
-
-    def release(self, *in_flight) -> None:
-        """Nothing to release: the job's Planner tells its loaders what is live."""
 
     def close(self) -> None:
         """Close the connections (the served job goes on: `plait serve` owns it)."""

@@ -334,6 +334,9 @@ class NodeRuntime:
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         return self.client.load_state_dict(state, allow_spec_change=allow_spec_change)
 
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        return self.client.replan_after(state, layout)
+
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """As the local runtime's: call it identically on every rank (the node's Planner records it once)."""
         self.client.set_weights(weights, at_step)
@@ -347,15 +350,6 @@ class NodeRuntime:
 
     def scaling_report(self) -> dict:
         return self.client.scaling_report()
-
-    def plan(self):
-        return self.client.plan()
-
-    def build(self, plan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        return self.client.build(plan, dp_rank, only)
-
-    def release(self, *in_flight) -> None:
-        """Nothing to release here: the node's host releases its loader's blocks."""
 
     def close(self) -> None:
         """Leave the node's job; the host's process serves on until the node's other processes are done."""

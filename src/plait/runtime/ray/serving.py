@@ -23,7 +23,7 @@ import secrets
 import threading
 
 from plait.errors import PlaitError
-from plait.runtime.flight import location_of
+from plait.runtime.flight import PROTOCOL, location_of
 from plait.runtime.flight_serving import split_address
 from plait.runtime.ray import recovery
 from plait.runtime.ray.common import get, ray_module
@@ -64,10 +64,9 @@ class JobServer:
         self.here = ray_module().get_runtime_context().get_node_id()  # the serving node
         try:
             self.endpoints = self._serve_constructors()
-            info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
-                    "cp": self.spec.topology.cp, "endpoints": self.endpoints}
-            self.rendezvous = RendezvousFlight(self.runtime.ask_planner, info, grpc_location(host, port),
-                                               self.token, serving=self)
+            self.info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
+                         "cp": self.spec.topology.cp, "protocol": PROTOCOL}
+            self.rendezvous = RendezvousFlight(self.runtime.ask_planner, self, grpc_location(host, port), self.token)
         except BaseException:
             self.close()
             raise
@@ -88,6 +87,18 @@ class JobServer:
         found = dict(zip(locations, get(list(locations.values()))))
         return {str(r): found[pool.key(r)] for r in range(rt.dp)}
 
+    # ----- the rendezvous's actions (plait.runtime.flight_serving.ACTION_ARGS) -------------------------------
+    def hello(self) -> dict:
+        """The job, its fingerprint and DP ranks, and each rank's Constructor location."""
+        with self.lock:
+            return {**self.info, "endpoints": dict(self.endpoints)}
+
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """Elastic resume of a thin client: the step re-planned on its saved layout, here (plait.job.elastic)."""
+        from plait.job.elastic import replan_after
+
+        return replan_after(self.spec, state, layout)
+
     def reconnect(self, dp_rank: int, step: int) -> dict[str, str]:
         """A thin client lost its Constructor at `step`: if it died, a new one is started (it rebuilds the
         step from the Planner's window: the same micro-batches) and serves Flight; every rank's endpoint.
@@ -100,9 +111,9 @@ class JobServer:
                 self.runtime.planner.record_recovery.remote("constructor")
             return dict(self.endpoints)
 
-    def attach(self, dp_rank: int, node: str | None, peer_ip: str | None) -> tuple[str, dict[str, str]]:
-        """A trainer's first request for `dp_rank`: (the rank's endpoint, every rank's endpoint), the rank
-        moved to a Constructor on the trainer's node (`node`, else `peer_ip`) when it is another Ray node."""
+    def attach(self, dp_rank: int, node: str | None, peer_ip: str | None) -> str:
+        """A trainer's first request for `dp_rank`: the rank's endpoint, the rank moved to a Constructor on
+        the trainer's node (`node`, else `peer_ip`) when it is another Ray node."""
         if not 0 <= dp_rank < self.runtime.dp:
             raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.runtime.dp} DP ranks")
         with self.lock:
@@ -110,7 +121,7 @@ class JobServer:
             if self.pool.mode != "planner" and target != self.pool.node_of(dp_rank):
                 self.pool.place(dp_rank, target)
                 self.endpoints = self._serve_constructors()
-            return self.endpoints[str(dp_rank)], dict(self.endpoints)
+            return self.endpoints[str(dp_rank)]
 
     @property
     def location(self) -> str:
