@@ -140,7 +140,7 @@ def test_client_resumes_elastically_from_a_step_boundary(spec):
     def consume(sp, dp, steps, state=None):
         out, states = [], []
         for r in range(dp):
-            ld = plait.Loader(sp.with_overrides(topology={"dp": dp}), dp_rank=r, steps=steps, prefetch=0)
+            ld = plait.Loader(sp.with_overrides(topology={"dp": dp}), dp_rank=r, steps=steps, read_ahead=0)
             if state is not None:
                 ld.load_state_dict(state)
             out.extend(tuple(x) for mb in ld for x in mb.sample_ids.tolist())
@@ -159,11 +159,11 @@ def test_client_resumes_elastically_from_a_step_boundary(spec):
     assert sorted(second) == sorted(ids4)
 
     # Mid-step checkpoints cannot move to another layout (each rank's progress differs).
-    ld = plait.Loader(spec, dp_rank=0, steps=K, prefetch=0)
+    ld = plait.Loader(spec, dp_rank=0, steps=K, read_ahead=0)
     next(iter(ld))
     mid = ld.state_dict()
     ld.close()
-    other = plait.Loader(spec.with_overrides(topology={"dp": 4}), dp_rank=0, prefetch=0)
+    other = plait.Loader(spec.with_overrides(topology={"dp": 4}), dp_rank=0, read_ahead=0)
     with pytest.raises(PlaitError, match="step boundary"):
         other.load_state_dict(mid)
     other.close()

@@ -13,7 +13,6 @@ dropping it.
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
 
 from plait.errors import PlaitError
@@ -133,16 +132,6 @@ def make_driver(spec: Spec, name: str = "local", **options) -> JobDriver:
         raise PlaitError(f"the {name} runtime reads a served job's stream and drives no job: drive one with "
                          f"{' or '.join(DRIVERS)}")
     return make_runtime(spec, name, **options)
-
-
-def renamed(old: str, old_value, new: str, new_value):
-    """The value of option `new` given under its deprecated name `old` (warned) or its own (None: neither)."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise PlaitError(f"{old}= and {new}= were both given ({old} is the deprecated name of {new})")
-    warnings.warn(f"the option {old}= is deprecated: it is now called {new}=", DeprecationWarning, stacklevel=3)
-    return old_value
 
 
 def make_runtime(spec: Spec, name: str = "local", **options) -> RankStream:

@@ -1,6 +1,6 @@
 """The thin trainer client: micro-batches over Arrow Flight from the node's Constructor; no Ray here.
 
-    loader = plait.Loader(spec, dp_rank, runtime="flight", address="127.0.0.1:8815", token="...")
+    loader = plait.Loader(spec, dp_rank, runtime="flight", job_address="127.0.0.1:8815", token="...")
 
 A job served by `plait serve SPEC --job NAME` (plait.runtime.ray.flight_server) has one front door, the
 *rendezvous* Flight server of the serving process, at `address` (or `PLAIT_ADDRESS`), and one Flight
@@ -49,11 +49,13 @@ import pyarrow.flight as flight
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.job.stream import asked, read_rank
+from plait.runtime.options import renamed
 from plait.state.log import StateRef
 from plait.spec import Spec, load_spec
 
 PROTOCOL = 1
 STATE_KEY = b"plait.state"
+CALL_TIMEOUT = 60.0  # seconds a control call (an action) may take
 RECONNECTS = 3  # a step whose Constructor is lost is asked again this many times (each after `reconnect`)
 ERROR_MARK = "PlaitError: "  # a server-side PlaitError travels as a FlightServerError with this prefix
 SCALARS = ("step", "microbatch", "num_microbatches", "dp_rank")
@@ -278,9 +280,10 @@ class Channel:
 class FlightRuntime:
     """The runtime interface (see plait.runtime) as a thin client of a job served over Arrow Flight.
 
-    Options: `address` (the job's rendezvous `host:port`; default PLAIT_ADDRESS), `token` (default
-    PLAIT_TOKEN or PLAIT_TOKEN_FILE), `job` (checked against the served job's name), `timeout` (seconds
-    for control calls, default 60). Checks that the served job runs this spec (data fingerprint) on the
+    Options: `job_address` (the served job's rendezvous `host:port`; default PLAIT_ADDRESS), `token`
+    (default PLAIT_TOKEN or PLAIT_TOKEN_FILE), `job` (checked against the served job's name),
+    `call_timeout` (seconds a control call may take, default 60; a step's stream has none). `address`
+    and `timeout` are their deprecated names. Checks that the served job runs this spec (data fingerprint) on the
     same number of DP ranks. Ray is never imported.
     """
 
@@ -288,14 +291,17 @@ class FlightRuntime:
 
     @staticmethod
     def option_names() -> list[str]:
-        return ["address", "token", "job", "timeout"]
+        return ["job_address", "token", "job", "call_timeout", "address", "timeout"]
 
-    def __init__(self, spec: Spec, *, address: str | None = None, token: str | None = None,
-                 job: str | None = None, timeout: float | None = 60.0):
+    def __init__(self, spec: Spec, *, job_address: str | None = None, token: str | None = None,
+                 job: str | None = None, call_timeout: float | None = None, address: str | None = None,
+                 timeout: float | None = None):
         self.spec = load_spec(spec)
-        address = address or os.environ.get("PLAIT_ADDRESS")
+        address = renamed("address", address, "job_address", job_address) or os.environ.get("PLAIT_ADDRESS")
+        timeout = renamed("timeout", timeout, "call_timeout", call_timeout)
+        timeout = CALL_TIMEOUT if timeout is None else timeout
         if not address:
-            raise PlaitError("the flight runtime needs the job's address: pass address='host:port' or set "
+            raise PlaitError("the flight runtime needs the job's address: pass job_address='host:port' or set "
                              "PLAIT_ADDRESS (`plait serve SPEC --job NAME` prints it)")
         self.address = address
         self._token = read_token(token)

@@ -9,7 +9,7 @@ of plait.runtime.flight, so trainers use `plait.Loader(spec, dp_rank, runtime="f
     plan stream (each step planned once for every rank, a bounded window of planned steps in which a rank
     too far ahead of the slowest waits, generations reset by `seek`);
   * `hello` names this same server as every DP rank's endpoint, and `do_get` streams one step of one rank:
-    built once per (generation, step, rank), `prefetch` steps ahead on a few build threads, cut to the
+    built once per (generation, step, rank), `build_ahead` steps ahead on a few build threads, cut to the
     asking CP rank.
 
 docs/serving.md describes the job service, the window's backpressure and how a gone trainer is detected.
@@ -25,10 +25,14 @@ import threading
 from plait.errors import PlaitError
 from plait.job.consumers import Consumers
 from plait.job.service import JobService
+from plait.runtime.options import renamed
 from plait.runtime.flight import PROTOCOL, location_of
 from plait.runtime.flight_serving import JobFlight, grpc_location, split_address
 from plait.runtime.local import LocalRoles
 from plait.spec import Spec, load_spec
+
+
+BUILD_AHEAD = 2  # steps built ahead of each rank's request
 
 
 class OneServer:
@@ -58,13 +62,15 @@ class LocalJobServer:
     ends the job."""
 
     def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *, token: str | None = None,
-                 dp: int | None = None, prefetch: int = 2, metrics_port: int | None = None, expected: int = 0):
+                 dp: int | None = None, build_ahead: int | None = None, metrics_port: int | None = None,
+                 expected: int = 0, prefetch: int | None = None):
+        build_ahead = renamed("prefetch", prefetch, "build_ahead", build_ahead)
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
         self.stopped = threading.Event()
-        self.service = JobService(LocalRoles(self.spec, dp=dp, metrics_port=metrics_port), build_ahead=prefetch,
-                                  expected=expected)
+        self.service = JobService(LocalRoles(self.spec, dp=dp, metrics_port=metrics_port), expected=expected,
+                                  build_ahead=BUILD_AHEAD if build_ahead is None else build_ahead)
         self.ranks = self.service.ranks
         info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.ranks,
                 "cp": self.spec.topology.cp, "protocol": PROTOCOL}
