@@ -5,14 +5,16 @@ the one-process server (plait.runtime.serve_local) are the same server over diff
 
 from __future__ import annotations
 
+import abc
 import hmac
+import threading
 from typing import Callable
 
 import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
-from plait.runtime.flight import ERROR_MARK, PROTOCOL, dumps, encode_batch, loads, step_schema
+from plait.runtime.flight import ERROR_MARK, PROTOCOL, dumps, encode_batch, loads, location_of, step_schema
 
 
 class TokenCheck(flight.ServerMiddlewareFactory):
@@ -40,6 +42,49 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise PlaitError(f"--address {address!r} is not host:port (e.g. 127.0.0.1:8815; port 0: a free one)")
     return host, int(port)
+
+
+def listen_address(host: str, port: int) -> str:
+    """`host:port` as a client writes it (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ServedJob(abc.ABC):
+    """What the owner of a served job offers, whoever serves it (plait.runtime.serve_local's one process,
+    plait.runtime.ray.serving's Ray job): `address` (where its rendezvous listens), `token`, `wait()`,
+    `close()` (once; `stop()` is the serving's own end) and the context manager."""
+
+    address: str
+    token: str
+
+    def __init__(self):
+        self.stopped = threading.Event()
+
+    @property
+    def location(self) -> str:
+        return location_of(self.address)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until `close()` (or `timeout` seconds); True when closed."""
+        return self.stopped.wait(timeout)
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """End the serving (the job's own end: its server, its roles or actors)."""
+
+    def close(self) -> None:
+        if self.stopped.is_set():
+            return
+        try:
+            self.stop()
+        finally:
+            self.stopped.set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def as_flight_error(e: PlaitError) -> flight.FlightServerError:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import secrets
 import socket
-import threading
 
 from plait.errors import PlaitError
 from plait.job.consumers import Consumers
 from plait.job.service import JobService
 from plait.runtime.options import renamed
-from plait.runtime.flight import PROTOCOL, location_of
-from plait.runtime.flight_serving import JobFlight, grpc_location, split_address
+from plait.runtime.flight import PROTOCOL
+from plait.runtime.flight_serving import JobFlight, ServedJob, grpc_location, listen_address, split_address
 from plait.runtime.local import LocalRoles
 from plait.spec import Spec, load_spec
 
@@ -54,7 +53,7 @@ class OneServer:
         return self.info["endpoints"][str(dp_rank)]
 
 
-class LocalJobServer:
+class LocalJobServer(ServedJob):
     """Job `job` of `spec` in this process, served over Arrow Flight at `listen` (`host:port`, port 0 = a
     free one; `self.address` is where it listens). `token`: the job's token (default: a fresh random one,
     `self.token`). `dp`, `metrics_port`: LocalRoles's; `build_ahead` (steps built ahead of each rank's request;
@@ -65,10 +64,10 @@ class LocalJobServer:
                  dp: int | None = None, build_ahead: int | None = None, metrics_port: int | None = None,
                  expected: int = 0, prefetch: int | None = None):
         build_ahead = renamed("prefetch", prefetch, "build_ahead", build_ahead)
+        super().__init__()
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
-        self.stopped = threading.Event()
         self.service = JobService(LocalRoles(self.spec, dp=dp, metrics_port=metrics_port), expected=expected,
                                   build_ahead=BUILD_AHEAD if build_ahead is None else build_ahead)
         self.ranks = self.service.ranks
@@ -86,31 +85,13 @@ class LocalJobServer:
         here = grpc_location(advertised, self.server.port)
         info["endpoints"] = {str(r): here for r in range(self.ranks)}
         self.job = job
-        self.address = f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"
-
-    @property
-    def location(self) -> str:
-        return location_of(self.address)
+        self.address = listen_address(host, self.server.port)
 
     @property
     def clients(self) -> Consumers:
         """The trainer processes that joined and how far each has read (plait.runtime.node_share)."""
         return self.service.consumers
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until `close()` (or `timeout` seconds); True when closed."""
-        return self.stopped.wait(timeout)
-
-    def close(self) -> None:
-        if self.stopped.is_set():
-            return
+    def stop(self) -> None:
         self.server.shutdown()
         self.service.close()
-        self.stopped.set()
-
-    def __enter__(self) -> "LocalJobServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-

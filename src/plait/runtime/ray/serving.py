@@ -23,8 +23,8 @@ import secrets
 import threading
 
 from plait.errors import PlaitError
-from plait.runtime.flight import PROTOCOL, location_of
-from plait.runtime.flight_serving import split_address
+from plait.runtime.flight import PROTOCOL
+from plait.runtime.flight_serving import ServedJob, listen_address, split_address
 from plait.runtime.ray import recovery
 from plait.runtime.ray.common import get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
@@ -34,7 +34,7 @@ from plait.runtime.ray.runtime import RayRuntime
 from plait.spec import Spec, load_spec
 
 
-class JobServer:
+class JobServer(ServedJob):
     """Job `job` of `spec` on Ray, served over Arrow Flight at `listen` (`host:port`, port 0 = a free one;
     `self.address` is where it listens).
 
@@ -46,10 +46,10 @@ class JobServer:
 
     def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *,
                  token: str | None = None, constructor_host: str | None = None, **ray_options):
+        super().__init__()
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
-        self.stopped = threading.Event()
         try:
             self.runtime = RayRuntime(self.spec, job=job, **ray_options)
         except JobNameTaken as e:  # in `plait serve` terms: it has no attach option
@@ -71,7 +71,7 @@ class JobServer:
             self.close()
             raise
         self.job = job
-        self.address = f"[{host}]:{self.rendezvous.port}" if ":" in host else f"{host}:{self.rendezvous.port}"
+        self.address = listen_address(host, self.rendezvous.port)
 
     def _serve_constructors(self) -> dict[str, str]:
         """Each DP rank's Constructor, its Flight server started (once per actor): {dp_rank: location}."""
@@ -123,27 +123,12 @@ class JobServer:
                 self.endpoints = self._serve_constructors()
             return self.endpoints[str(dp_rank)]
 
-    @property
-    def location(self) -> str:
-        return location_of(self.address)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until `close()` (or `timeout` seconds); True when closed."""
-        return self.stopped.wait(timeout)
-
-    def close(self) -> None:
+    def stop(self) -> None:
         """Stop the rendezvous and end the job (its Constructors' Flight servers go with them)."""
         if self.rendezvous is not None:
             self.rendezvous.shutdown()
             self.rendezvous = None
         self.runtime.close()
-        self.stopped.set()
-
-    def __enter__(self) -> "JobServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def trainer_node(node: str | None, peer_ip: str | None, here: str) -> str:
