@@ -180,3 +180,15 @@ def test_from_torchrun_takes_ranks_from_the_environment(spec_dict, reference, mo
     with pytest.raises(PlaitError, match="RANK is not set"):
         plait.Loader.from_torchrun(free)
     assert np.all([len(s) == STEPS * M for s in streams.values()])
+
+
+def test_old_option_names_still_work_with_a_deprecation_warning(spec, reference):
+    """`prefetch` is now `read_ahead` (micro-batches the reader thread holds): the old name gives the same
+    stream with a DeprecationWarning; both at once are refused."""
+    with pytest.warns(DeprecationWarning, match="prefetch= is deprecated: it is now called read_ahead="):
+        loader = plait.Loader(spec, dp_rank=1, steps=STEPS, prefetch=3)
+    with loader:
+        assert loader.read_ahead == 3
+        assert [mb.sample_ids.tolist() for mb in loader] == [mb.sample_ids.tolist() for mb in reference[1]]
+    with pytest.raises(plait.PlaitError, match="both given"):
+        plait.Loader(spec, steps=STEPS, prefetch=1, read_ahead=1)

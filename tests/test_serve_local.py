@@ -202,3 +202,32 @@ def test_realistic_quick_bench_on_the_one_process_server(tmp_path):
         assert run["ray_imported"] is False and run["ray_daemons"] == 0, key
         assert list(run["roles"]) == ["serve"] and run["roles"]["serve"]["count"] == 1, key
         assert run["total"] == run["trainer_added"] + run["roles"]["serve"]["rss"], key
+
+
+def test_one_server_shell_answers_only_what_its_answerers_offer():
+    """JobFlight, the one plait Flight server: an action none of its answerers offers is refused in one
+    sentence, a server without `get` streams nothing, a wrong token is refused; `hello` of the first
+    answerer that has it answers."""
+    from plait.runtime.flight import Channel
+    from plait.runtime.flight_serving import JobFlight, grpc_location
+
+    class Front:
+        def hello(self) -> dict:
+            return {"job": "shell"}
+
+    server = JobFlight(grpc_location("127.0.0.1", 0), "secret", (Front(),))
+    try:
+        channel = Channel(grpc_location("127.0.0.1", server.port), "secret", 10)
+        assert channel.action("hello") == {"job": "shell"}
+        with pytest.raises(plait.PlaitError, match="unknown action 'seek'"):
+            channel.action("seek", {"state": {}})
+        with pytest.raises(plait.PlaitError, match="streams no steps"):
+            channel.step({"gen": 0, "step": 0, "dp_rank": 0, "cp": [1, 0]})
+        assert [a.type for a in channel.client.list_actions(options=channel.options)] == ["hello"]
+        channel.close()
+        wrong = Channel(grpc_location("127.0.0.1", server.port), "not-it", 10)
+        with pytest.raises(plait.PlaitError, match="refused this client's token"):
+            wrong.action("hello")
+        wrong.close()
+    finally:
+        server.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from plait.batch import MicroBatch
+from plait.errors import PlaitError
 
 Request = Callable[[int], Any]
 Receive = Callable[[Any, int], tuple[Any, list[MicroBatch]]]
@@ -40,3 +41,13 @@ def read_rank(request: Request, receive: Receive, first_step: int, skip: int,
 def asked(step: int) -> int:
     """`request` of a runtime whose `receive` does the asking (nothing is sent ahead)."""
     return step
+
+
+def state_after(state_at: Callable[[int, int], dict], gen: int, step: int) -> dict | None:
+    """The data state after `step` of generation `gen`: the start of the next one, asked of the job's plan
+    window with `state_at(gen, step)`; None where it no longer knows it (the stream was reset, or the step
+    left the window): a Loader then writes no `next` into its checkpoint."""
+    try:
+        return state_at(gen, step + 1)
+    except PlaitError:
+        return None

@@ -48,7 +48,7 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
-from plait.job.stream import asked, read_rank
+from plait.job.stream import asked, read_rank, state_after
 from plait.runtime.options import renamed
 from plait.state.log import StateRef
 from plait.spec import Spec, load_spec
@@ -412,10 +412,7 @@ class FlightRuntime:
 
     def state_after(self, step: int) -> dict | None:
         """The data state after `step`: the start of the next one (the job's plan window holds it)."""
-        try:
-            return self.state_at(self._gen, step + 1)
-        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
-            return None
+        return state_after(self.state_at, self._gen, step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:

@@ -11,6 +11,7 @@ The stream is the local runtime's, bit for bit: the Planner is the same class fe
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import uuid
@@ -18,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
 
 from plait.batch import MicroBatch
-from plait.job.stream import read_rank
+from plait.job.stream import read_rank, state_after
 from plait.errors import PlaitError
 from plait.plan import StepPlan
 from plait.state.log import PlannerLog
@@ -387,10 +388,7 @@ class RayRuntime:
 
     def state_after(self, step: int) -> dict | None:
         """The data state after `step`: the start of the next one (the Planner's window holds it)."""
-        try:
-            return self.ask_planner("state_at", self._gen, step + 1)
-        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
-            return None
+        return state_after(functools.partial(self.ask_planner, "state_at"), self._gen, step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:
