@@ -58,7 +58,7 @@ def resume(loader, state) -> list:
 
 
 def local_tail(spec, state) -> list:
-    with plait.Loader(spec, 0, prefetch=0, share="process") as loader:
+    with plait.Loader(spec, 0, read_ahead=0, share="process") as loader:
         return resume(loader, state)
 
 

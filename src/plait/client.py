@@ -8,6 +8,9 @@
 The state names the step in progress (the Planner's state at its start) and how many of its
 micro-batches this rank has consumed. Resuming re-plans that step (metadata only) and continues after
 the last consumed micro-batch, so the stream continues bit for bit.
+
+The Loader is the trainer's face only: planning, building and the re-planning of an elastic resume run on
+the job's side, behind the runtime (plait.runtime.RankStream).
 """
 
 from __future__ import annotations
@@ -20,68 +23,60 @@ import time
 import warnings
 from typing import Iterator
 
-from plait.errors import PlaitError
-from plait.state.spec_change import split_fingerprint, warn_changes
-from plait.state.log import diff_state, resolved
-from plait.state.overrides import merge_pending
-from plait.state.schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
-from plait.runtime import make_runtime
 from plait.batch import MicroBatch
+from plait.errors import PlaitError
+from plait.runtime import make_runtime
+from plait.runtime.options import renamed
 from plait.spec import Spec, load_spec
+from plait.state.log import diff_state, resolved
+from plait.state.overrides import merge_pending, report_effect_step
+from plait.state.schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
+from plait.state.spec_change import warn_changes
 from plait.topology import Layout, ParallelRanks, env_int, layout_for_world
 
-
 log = logging.getLogger("plait.loader")
+READ_AHEAD = 2  # micro-batches the Loader's reader thread holds ahead of the trainer
 
 
 class Loader:
     """The trainer-side iterator of one rank: yields its micro-batches (`plait.Batch`) in order.
 
-    `Loader(spec, dp_rank, tp_rank=, pp_rank=, cp_rank=, runtime="local"|"ray", steps=, prefetch=, **options)`;
-    under torchrun prefer `Loader.from_torchrun(spec, tp=, pp=, cp=)`, which reads the ranks from the
-    environment. Options a runtime does not take are an error naming them. Use it as a context manager
-    (or call `close()`) so that what it started is released.
+    `Loader(spec, dp_rank, tp_rank=, pp_rank=, cp_rank=, runtime="local"|"node"|"ray"|"flight", steps=,
+    read_ahead=, **options)`; under torchrun prefer `Loader.from_torchrun(spec, tp=, pp=, cp=)`, which
+    reads the ranks from the environment. `read_ahead`: micro-batches a reader thread fetches ahead of the
+    trainer (0: none; `prefetch` is its deprecated name; how many *steps* the job builds ahead is the
+    runtime's option). Options a runtime does not take are an error naming them. Use it as a context
+    manager (or call `close()`) so that what it started is released.
 
     runtime="local" under torchrun with several processes on a node: the processes share one data plane,
     hosted by LOCAL_RANK 0 (plait.runtime.node_share; the same stream, memory flat in ranks and sources);
     `share="process"` (or PLAIT_LOCAL_SHARE=process) makes every process load alone.
     """
 
-    def __init__(
-        self,
-        spec: Spec | dict | str,
-        dp_rank: int = 0,
-        *,
-        runtime: str = "local",
-        tp_rank: int = 0,
-        pp_rank: int = 0,
-        cp_rank: int = 0,
-        job: str | None = None,
-        prefetch: int = 2,
-        steps: int | None = None,
-        **runtime_options,
-    ):
+    def __init__(self, spec: Spec | dict | str, dp_rank: int = 0, *, runtime: str = "local", tp_rank: int = 0,
+                 pp_rank: int = 0, cp_rank: int = 0, job: str | None = None, read_ahead: int | None = None,
+                 steps: int | None = None, prefetch: int | None = None, **runtime_options):
         self.spec = load_spec(spec)
         topo = self.spec.topology
         for name, value, size in (("dp_rank", dp_rank, topo.dp), ("tp_rank", tp_rank, topo.tp),
                                   ("pp_rank", pp_rank, topo.pp), ("cp_rank", cp_rank, topo.cp)):
             if not 0 <= value < size:
                 raise PlaitError(f"{name}={value} is outside the topology (size {size})")
+        self.ranks = ParallelRanks(dp=dp_rank, tp=tp_rank, pp=pp_rank, cp=cp_rank)
         self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank = dp_rank, tp_rank, pp_rank, cp_rank
-        self.prefetch = max(0, prefetch)
+        read_ahead = renamed("prefetch", prefetch, "read_ahead", read_ahead)
+        self.read_ahead = max(0, READ_AHEAD if read_ahead is None else read_ahead)
         self.max_steps = steps if steps is not None else self.spec.steps
         self._runtime = self._make_runtime(runtime, job, runtime_options)
-        self._resume_state = self._runtime.state_dict()
-        self._resume_micro = 0
-        self._step_done = False  # the last consumed micro-batch was its step's last
-        self._step_totals: tuple[int, int, int] | None = None  # that step's tokens, samples, micro-batches
-        self._loaded_seen = (0, 0)
-        self._iterating = False
-        self._closed = False
-        # run-time mixing calls made since the step in progress was planned: they go into state_dict()
-        self._overrides: list[dict] = []
-        self._reports: dict[int, dict[str, float]] = {}
+        self._at = Position(self._runtime.state_dict())
+        self._iterating = self._closed = False
+        self._pending = PendingMixing(self.spec)  # run-time mixing calls since the step in progress was planned
         self.resume_report: list[str] = []  # what a resume with allow_spec_change found changed
+
+    @property
+    def prefetch(self) -> int:
+        """Deprecated name of `read_ahead`."""
+        return self.read_ahead
 
     @classmethod
     def from_torchrun(cls, spec: Spec | dict | str, *, tp: int | None = None, pp: int | None = None,
@@ -118,21 +113,7 @@ class Loader:
     def for_process(cls, spec: Spec | dict | str, *, rank: int, world_size: int, tp: int | None = None,
                     pp: int | None = None, cp: int | None = None, **options) -> "Loader":
         """The Loader of global `rank` in a job of `world_size` processes (see `from_torchrun`)."""
-        spec = load_spec(spec)
-        topo = spec.topology
-        stated = topo.model_fields_set
-        sizes = {}
-        for name, given in (("tp", tp), ("pp", pp), ("cp", cp)):
-            in_spec = getattr(topo, name)
-            if given is not None and name in stated and given != in_spec:
-                raise PlaitError(f"{name}={given} was passed but the spec's topology says {name}: {in_spec}")
-            sizes[name] = in_spec if given is None else given
-        layout = layout_for_world(world_size, **sizes)
-        if "dp" in stated and topo.dp != layout.dp:
-            log.info("the spec's topology says dp: %d; this launch of %d processes with tp=%d, pp=%d, cp=%d makes "
-                     "dp=%d, which is used", topo.dp, world_size, sizes["tp"], sizes["pp"], sizes["cp"], layout.dp)
-        spec = spec.with_overrides(topology={"dp": layout.dp, **sizes})
-        r = layout.ranks_of(rank)
+        spec, r = spec_for_process(load_spec(spec), rank, world_size, {"tp": tp, "pp": pp, "cp": cp})
         return cls(spec, r.dp, tp_rank=r.tp, pp_rank=r.pp, cp_rank=r.cp, **options)
 
     def __enter__(self) -> "Loader":
@@ -159,17 +140,11 @@ class Loader:
         port = self.spec.metrics.port
         if runtime in ("local", "node") and port:  # one endpoint per trainer process: the port plus its global rank
             topo = self.spec.topology
-            rank = Layout(dp=topo.dp, tp=topo.tp, pp=topo.pp, cp=topo.cp).global_rank(
-                ParallelRanks(dp=self.dp_rank, tp=self.tp_rank, pp=self.pp_rank, cp=self.cp_rank))
-            options.setdefault("metrics_port", port + rank)
+            options.setdefault("metrics_port", port + Layout(dp=topo.dp, tp=topo.tp, pp=topo.pp,
+                                                             cp=topo.cp).global_rank(self.ranks))
         return make_runtime(self.spec, runtime, **options)
 
     # ----- iteration ---------------------------------------------------------------------------
-    def _produce(self) -> Iterator[tuple[dict, MicroBatch]]:
-        """(state at the start of the batch's step, batch) in order, from the resume point."""
-        return self._runtime.iter_rank(self.dp_rank, self._data_state(), self._resume_micro, self.max_steps,
-                                       cp_rank=self.cp_rank)  # the runtime serves this CP rank its shard
-
     def __iter__(self) -> Iterator[MicroBatch]:
         if self._closed:
             raise PlaitError("this Loader is closed (close() or its `with` block ended): create a new one, and "
@@ -178,22 +153,19 @@ class Loader:
             raise PlaitError("this Loader is already being iterated")
         self._iterating = True
         try:
-            source = self._produce() if self.prefetch == 0 else _prefetched(self._produce(), self.prefetch)
+            stream = self._runtime.iter_rank(self.dp_rank, self._data_state(), self._at.micro, self.max_steps,
+                                             cp_rank=self.cp_rank)  # the runtime serves this CP rank its shard
+            items = iter(stream if self.read_ahead == 0 else _read_ahead(stream, self.read_ahead))
             watch = getattr(self._runtime, "telemetry", None)
-            items = iter(source)
             while True:
                 waited = time.perf_counter()
                 try:
                     state, mb = next(items)
                 except StopIteration:
                     break
-                if watch is not None:  # time this rank waited for data (0 when prefetch keeps ahead)
+                if watch is not None:  # time this rank waited for data (0 when read-ahead keeps ahead)
                     watch.observe_wait(self.dp_rank, time.perf_counter() - waited)
-                self._resume_state = state
-                self._resume_micro = mb.microbatch + 1
-                self._step_done = self._resume_micro >= mb.num_microbatches
-                self._step_totals = (int(mb.stats.get("tokens", 0)), int(mb.stats.get("samples", 0)),
-                                     int(mb.stats.get("microbatches", mb.num_microbatches)))
+                self._at.consumed(state, mb)
                 yield mb
         finally:
             self._iterating = False
@@ -208,75 +180,40 @@ class Loader:
         the whole job's tokens and samples (document chunks) of the completed steps, for schedules that
         key on tokens rather than steps (after an elastic resume a step holds a different number).
         """
-        self._resume_state = resolved(self._resume_state)  # a thin client's steps carry a reference only
-        delivered = self._resume_state.get("delivered") or {"tokens": 0, "samples": 0}
-        tokens, samples = int(delivered["tokens"]), int(delivered["samples"])
-        micro = self._resume_micro
-        boundary = micro == 0 or self._step_done
-        if self._step_done and self._step_totals is not None:
-            step_tokens, step_samples, width = self._step_totals
-            tokens, samples, micro = tokens + step_tokens, samples + step_samples, width
-        elif self._step_done:  # loaded from a boundary state: its counts stand
-            tokens, samples = self._loaded_seen
-        return seal({
-            "version": CLIENT_STATE_VERSION,
-            "data": self._data_state(),
-            "next_microbatch": micro,
-            "layout": self._layout(self.spec),
-            "at_step_boundary": boundary,
-            "tokens_seen": tokens,
-            "samples_seen": samples,
-            **self._next_state(boundary and micro > 0),
-        })
+        tokens, samples, micro, boundary = self._at.seen()
+        return seal({"version": CLIENT_STATE_VERSION, "data": self._data_state(), "next_microbatch": micro,
+                     "layout": layout_of(self.spec), "at_step_boundary": boundary, "tokens_seen": tokens,
+                     "samples_seen": samples, **self._next_state(boundary and micro > 0)})
 
     def _data_state(self) -> dict:
         """The data state of the step in progress, with the run-time mixing calls made since it was
         planned (set_weights, report): a resume replays them exactly."""
-        self._resume_state = resolved(self._resume_state)
-        step = int(self._resume_state["step"])
-        self._overrides = [o for o in self._overrides if o["at_step"] >= step]  # older ones are in the snapshot
-        online = self.spec.mixture.online
-        if online is not None:
-            self._reports = {s: r for s, r in self._reports.items()
-                             if (s // online.every + 1) * online.every - 1 + online.delay >= step}
-        if not self._overrides and not self._reports:
-            return self._resume_state
-        return merge_pending(self._resume_state, self._overrides, self._reports, self.spec)
+        return self._pending.merged(self._at.resolved())
 
     def _next_state(self, done: bool) -> dict:
         """At a step's end, the data state after that step as a diff (`next`), where the runtime knows it:
         a resume under a changed spec starts there (the consumed step is not re-planned under the new
         spec, whose draws would differ)."""
-        after = getattr(self._runtime, "state_after", None)
-        state = after(int(self._resume_state["step"])) if done and after is not None else None
-        if state is None:
-            return {}
-        return {"next": diff_state(self._resume_state, state)}
+        state = self._runtime.state_after(int(self._at.state["step"])) if done else None
+        return {} if state is None else {"next": diff_state(self._at.state, state)}
 
     # ----- run-time mixing ---------------------------------------------------------------------
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """Change the token shares from global step `at_step` on: `{source: share}` for the sources to pin
         (the others share what is left, in their current proportions). Recorded in the data state, so a
-        resume reproduces it. A step already planned is refused: the loader plans up to prefetch + 1
-        steps ahead of the trainer, so choose at_step >= the current step + prefetch + 2. Local runtime:
-        call it identically on every rank (each plans the whole step itself); ray runtime: call it on one
-        rank (the job's one Planner applies it)."""
+        resume reproduces it. A step already planned is refused: the job plans a few steps ahead of the
+        trainer, so choose at_step >= the current step + read_ahead + 2. Local runtime: call it identically
+        on every rank (each plans the whole step itself); ray runtime: call it on one rank (the job's one
+        Planner applies it)."""
         self._runtime.set_weights(weights, at_step)
-        entry = {"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()}, "by": "user"}
-        if entry not in self._overrides:  # the same call again is one entry, as in the Planner's state
-            self._overrides.append(entry)
+        self._pending.set_weights(weights, at_step)
 
     def report(self, step: int, losses: dict[str, float]) -> None:
         """Per-source training losses of global step `step` (e.g. all-reduced over ranks) for the online
         mixing policy (`mixture.online`): its update of the window [wK, (w+1)K) takes effect at step
         (w+1)K - 1 + delay. Local runtime: call it identically on every rank."""
         self._runtime.report(step, losses)
-        self._reports.setdefault(int(step), {}).update({n: float(v) for n, v in losses.items()})
-
-    @staticmethod
-    def _layout(spec: Spec) -> dict:
-        """What shapes a step (not which samples come): the step at `data` was planned on this."""
-        return {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches, "seq_len": spec.packing.seq_len}
+        self._pending.report(step, losses)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> None:
         """Continue from a state saved by `state_dict()` (call before iterating, not during).
@@ -293,22 +230,19 @@ class Loader:
         if isinstance(state, dict) and set(state) == {"data"}:  # a `plait run --save-state` file of plait <= 0.x
             state = {"version": 1, "data": state["data"], "next_microbatch": 0}
         parsed = check_client_state(state, self._max_microbatches(), self.spec)
-        if allow_spec_change or state.get("layout") not in (None, self._layout(self.spec)):
+        if allow_spec_change or state.get("layout") not in (None, layout_of(self.spec)):
             state = after_consumed_step(state, parsed.at_step_boundary)
-        data, micro = self._elastic(state)
+        data, micro = elastic_start(state, self.spec, self._runtime)
         self.resume_report = []
         if allow_spec_change:
-            data, micro = self._load_changed(data, micro)
+            data = self._load_changed(data, micro)
         else:
             self._runtime.load_state_dict(data)  # validates the data state now, not at iteration
-        self._overrides, self._reports = [], {}
-        self._resume_state = data
-        self._resume_micro = micro
-        saved_done = micro > 0 and bool(parsed.at_step_boundary)
-        self._step_done, self._step_totals = saved_done, None
-        self._loaded_seen = (parsed.tokens_seen or 0, parsed.samples_seen or 0)
+        self._pending = PendingMixing(self.spec)
+        self._at = Position(data, micro, micro > 0 and bool(parsed.at_step_boundary),
+                            (parsed.tokens_seen or 0, parsed.samples_seen or 0))
 
-    def _load_changed(self, data: dict, micro: int) -> tuple[dict, int]:
+    def _load_changed(self, data: dict, micro: int) -> dict:
         changes = self._runtime.load_state_dict(data, allow_spec_change=True) or []
         if changes and micro:
             raise PlaitError(
@@ -320,47 +254,11 @@ class Loader:
             data = self._runtime.state_dict()
             warn_changes(changes)
         self.resume_report = changes
-        return data, micro
+        return data
 
     def _max_microbatches(self) -> int:
         per_rank = self.spec.packing.num_microbatches
         return 2 * per_rank if self.spec.balance.mode == "variable" else per_rank
-
-    def _elastic(self, state: dict) -> tuple[dict, int]:
-        """Resume on another layout (DP size, micro-batches): only from a step boundary.
-
-        The data state is layout-free at a step's start. A state saved after a step's last micro-batch
-        names that step's start; the step is re-planned on the saved layout (metadata only) to get
-        the state after it, which then continues on the new layout: no sample lost or repeated.
-        """
-        data, micro = state["data"], int(state["next_microbatch"])
-        saved = state.get("layout")
-        if saved is None or saved == self._layout(self.spec):
-            return data, micro
-        changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in self._layout(self.spec).items() if saved.get(k) != v)
-        if micro == 0:
-            _note_layout_change(changed)
-            return data, 0
-        if micro < saved["microbatches"]:
-            raise PlaitError(
-                f"this checkpoint was taken in the middle of a step (after micro-batch {micro - 1} of "
-                f"{saved['microbatches']}) on {saved['dp']} DP ranks; resuming on a different layout "
-                f"({self._layout(self.spec)}) needs a checkpoint taken at a step boundary"
-            )
-        old = self.spec.with_overrides(
-            topology={"dp": saved["dp"]}, packing={"seq_len": saved["seq_len"], "microbatches": saved["microbatches"],
-                                                   "tokens_per_rank": None},
-        )
-        saved_fp = split_fingerprint(str(data.get("fingerprint", "")))  # (data, None): before run-time mixing
-        if saved_fp[1] is not None and saved_fp != (old.data_fingerprint(), old.mixture_fingerprint()):
-            raise PlaitError(
-                "this step-boundary checkpoint holds no data state after its step (an older plait wrote it), so "
-                "it cannot move to another layout and a changed spec at once: resume it on its own layout or "
-                "with its own spec for one step, save, and make the other change then"
-            )
-        _note_layout_change(changed)
-        from plait.job.elastic import advance  # the Planner (and numba): only when re-planning
-        return advance(old, data, dp=saved["dp"]), 0
 
     def error_report(self) -> dict:
         """The bad records skipped so far under `on_error: skip`, per source: `{source: {"skipped": n,
@@ -379,6 +277,121 @@ class Loader:
         closes (also done by `with`, and at interpreter exit): the last one of a job ends the job's actors."""
         self._closed = True
         self._runtime.close()
+
+
+class Position:
+    """Where a rank is in its stream: the data state at the start of the step in progress (`state`), the
+    micro-batches of it consumed (`micro`), whether that was the step's last (`step_done`) and that
+    step's totals; `loaded_seen`: the token and sample counts of a state loaded at a step boundary."""
+
+    def __init__(self, state: dict, micro: int = 0, step_done: bool = False, loaded_seen: tuple = (0, 0)):
+        self.state, self.micro, self.step_done, self.loaded_seen = state, micro, step_done, loaded_seen
+        self.step_totals: tuple[int, int, int] | None = None  # the step's tokens, samples, micro-batches
+
+    def consumed(self, state, mb: MicroBatch) -> None:
+        self.state, self.micro = state, mb.microbatch + 1
+        self.step_done = self.micro >= mb.num_microbatches
+        self.step_totals = (int(mb.stats.get("tokens", 0)), int(mb.stats.get("samples", 0)),
+                            int(mb.stats.get("microbatches", mb.num_microbatches)))
+
+    def resolved(self) -> dict:
+        """The state, fetched where a thin client's step carried a reference only."""
+        self.state = resolved(self.state)
+        return self.state
+
+    def seen(self) -> tuple[int, int, int, bool]:
+        """(tokens and samples of the job's completed steps, the next micro-batch, at a step boundary)."""
+        delivered = self.resolved().get("delivered") or {"tokens": 0, "samples": 0}
+        tokens, samples, micro = int(delivered["tokens"]), int(delivered["samples"]), self.micro
+        if self.step_done and self.step_totals is not None:
+            step_tokens, step_samples, micro = self.step_totals
+            tokens, samples = tokens + step_tokens, samples + step_samples
+        elif self.step_done:  # loaded from a boundary state: its counts stand
+            tokens, samples = self.loaded_seen
+        return tokens, samples, micro, micro == 0 or self.step_done
+
+
+class PendingMixing:
+    """The run-time mixing calls (set_weights, report) made since the step in progress was planned: a
+    state snapshot taken then does not hold them, so they are merged into the checkpointed state."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.overrides: list[dict] = []
+        self.reports: dict[int, dict[str, float]] = {}
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        entry = {"at_step": int(at_step), "weights": {n: float(v) for n, v in weights.items()}, "by": "user"}
+        if entry not in self.overrides:  # the same call again is one entry, as in the Planner's state
+            self.overrides.append(entry)
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        self.reports.setdefault(int(step), {}).update({n: float(v) for n, v in losses.items()})
+
+    def merged(self, state: dict) -> dict:
+        step = int(state["step"])
+        self.overrides = [o for o in self.overrides if o["at_step"] >= step]  # older ones are in the snapshot
+        online = self.spec.mixture.online
+        if online is not None:
+            self.reports = {s: r for s, r in self.reports.items() if report_effect_step(online, s) >= step}
+        if not self.overrides and not self.reports:
+            return state
+        return merge_pending(state, self.overrides, self.reports, self.spec)
+
+
+def spec_for_process(spec: Spec, rank: int, world_size: int, given: dict) -> tuple[Spec, ParallelRanks]:
+    """The spec of a launch of `world_size` processes (its DP size from the world, `given` tp/pp/cp where
+    passed) and global `rank`'s parallel ranks in it."""
+    topo = spec.topology
+    stated = topo.model_fields_set
+    sizes = {}
+    for name, value in given.items():
+        in_spec = getattr(topo, name)
+        if value is not None and name in stated and value != in_spec:
+            raise PlaitError(f"{name}={value} was passed but the spec's topology says {name}: {in_spec}")
+        sizes[name] = in_spec if value is None else value
+    layout = layout_for_world(world_size, **sizes)
+    if "dp" in stated and topo.dp != layout.dp:
+        log.info("the spec's topology says dp: %d; this launch of %d processes with tp=%d, pp=%d, cp=%d makes "
+                 "dp=%d, which is used", topo.dp, world_size, sizes["tp"], sizes["pp"], sizes["cp"], layout.dp)
+    return spec.with_overrides(topology={"dp": layout.dp, **sizes}), layout.ranks_of(rank)
+
+
+def layout_of(spec: Spec) -> dict:
+    """What shapes a step (not which samples come): a checkpoint's step was planned on this."""
+    return {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches, "seq_len": spec.packing.seq_len}
+
+
+def elastic_start(state: dict, spec: Spec, runtime) -> tuple[dict, int]:
+    """(data state, next micro-batch) to resume a client state from on `spec`'s layout: on another layout
+    (DP size, micro-batches) only from a step boundary, whose step the job re-plans on the saved layout
+    (plait.job.elastic, through the runtime): the state after it is layout-free, no sample lost or repeated."""
+    data, micro = state["data"], int(state["next_microbatch"])
+    saved, now = state.get("layout"), layout_of(spec)
+    if saved is None or saved == now:
+        return data, micro
+    changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in now.items() if saved.get(k) != v)
+    if 0 < micro < saved["microbatches"]:
+        raise PlaitError(
+            f"this checkpoint was taken in the middle of a step (after micro-batch {micro - 1} of "
+            f"{saved['microbatches']}) on {saved['dp']} DP ranks; resuming on a different layout "
+            f"({now}) needs a checkpoint taken at a step boundary"
+        )
+    if micro:
+        from plait.job.elastic import replan_through
+
+        data = replan_through(runtime, spec, data, saved)
+    warnings.warn(
+        f"resuming on a different layout ({changed}): the data continues exactly, but a step now holds a "
+        "different number of tokens, so step-keyed schedules (learning rate) drift; key them on "
+        "state_dict()['tokens_seen'] instead",
+        LayoutChangeWarning, stacklevel=3,
+    )
+    return data, 0
+
+
+class LayoutChangeWarning(UserWarning):
+    """A state saved on one layout (dp, micro-batches, seq_len) was resumed on another."""
 
 
 class DistributedCheckpoint:
@@ -405,24 +418,11 @@ class DistributedCheckpoint:
         self.loader.load_state_dict(state)
 
 
-class LayoutChangeWarning(UserWarning):
-    """A state saved on one layout (dp, micro-batches, seq_len) was resumed on another."""
-
-
-def _note_layout_change(changed: str) -> None:
-    warnings.warn(
-        f"resuming on a different layout ({changed}): the data continues exactly, but a step now holds a "
-        "different number of tokens, so step-keyed schedules (learning rate) drift; key them on "
-        "state_dict()['tokens_seen'] instead",
-        LayoutChangeWarning, stacklevel=3,
-    )
-
-
 class _Done:
     pass
 
 
-def _prefetched(gen: Iterator, depth: int) -> Iterator:
+def _read_ahead(gen: Iterator, depth: int) -> Iterator:
     """Run a generator in a background thread, `depth` items ahead. Exceptions re-raise here.
 
     When the consumer stops early, the worker stops at its next hand-over (it never blocks on a full

@@ -58,7 +58,7 @@ def take(loader, n: int) -> list:
 
 @pytest.mark.parametrize("rank", range(DP))
 def test_yields_its_ranks_share_of_each_step_in_order(spec, reference, rank):
-    with plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=0) as loader:
+    with plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=0) as loader:
         got = list(loader)
     assert [(b.step, b.microbatch, b.dp_rank) for b in got] == [(s, m, rank) for s in range(STEPS) for m in range(M)]
     assert_batches_equal(got, reference[rank])
@@ -67,7 +67,7 @@ def test_yields_its_ranks_share_of_each_step_in_order(spec, reference, rank):
 
 def test_prefetch_depth_does_not_change_the_stream(spec, reference):
     for prefetch in (0, 1, 3, 50):
-        with plait.Loader(spec, dp_rank=1, steps=STEPS, prefetch=prefetch) as loader:
+        with plait.Loader(spec, dp_rank=1, steps=STEPS, read_ahead=prefetch) as loader:
             assert_batches_equal(list(loader), reference[1])
 
 
@@ -87,13 +87,13 @@ def test_steps_bounds_the_stream(spec, spec_dict, reference):
 @pytest.mark.parametrize("n", [0, 1, M + 1, 2 * M, STEPS * M])
 def test_state_dict_resumes_with_exactly_the_remaining_batches(spec, reference, n):
     rank = 1
-    first = plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=2)
+    first = plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=2)
     head = take(first, n)
     state = json.loads(json.dumps(first.state_dict()))
     first.close()
     assert state["next_microbatch"] == (0 if n == 0 else (n - 1) % M + 1)
     assert state["data"]["step"] == (0 if n == 0 else (n - 1) // M)
-    with plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=0) as resumed:
+    with plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=0) as resumed:
         resumed.load_state_dict(state)
         tail = list(resumed)
     assert len(tail) == STEPS * M - n
@@ -114,7 +114,7 @@ def test_state_of_another_spec_or_version_is_refused_before_iterating(spec, spec
 
 
 def test_one_iteration_at_a_time_and_no_state_load_during_it(spec):
-    with plait.Loader(spec, steps=STEPS, prefetch=0) as loader:
+    with plait.Loader(spec, steps=STEPS, read_ahead=0) as loader:
         it = iter(loader)
         next(it)
         state = loader.state_dict()
@@ -180,3 +180,15 @@ def test_from_torchrun_takes_ranks_from_the_environment(spec_dict, reference, mo
     with pytest.raises(PlaitError, match="RANK is not set"):
         plait.Loader.from_torchrun(free)
     assert np.all([len(s) == STEPS * M for s in streams.values()])
+
+
+def test_old_option_names_still_work_with_a_deprecation_warning(spec, reference):
+    """`prefetch` is now `read_ahead` (micro-batches the reader thread holds): the old name gives the same
+    stream with a DeprecationWarning; both at once are refused."""
+    with pytest.warns(DeprecationWarning, match="prefetch= is deprecated: it is now called read_ahead="):
+        loader = plait.Loader(spec, dp_rank=1, steps=STEPS, prefetch=3)
+    with loader:
+        assert loader.read_ahead == 3
+        assert [mb.sample_ids.tolist() for mb in loader] == [mb.sample_ids.tolist() for mb in reference[1]]
+    with pytest.raises(plait.PlaitError, match="both given"):
+        plait.Loader(spec, steps=STEPS, prefetch=1, read_ahead=1)

@@ -50,14 +50,14 @@ def test_cache_size_does_not_change_the_stream(spec_dict):
 
 
 def test_loader_prefetch_does_not_change_the_stream(spec_dict):
-    digests = {p: batch_digest(plait.Loader(spec_dict, dp_rank=1, steps=5, prefetch=p)) for p in (0, 1, 3)}
+    digests = {p: batch_digest(plait.Loader(spec_dict, dp_rank=1, steps=5, read_ahead=p)) for p in (0, 1, 3)}
     assert len(set(digests.values())) == 1
 
 
 def test_client_stream_equals_the_runtime_stream(spec_dict):
     """Each rank's Loader (which plans on its own) gets exactly its share of the global plan."""
     expected = all_ranks_digest(spec_dict, steps=4)
-    got = [batch_digest(plait.Loader(spec_dict, dp_rank=r, steps=4, prefetch=0)) for r in range(2)]
+    got = [batch_digest(plait.Loader(spec_dict, dp_rank=r, steps=4, read_ahead=0)) for r in range(2)]
     assert got == expected
 
 

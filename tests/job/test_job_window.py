@@ -14,7 +14,7 @@ from helpers import batch_digest, make_spec, token_parquet
 import plait
 from plait.job.consumers import Consumers, RankProgress
 from plait.job.service import JobService
-from plait.runtime.local import LocalRuntime
+from plait.runtime.local import LocalRoles
 
 
 def small_spec(tmp_path, steps: int = 16):
@@ -25,8 +25,8 @@ def small_spec(tmp_path, steps: int = 16):
 def test_fast_reader_waits_for_the_slow_one_and_goes_on_when_it_leaves(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PLAIT_LAG_REPORT_S", "0.2")
     spec = small_spec(tmp_path)
-    expected = {r: batch_digest(plait.Loader(spec, dp_rank=r, prefetch=0, share="process")) for r in range(2)}
-    svc = JobService(LocalRuntime(spec), prefetch=1, window=4)
+    expected = {r: batch_digest(plait.Loader(spec, dp_rank=r, read_ahead=0, share="process")) for r in range(2)}
+    svc = JobService(LocalRoles(spec), build_ahead=1, window=4)
     got: dict[int, list] = {0: [], 1: []}
     try:
         got[1] += svc.get(0, 0, 1, limit=16, client="slow")[1]
@@ -51,7 +51,7 @@ def test_fast_reader_waits_for_the_slow_one_and_goes_on_when_it_leaves(tmp_path,
     finally:
         svc.close()
     assert batch_digest(got[0]) == expected[0]  # the single-process stream, bit for bit
-    assert batch_digest(got[1]) == batch_digest(list(plait.Loader(spec, dp_rank=1, prefetch=0, share="process"))[:8])
+    assert batch_digest(got[1]) == batch_digest(list(plait.Loader(spec, dp_rank=1, read_ahead=0, share="process"))[:8])
     assert expected[1]
 
 

@@ -42,7 +42,7 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int | None:
 
 
 def local_streams(spec) -> dict:
-    return {r: list(plait.Loader(spec, dp_rank=r, prefetch=0)) for r in range(spec.topology.dp)}
+    return {r: list(plait.Loader(spec, dp_rank=r, read_ahead=0)) for r in range(spec.topology.dp)}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def ids(batches) -> list:
 
 
 def thin(spec, server, dp_rank=0, **kw):
-    return plait.Loader(spec, dp_rank=dp_rank, runtime="flight", address=server.address, token=server.token,
+    return plait.Loader(spec, dp_rank=dp_rank, runtime="flight", job_address=server.address, token=server.token,
                         job=JOB, **kw)
 
 
@@ -88,7 +88,7 @@ def test_context_parallel_shards_are_cut_by_the_server(spec):
     with LocalJobServer(cp_spec, JOB) as server:
         for r in (0, 1):
             for c in (0, 1):
-                want = list(plait.Loader(cp_spec, dp_rank=r, cp_rank=c, prefetch=0))
+                want = list(plait.Loader(cp_spec, dp_rank=r, cp_rank=c, read_ahead=0))
                 with thin(cp_spec, server, r, cp_rank=c) as loader:
                     got = list(loader)
                 assert [mb.input_ids.tolist() for mb in got] == [mb.input_ids.tolist() for mb in want], (r, c)
@@ -113,7 +113,7 @@ def test_steps_carry_no_data_state_a_checkpoint_fetches_it(spec, monkeypatch):
     fetches the state of the step in progress once, and it equals the local runtime's at that point."""
     from plait.runtime.flight import STATE_KEY, Channel, location_of
 
-    local = plait.Loader(spec, dp_rank=0, prefetch=0)
+    local = plait.Loader(spec, dp_rank=0, read_ahead=0)
     local_it = iter(local)
     for _ in range(3):
         next(local_it)
@@ -143,11 +143,11 @@ def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
     monkeypatch.delenv("PLAIT_TOKEN_FILE", raising=False)
     with LocalJobServer(spec, JOB) as server:
         with pytest.raises(plait.PlaitError, match=r"refused this client's token \(PLAIT_TOKEN must be"):
-            plait.Loader(spec, runtime="flight", address=server.address, token="not-the-token")
+            plait.Loader(spec, runtime="flight", job_address=server.address, token="not-the-token")
         with pytest.raises(plait.PlaitError, match="runs a different spec"):
             thin(spec.with_overrides(seed=7), server)
         with pytest.raises(plait.PlaitError, match=f"is '{JOB}', not 'other'"):
-            plait.Loader(spec, runtime="flight", address=server.address, token=server.token, job="other")
+            plait.Loader(spec, runtime="flight", job_address=server.address, token=server.token, job="other")
         with thin(spec, server) as loader:
             assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}
             loader.set_weights({"tok": 1.0}, at_step=4)
@@ -168,7 +168,7 @@ def test_plait_serve_runtime_local_serves_without_ray(spec, tmp_path):
     spec_path.write_text(json.dumps(spec.model_dump(mode="json")))
     plait_bin = Path(sys.executable).parent / "plait"
     server = subprocess.Popen([str(plait_bin), "serve", str(spec_path), "--job", JOB, "--runtime", "local",
-                               "--address", f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE,
+                               "--listen", f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         printed = {}
@@ -177,7 +177,7 @@ def test_plait_serve_runtime_local_serves_without_ray(spec, tmp_path):
             assert line, f"plait serve ended: {server.stderr.read()[-3000:]}"
             key, _, value = line.strip().partition("=")
             printed[key] = value
-        with plait.Loader(spec, dp_rank=0, runtime="flight", address=printed["PLAIT_ADDRESS"],
+        with plait.Loader(spec, dp_rank=0, runtime="flight", job_address=printed["PLAIT_ADDRESS"],
                           token=printed["PLAIT_TOKEN"]) as loader:
             assert ids(loader) == ids(local_streams(spec)[0])
         assert stop(server) == 0, server.stderr.read()[-3000:]  # Ctrl-C ends the job cleanly
@@ -202,3 +202,32 @@ def test_realistic_quick_bench_on_the_one_process_server(tmp_path):
         assert run["ray_imported"] is False and run["ray_daemons"] == 0, key
         assert list(run["roles"]) == ["serve"] and run["roles"]["serve"]["count"] == 1, key
         assert run["total"] == run["trainer_added"] + run["roles"]["serve"]["rss"], key
+
+
+def test_one_server_shell_answers_only_what_its_answerers_offer():
+    """JobFlight, the one plait Flight server: an action none of its answerers offers is refused in one
+    sentence, a server without `get` streams nothing, a wrong token is refused; `hello` of the first
+    answerer that has it answers."""
+    from plait.runtime.flight import Channel
+    from plait.runtime.flight_serving import JobFlight, grpc_location
+
+    class Front:
+        def hello(self) -> dict:
+            return {"job": "shell"}
+
+    server = JobFlight(grpc_location("127.0.0.1", 0), "secret", (Front(),))
+    try:
+        channel = Channel(grpc_location("127.0.0.1", server.port), "secret", 10)
+        assert channel.action("hello") == {"job": "shell"}
+        with pytest.raises(plait.PlaitError, match="unknown action 'seek'"):
+            channel.action("seek", {"state": {}})
+        with pytest.raises(plait.PlaitError, match="streams no steps"):
+            channel.step({"gen": 0, "step": 0, "dp_rank": 0, "cp": [1, 0]})
+        assert [a.type for a in channel.client.list_actions(options=channel.options)] == ["hello"]
+        channel.close()
+        wrong = Channel(grpc_location("127.0.0.1", server.port), "not-it", 10)
+        with pytest.raises(plait.PlaitError, match="refused this client's token"):
+            wrong.action("hello")
+        wrong.close()
+    finally:
+        server.shutdown()

@@ -117,17 +117,27 @@ def test_functions_take_few_parameters():
     assert wide == []
 
 
-def test_every_runtime_implements_the_runtime_contract():
+def test_every_runtime_keeps_its_whole_contract():
+    """Every runtime is a trainer's stream; local and ray also drive a job. None has a method of a
+    contract it does not keep (no raising plan/build on a thin client)."""
     import inspect
 
-    from plait.runtime import Runtime, runtime_class
+    from plait.runtime import DRIVERS, RUNTIMES, JobDriver, RankStream, runtime_class
 
-    contract = [n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")]
-    assert {"iter_rank", "plan", "build", "release", "state_dict", "load_state_dict", "close"} <= set(contract)
-    for name in ("local", "ray", "flight"):
+    def methods(proto) -> list[str]:
+        return [n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")]
+
+    assert {"iter_rank", "state_dict", "state_after", "load_state_dict", "close"} <= set(methods(RankStream))
+    assert set(methods(JobDriver)) == {"plan", "build", "release"}
+    for name in ("local", "node", "ray", "flight"):
+        assert name in RUNTIMES
         cls = runtime_class(name)
-        for method in contract:
-            assert hasattr(cls, method), f"{name} runtime lacks {method}"
-            want = list(inspect.signature(getattr(Runtime, method)).parameters)
-            have = list(inspect.signature(getattr(cls, method)).parameters)
-            assert have[: len(want)] == want or "args" in have[-1:], f"{name}.{method}{have} != contract {want}"
+        contracts = [RankStream, JobDriver] if name in DRIVERS else [RankStream]
+        for proto in contracts:
+            for method in methods(proto):
+                assert hasattr(cls, method), f"{name} runtime lacks {method}"
+                want = list(inspect.signature(getattr(proto, method)).parameters)
+                have = list(inspect.signature(getattr(cls, method)).parameters)
+                assert have[: len(want)] == want or "args" in have[-1:], f"{name}.{method}{have} != contract {want}"
+        if name not in DRIVERS:
+            assert not any(hasattr(cls, m) for m in methods(JobDriver)), f"{name} offers half a driver"

@@ -28,7 +28,7 @@ flight = pytest.importorskip("pyarrow.flight")
 import plait  # noqa: E402
 from plait.batch import MicroBatch  # noqa: E402
 from plait.metrics import batch_digest_update, combined_digest  # noqa: E402
-from plait.runtime import Runtime, runtime_class  # noqa: E402
+from plait.runtime import RankStream, make_driver, runtime_class  # noqa: E402
 from plait.runtime.flight import Channel, decode_batch, dumps, step_schema  # noqa: E402
 from plait.runtime.ray.flight_server import ConstructorFlight  # noqa: E402
 from helpers import make_spec, token_parquet  # noqa: E402
@@ -138,13 +138,13 @@ def served(spec, tmp_path_factory):
 
 
 def local_streams(spec) -> dict[int, list[MicroBatch]]:
-    return {r: list(plait.Loader(spec, dp_rank=r, prefetch=0)) for r in range(spec.topology.dp)}
+    return {r: list(plait.Loader(spec, dp_rank=r, read_ahead=0)) for r in range(spec.topology.dp)}
 
 
 def test_flight_runtime_keeps_the_runtime_contract():
     cls = runtime_class("flight")
-    for method in [n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")]:
-        want = list(inspect.signature(getattr(Runtime, method)).parameters)
+    for method in [n for n, v in vars(RankStream).items() if callable(v) and not n.startswith("_")]:
+        want = list(inspect.signature(getattr(RankStream, method)).parameters)
         have = list(inspect.signature(getattr(cls, method)).parameters)
         assert have[: len(want)] == want or "args" in have[-1:], f"flight.{method}{have} != contract {want}"
 
@@ -224,19 +224,20 @@ def test_a_wrong_token_or_address_is_refused_in_one_sentence(served, spec, monke
     monkeypatch.delenv("PLAIT_TOKEN", raising=False)
     monkeypatch.delenv("PLAIT_TOKEN_FILE", raising=False)
     with pytest.raises(plait.PlaitError, match=r"refused this client's token \(PLAIT_TOKEN must be"):
-        plait.Loader(spec, runtime="flight", address=served["address"], token="not-the-token")
+        plait.Loader(spec, runtime="flight", job_address=served["address"], token="not-the-token")
     with pytest.raises(plait.PlaitError, match="needs the job's token"):
-        plait.Loader(spec, runtime="flight", address=served["address"])
+        plait.Loader(spec, runtime="flight", job_address=served["address"])
     with pytest.raises(plait.PlaitError, match="runs a different spec"):
-        plait.Loader(spec.with_overrides(seed=7), runtime="flight", address=served["address"], token=served["token"])
+        plait.Loader(spec.with_overrides(seed=7), runtime="flight", job_address=served["address"], token=served["token"])
     with pytest.raises(plait.PlaitError, match="is 'flight-test', not 'other'"):
-        plait.Loader(spec, runtime="flight", address=served["address"], token=served["token"], job="other")
+        plait.Loader(spec, runtime="flight", job_address=served["address"], token=served["token"], job="other")
     with pytest.raises(plait.PlaitError, match="no plait job answers at"):
-        plait.Loader(spec, runtime="flight", address=f"127.0.0.1:{free_port()}", token="x", timeout=5)
-    with plait.Loader(spec, runtime="flight", address=served["address"], token=served["token"]) as loader:
+        plait.Loader(spec, runtime="flight", job_address=f"127.0.0.1:{free_port()}", token="x", call_timeout=5)
+    with plait.Loader(spec, runtime="flight", job_address=served["address"], token=served["token"]) as loader:
         assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}  # forwarded to the Planner
-        with pytest.raises(plait.PlaitError, match="not available on the thin client"):
-            loader.runtime.plan()
+        assert not hasattr(loader.runtime, "plan")  # a stream, not a driver (plait.runtime.JobDriver)
+        with pytest.raises(plait.PlaitError, match="drives no job"):
+            make_driver(spec, "flight")
 
 
 def test_a_thin_client_survives_its_constructors_death(served, spec):
@@ -248,8 +249,8 @@ def test_a_thin_client_survives_its_constructors_death(served, spec):
 
     expected = [mb.sample_ids.tolist() for mb in local_streams(spec)[0]]
     got = []
-    with plait.Loader(spec, dp_rank=0, runtime="flight", address=served["address"], token=served["token"],
-                      prefetch=0) as loader:
+    with plait.Loader(spec, dp_rank=0, runtime="flight", job_address=served["address"], token=served["token"],
+                      read_ahead=0) as loader:
         it = iter(loader)
         got += [next(it).sample_ids.tolist() for _ in range(4)]  # steps 0 and 1
         victims = [p for p in psutil.process_iter(["cmdline"]) if "ray::ConstructorActor" in " ".join(p.info["cmdline"] or [])]
@@ -270,8 +271,8 @@ def test_a_thin_client_survives_the_planners_death(served, spec):
     import psutil
 
     expected = [mb.sample_ids.tolist() for mb in local_streams(spec)[1]]
-    with plait.Loader(spec, dp_rank=1, runtime="flight", address=served["address"], token=served["token"],
-                      prefetch=0) as loader:
+    with plait.Loader(spec, dp_rank=1, runtime="flight", job_address=served["address"], token=served["token"],
+                      read_ahead=0) as loader:
         it = iter(loader)
         got = [next(it).sample_ids.tolist() for _ in range(2)]  # step 0
         victims = [p for p in psutil.process_iter(["cmdline"]) if "ray::PlannerActor" in " ".join(p.info["cmdline"] or [])]
@@ -280,7 +281,7 @@ def test_a_thin_client_survives_the_planners_death(served, spec):
         psutil.wait_procs(victims, timeout=30)
         got += [next(it).sample_ids.tolist() for _ in range(3)]  # into step 2, planned by the successor
         state = json.loads(json.dumps(loader.state_dict()))  # asked of the successor, through the rendezvous
-    with plait.Loader(spec, dp_rank=1, runtime="flight", address=served["address"], token=served["token"]) as again:
+    with plait.Loader(spec, dp_rank=1, runtime="flight", job_address=served["address"], token=served["token"]) as again:
         again.load_state_dict(state)
         got += [mb.sample_ids.tolist() for mb in again]
     assert got == expected
@@ -294,7 +295,7 @@ from plait.metrics import batch_digest_update
 
 spec = plait.load_spec(sys.argv[1])
 h = hashlib.sha256()
-with plait.Loader(spec, dp_rank=1, runtime="flight", prefetch=0) as loader:
+with plait.Loader(spec, dp_rank=1, runtime="flight", read_ahead=0) as loader:
     for mb in loader:
         batch_digest_update(h, mb)
     print(json.dumps({"digest": h.hexdigest(), "endpoint": loader.runtime.info["endpoints"]["1"]}), flush=True)

@@ -39,7 +39,7 @@ def launch_env(monkeypatch, tmp_path, local_rank: int, size: int, run: str) -> N
 
 
 def per_process_digests(spec) -> dict[int, str]:
-    return {r: batch_digest(plait.Loader(spec, dp_rank=r, prefetch=0, share="process")) for r in range(2)}
+    return {r: batch_digest(plait.Loader(spec, dp_rank=r, read_ahead=0, share="process")) for r in range(2)}
 
 
 @pytest.mark.parametrize("host_closes", [True, False])
@@ -76,7 +76,7 @@ def test_one_process_node_resumes_and_dedupes_run_time_calls(spec_dict, tmp_path
     bit, and set_weights made by every rank (here twice) is recorded once."""
     launch_env(monkeypatch, tmp_path, 0, 1, "one")
     spec = plait.load_spec(spec_dict)
-    local = list(plait.Loader(spec, dp_rank=0, prefetch=0, share="process"))
+    local = list(plait.Loader(spec, dp_rank=0, read_ahead=0, share="process"))
     name = spec.sources[0].name
     with plait.Loader(spec, dp_rank=0, share="node") as loader:
         assert type(loader.runtime).__name__ == "NodeRuntime" and loader.runtime.loader is not None
@@ -120,7 +120,7 @@ def test_share_choices_and_errors(spec_dict, tmp_path, monkeypatch):
     monkeypatch.delenv("PLAIT_LOCAL_SHARE")
     t0 = time.monotonic()
     with pytest.raises(PlaitError, match="LOCAL_RANK 0 hosts it"):
-        plait.Loader(spec, dp_rank=1, timeout=0.5)  # nobody hosts this node's job
+        plait.Loader(spec, dp_rank=1, join_timeout=0.5)  # nobody hosts this node's job
     assert time.monotonic() - t0 < 30
 
 

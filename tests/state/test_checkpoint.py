@@ -33,8 +33,8 @@ def digest(batches) -> str:
 @pytest.mark.parametrize("cut", [1, 3, 7])  # mid-step (1, 7) and at a step boundary (3)
 def test_same_layout_resume_is_bit_exact(spec, cut):
     steps = 5
-    whole = list(plait.Loader(spec, dp_rank=1, steps=steps, prefetch=2))
-    first = plait.Loader(spec, dp_rank=1, steps=steps, prefetch=2)
+    whole = list(plait.Loader(spec, dp_rank=1, steps=steps, read_ahead=2))
+    first = plait.Loader(spec, dp_rank=1, steps=steps, read_ahead=2)
     head = []
     for mb in first:
         head.append(mb)
@@ -42,7 +42,7 @@ def test_same_layout_resume_is_bit_exact(spec, cut):
             break
     state = json.loads(json.dumps(first.state_dict()))  # through a file
     first.close()
-    second = plait.Loader(spec, dp_rank=1, steps=steps, prefetch=2)
+    second = plait.Loader(spec, dp_rank=1, steps=steps, read_ahead=2)
     second.load_state_dict(state)
     tail = list(second)
     assert len(head) + len(tail) == len(whole)

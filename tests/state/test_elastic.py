@@ -140,7 +140,7 @@ def test_client_resumes_elastically_from_a_step_boundary(spec):
     def consume(sp, dp, steps, state=None):
         out, states = [], []
         for r in range(dp):
-            ld = plait.Loader(sp.with_overrides(topology={"dp": dp}), dp_rank=r, steps=steps, prefetch=0)
+            ld = plait.Loader(sp.with_overrides(topology={"dp": dp}), dp_rank=r, steps=steps, read_ahead=0)
             if state is not None:
                 ld.load_state_dict(state)
             out.extend(tuple(x) for mb in ld for x in mb.sample_ids.tolist())
@@ -159,11 +159,49 @@ def test_client_resumes_elastically_from_a_step_boundary(spec):
     assert sorted(second) == sorted(ids4)
 
     # Mid-step checkpoints cannot move to another layout (each rank's progress differs).
-    ld = plait.Loader(spec, dp_rank=0, steps=K, prefetch=0)
+    ld = plait.Loader(spec, dp_rank=0, steps=K, read_ahead=0)
     next(iter(ld))
     mid = ld.state_dict()
     ld.close()
-    other = plait.Loader(spec.with_overrides(topology={"dp": 4}), dp_rank=0, prefetch=0)
+    other = plait.Loader(spec.with_overrides(topology={"dp": 4}), dp_rank=0, read_ahead=0)
     with pytest.raises(PlaitError, match="step boundary"):
         other.load_state_dict(mid)
     other.close()
+
+
+def test_a_thin_client_resumes_elastically_with_the_job_replanning(spec, monkeypatch):
+    """The re-planning of an elastic resume runs on the job's side: a flight client of a one-process
+    server (4 ranks) resumes a boundary state saved on 8 ranks, the server re-plans the saved step (its
+    `replan_after` action), and the client reads exactly what a local Loader resuming the same state
+    reads (sample ids)."""
+    import plait
+    from plait.runtime.flight_serving import JobFlight
+    from plait.runtime.serve_local import LocalJobServer
+
+    from plait.state.schema import seal
+
+    with plait.Loader(spec, dp_rank=0, steps=2, read_ahead=0) as ld:
+        list(ld)
+        full = json.loads(json.dumps(ld.state_dict()))
+    # Without the state after its step (`next`, as an older plait wrote it) the step must be re-planned.
+    saved = seal({k: v for k, v in full.items() if k not in ("next", "checksum")})
+    spec4 = spec.with_overrides(topology={"dp": 4})
+    with plait.Loader(spec4, dp_rank=1, steps=4, read_ahead=0) as local:
+        local.load_state_dict(saved)
+        want = [mb.sample_ids.tolist() for mb in local]
+
+    answered = []
+    answer = JobFlight.answer
+
+    def spy(self, name, body, peer):
+        answered.append(name)
+        return answer(self, name, body, peer)
+
+    monkeypatch.setattr(JobFlight, "answer", spy)
+    with LocalJobServer(spec4, "elastic") as server:
+        with plait.Loader(spec4, dp_rank=1, steps=4, read_ahead=0, runtime="flight", job_address=server.address,
+                          token=server.token) as thin:
+            thin.load_state_dict(saved)
+            got = [mb.sample_ids.tolist() for mb in thin]
+    assert answered.count("replan_after") == 1
+    assert got == want and len(got) > 0

@@ -28,7 +28,7 @@ def spec(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(spec):
-    return {r: list(plait.Loader(spec, dp_rank=r, steps=STEPS, prefetch=0)) for r in range(DP)}
+    return {r: list(plait.Loader(spec, dp_rank=r, steps=STEPS, read_ahead=0)) for r in range(DP)}
 
 
 def take(loader, n: int) -> list:
@@ -48,11 +48,11 @@ def test_reference_stream_shape(reference):
 @pytest.mark.parametrize("n", [0, 1, 2, M, M + 1, 2 * M - 1, 2 * M, STEPS * M - 1, STEPS * M])
 def test_resume_bit_for_bit(spec, reference, n, prefetch_before, prefetch_after):
     rank = n % DP  # both ranks, spread over the cases
-    first = plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=prefetch_before)
+    first = plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=prefetch_before)
     head = take(first, n)
     state = json.loads(json.dumps(first.state_dict()))  # what a trainer would write to disk
     first.close()
-    resumed = plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=prefetch_after)
+    resumed = plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=prefetch_after)
     resumed.load_state_dict(state)
     tail = list(resumed)
     resumed.close()
@@ -60,7 +60,7 @@ def test_resume_bit_for_bit(spec, reference, n, prefetch_before, prefetch_after)
 
 
 def test_resume_twice_and_on_the_same_loader(spec, reference):
-    loader = plait.Loader(spec, dp_rank=1, steps=STEPS, prefetch=2)
+    loader = plait.Loader(spec, dp_rank=1, steps=STEPS, read_ahead=2)
     got = take(loader, 4)
     s1 = loader.state_dict()
     got += take(loader, 0)  # a new iteration continues where the last one stopped
@@ -75,7 +75,7 @@ def test_resume_twice_and_on_the_same_loader(spec, reference):
 
 
 def test_state_is_json_and_does_not_grow(spec):
-    loader = plait.Loader(spec.with_overrides(topology={"dp": 1}), steps=50, prefetch=0)
+    loader = plait.Loader(spec.with_overrides(topology={"dp": 1}), steps=50, read_ahead=0)
     sizes = {}
     for i, mb in enumerate(loader, 1):
         if i % M == 0 and mb.step + 1 in (5, 50):
@@ -101,7 +101,7 @@ def test_state_from_another_spec_is_refused(spec, tmp_path):
 
 
 def take_state(spec, n: int) -> dict:
-    loader = plait.Loader(spec, dp_rank=0, steps=STEPS, prefetch=0)
+    loader = plait.Loader(spec, dp_rank=0, steps=STEPS, read_ahead=0)
     take(loader, n)
     return loader.state_dict()
 
@@ -148,7 +148,7 @@ def test_exactly_once_through_interruptions(spec, reference):
     for rank in range(DP):
         got, state = [], None
         while True:
-            loader = plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=1)
+            loader = plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=1)
             if state is not None:
                 loader.load_state_dict(state)
             part = take(loader, 4)
@@ -174,12 +174,12 @@ def test_resume_and_exactly_once_any_layout(spec, seq_len, microbatches, dp, bal
                                  balance=balance)
     rank = data.draw(st.integers(0, dp - 1))
     steps = 4
-    ref = list(plait.Loader(layout, dp_rank=rank, steps=steps, prefetch=0))
+    ref = list(plait.Loader(layout, dp_rank=rank, steps=steps, read_ahead=0))
     n = data.draw(st.integers(0, len(ref)))
-    first = plait.Loader(layout, dp_rank=rank, steps=steps, prefetch=data.draw(st.integers(0, 2)))
+    first = plait.Loader(layout, dp_rank=rank, steps=steps, read_ahead=data.draw(st.integers(0, 2)))
     head = take(first, n)
     state = json.loads(json.dumps(first.state_dict()))
-    resumed = plait.Loader(layout, dp_rank=rank, steps=steps, prefetch=data.draw(st.integers(0, 2)))
+    resumed = plait.Loader(layout, dp_rank=rank, steps=steps, read_ahead=data.draw(st.integers(0, 2)))
     resumed.load_state_dict(state)
     assert_batches_equal(head + list(resumed), ref)
     # exactly once over all ranks
@@ -206,7 +206,7 @@ def test_stopping_early_leaves_no_prefetch_thread_behind(spec, reference):
 
     before = len(workers())
     for n in (STEPS * M - 2, STEPS * M - 1, 1):
-        loader = plait.Loader(spec, dp_rank=0, steps=STEPS, prefetch=2)
+        loader = plait.Loader(spec, dp_rank=0, steps=STEPS, read_ahead=2)
         it = iter(loader)
         head = list(islice(it, n))
         if n >= STEPS * M - 2:  # let the worker finish the stream: it then waits for room in the queue

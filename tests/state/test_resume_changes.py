@@ -24,7 +24,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved_local(data):
-    with plait.Loader(spec_before(data), 0, prefetch=0, share="process") as loader:
+    with plait.Loader(spec_before(data), 0, read_ahead=0, share="process") as loader:
         return boundary_state(loader)
 
 
@@ -45,11 +45,11 @@ def saved_and_resumed(runtime: str, spec_a, spec_b, monkeypatch, tmp_path) -> tu
         with plait.Loader(spec_b, 0, share="node") as loader:
             return state, resume(loader, state)
     with LocalJobServer(plait.load_spec(spec_a), "before") as server:
-        with plait.Loader(spec_a, 0, runtime="flight", address=server.address, token=server.token,
+        with plait.Loader(spec_a, 0, runtime="flight", job_address=server.address, token=server.token,
                           job="before") as loader:
             state = boundary_state(loader)
     with LocalJobServer(plait.load_spec(spec_b), "after") as server:
-        with plait.Loader(spec_b, 0, runtime="flight", address=server.address, token=server.token,
+        with plait.Loader(spec_b, 0, runtime="flight", job_address=server.address, token=server.token,
                           job="after") as loader:
             return state, resume(loader, state)
 
@@ -58,7 +58,7 @@ def saved_and_resumed(runtime: str, spec_a, spec_b, monkeypatch, tmp_path) -> tu
 @pytest.mark.parametrize("change", CHANGES)
 def test_local_boundary_state_resumes_under_a_spec_change(data, saved_local, change, dp):
     spec_b = spec_after(data, change, dp)
-    with plait.Loader(spec_b, 0, prefetch=0, share="process") as loader:
+    with plait.Loader(spec_b, 0, read_ahead=0, share="process") as loader:
         tail = resume(loader, saved_local)
     assert tail[0].step == 2 and tail[0].microbatch == 0
     if dp == 2:  # on the saving layout the resumed stream is the change applied to an unbroken run's state

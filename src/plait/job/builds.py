@@ -71,14 +71,14 @@ class BuildWorkers:
 
 
 class BuildCache:
-    """Builds by key with `build(gen, step, dp_rank, *extra) -> (state, batches)`. `prefetch`: steps built ahead
-    of a rank's request; a rank's builds more than `prefetch + 1` steps behind its request are dropped
+    """Builds by key with `build(gen, step, dp_rank, *extra) -> (state, batches)`. `ahead`: steps built ahead
+    of a rank's request; a rank's builds more than `ahead + 1` steps behind its request are dropped
     (its other TP/PP/CP ranks may still ask for the last few). Not locked: the caller holds its lock
     around `request` and `forget`."""
 
-    def __init__(self, build: Callable[..., Built], prefetch: int, threads: int | None = None):
+    def __init__(self, build: Callable[..., Built], ahead: int, threads: int | None = None):
         self.build = build
-        self.prefetch = max(0, int(prefetch))
+        self.ahead = max(0, int(ahead))
         self.workers = BuildWorkers(default_threads() if threads is None else threads)
         self.builds: dict[Key, Future] = {}
         self.most = 0  # most builds held at once
@@ -92,15 +92,15 @@ class BuildCache:
         return fut
 
     def request(self, key: Key, ahead: Callable[[int], bool], *extra) -> Future:
-        """The build of `key`, and the rank's next `prefetch` steps for which `ahead(step)` holds queued
+        """The build of `key`, and the rank's next `ahead` steps for which `ahead(step)` holds queued
         behind it; the rank's old builds go."""
         gen, step, rank = key
         fut = self.ensure(key, *extra)
-        for s in range(step + 1, step + self.prefetch + 1):
+        for s in range(step + 1, step + self.ahead + 1):
             if not ahead(s):
                 break
             self.ensure((gen, s, rank), *extra)
-        for old in [k for k in self.builds if k[2] == rank and (k[0] != gen or k[1] < step - self.prefetch - 1)]:
+        for old in [k for k in self.builds if k[2] == rank and (k[0] != gen or k[1] < step - self.ahead - 1)]:
             self.builds.pop(old).cancel()
         return fut
 

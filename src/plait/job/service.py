@@ -30,12 +30,15 @@ from plait.plan import StepPlan
 
 WINDOW_ENV = "PLAIT_PLAN_WINDOW"  # planned steps the shared stream keeps (default WINDOW)
 REPORT_ENV = "PLAIT_LAG_REPORT_S"  # seconds a rank waits for a slower one before it is logged
+AFTER_KEPT = 8  # states after a planned step kept for `state_after` (a trainer checkpoints the step it read)
 
 
 class JobRoles(Protocol):
-    """What JobService drives: the Planner (`planner.step`, `planner.ranks`) and the builds."""
+    """What JobService drives: the Planner (`planner.step`, `planner.ranks`) and the builds (the job's
+    driver, plait.runtime.JobDriver, with its state and run-time mixing)."""
 
     planner: Any
+    spec: Any
 
     def plan(self) -> StepPlan: ...
     def build(self, plan: StepPlan, dp_rank: int) -> list[MicroBatch]: ...
@@ -54,23 +57,28 @@ def _plain(x: Any) -> Any:
 
 
 class JobService:
-    """A job's shared plan stream and builds over `roles` (thread-safe). `prefetch`: steps built ahead of
+    """A job's shared plan stream and builds over `roles` (thread-safe). `build_ahead`: steps built ahead of
     each rank's request; `expected`: trainer processes that will join (their missing ones hold the stream
     at its start for `grace_s`); `window`: planned steps kept (default $PLAIT_PLAN_WINDOW or 64)."""
 
-    def __init__(self, roles: JobRoles, *, prefetch: int = 2, expected: int = 0, grace_s: float = 60.0,
-                 window: int | None = None, threads: int | None = None):
+    def __init__(self, roles: JobRoles, *, build_ahead: int = 2, expected: int = 0, grace_s: float = 60.0,
+                 window: int | None = None, threads: int | None = None, every_rank_reads: bool = True):
         self.roles = roles
         self.ranks = roles.planner.ranks
         self.lock = threading.RLock()
         self.consumers = Consumers(expected=expected, grace_s=grace_s)
         size = int(window or os.environ.get(WINDOW_ENV) or WINDOW)
         report_s = float(os.environ.get(REPORT_ENV) or REPORT_S)
-        self.window = PlanWindow(roles.plan, lambda: roles.planner.step, self.consumers, self.lock,
+        self.window = PlanWindow(self._plan_next, lambda: roles.planner.step, self.consumers, self.lock,
                                  size=size, report_s=report_s)
         self.base_state = roles.state_dict()
         self.built: dict[int, set[int]] = {}  # step -> DP ranks built (the step's blocks are released then)
-        self.cache = BuildCache(self._build, prefetch, threads)
+        # A step's blocks go once every DP rank built it; in a trainer's own process only its rank reads
+        # (plait.runtime.local), so there the ranks that asked are enough.
+        self.every_rank_reads = every_rank_reads
+        self.reading: set[int] = set()
+        self.after: dict[int, dict] = {}  # step -> the Planner's state right after planning it (the last few)
+        self.cache = BuildCache(self._build, build_ahead, threads)
         registry = getattr(getattr(roles, "telemetry", None), "registry", None)
         if registry is not None:
             registry.register(WindowMetrics(self.window))
@@ -78,6 +86,12 @@ class JobService:
     @property
     def gen(self) -> int:
         return self.window.gen
+
+    def _plan_next(self) -> StepPlan:
+        plan = self.roles.plan()
+        self.after[plan.step] = self.roles.state_dict()
+        self.after.pop(plan.step - AFTER_KEPT, None)
+        return plan
 
     # ----- the plan stream ---------------------------------------------------------------------------
     def base(self) -> tuple[int, dict]:
@@ -103,6 +117,8 @@ class JobService:
 
     def _new_generation(self) -> int:
         self.built.clear()
+        self.reading.clear()
+        self.after.clear()
         self.cache.forget()
         self.base_state = self.roles.state_dict()
         return self.window.reset()
@@ -115,6 +131,19 @@ class JobService:
                 return self.roles.state_dict()
             self.window.admit(gen, step)
             return self._plan(gen, step).state_before
+
+    def state_after(self, gen: int, step: int) -> dict | None:
+        """The Planner's state right after it planned `step` of `gen` (None when no longer known): the
+        data state a step-boundary checkpoint carries as `next`."""
+        with self.lock:
+            return self.after.get(step) if gen == self.gen else None
+
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """The data state after the step starting at `state`, re-planned on the saved `layout` (elastic
+        resume, job.elastic): on the job's side, where the sources are."""
+        from plait.job.elastic import replan_after
+
+        return replan_after(self.roles.spec, state, layout)
 
     def set_weights(self, weights: dict, at_step: int) -> None:
         self.roles.set_weights(weights, at_step)  # the Planner refuses a step already planned
@@ -138,7 +167,11 @@ class JobService:
         steps = self.window.steps
         for s in [s for s in self.built if s not in steps]:
             del self.built[s]
-        self.roles.release(*(plan for s, plan in steps.items() if len(self.built.get(s, ())) < self.ranks))
+        self.roles.release(*(plan for s, plan in steps.items() if not self._all_built(s)))
+
+    def _all_built(self, step: int) -> bool:
+        done = self.built.get(step, set())
+        return len(done) == self.ranks if self.every_rank_reads else done >= self.reading
 
     # ----- the readers --------------------------------------------------------------------------------
     def join(self, client: str, pid: int) -> None:
@@ -157,14 +190,14 @@ class JobService:
         with self.lock:
             done = self.built.setdefault(step, set())
             done.add(dp_rank)
-            if len(done) == self.ranks:
+            if self._all_built(step):
                 self._release()
         return plan.state_before, batches
 
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0),
             with_state: bool = True, client: str | None = None) -> tuple[dict | None, list[MicroBatch]]:
         """(state at the start of `step` or None without `with_state`, the rank's micro-batches of `step` cut
-        to CP rank cp[1] of cp[0]); the next `prefetch` steps of the rank are queued behind it. `client`
+        to CP rank cp[1] of cp[0]); the next `build_ahead` steps of the rank are queued behind it. `client`
         names the reader (default: its ranks). Waits while `step` is more than the window ahead of the
         slowest live reader."""
         if not 0 <= dp_rank < self.ranks:
@@ -172,6 +205,7 @@ class JobService:
         key = (gen, step, dp_rank)
         with self.lock:
             self.consumers.asked(client or f"rank-{dp_rank}-cp-{cp[1]}", dp_rank, cp[1], gen, step, limit)
+            self.reading.add(dp_rank)
             if self.window.moved():
                 self._release()
             self.window.admit(gen, step)

@@ -1,8 +1,13 @@
-"""Runtimes decide where the roles run: `local` (one process) or `ray` (actors).
+"""Runtimes decide where the roles run: `local` (one process), `node` (one per node), `ray` (actors) or
+`flight` (a thin client of a served job).
 
-Every runtime implements `Runtime` below; the Client uses `iter_rank`, whole-job drivers (`plait run`,
-the benchmarks) use `plan` / `build` / `release`. `make_runtime` is the one way to get one: it names
-any option the chosen runtime does not take instead of silently dropping it.
+Two contracts, two Protocols. `RankStream` is the trainer's: one rank's micro-batches, its data state and
+the run-time mixing calls; every runtime is one (plait.Loader reads it). `JobDriver` is a whole job's:
+plan a step, build a rank's share of it, release what is no longer needed (`plait run`, the benchmarks,
+plait.job.service.JobService); only runtimes whose roles this process drives are one (`local`, `ray`),
+a thin client (`flight`, `node`) is a stream only. `make_runtime` is the one way to get a stream,
+`make_driver` a driver: each names any option the chosen runtime does not take instead of silently
+dropping it.
 """
 
 from __future__ import annotations
@@ -18,29 +23,18 @@ if TYPE_CHECKING:  # types only: importing them at run time would load every rol
     from plait.spec import Spec
 
 RUNTIMES = ("local", "node", "ray", "flight")
+DRIVERS = ("local", "ray")  # the runtimes that drive a job's roles from this process
 
 
 @runtime_checkable
-class Runtime(Protocol):
-    """What every runtime offers. States are the Planner's data state (JSON-serialisable dicts)."""
+class RankStream(Protocol):
+    """The trainer's contract. States are the Planner's data state (JSON-serialisable dicts)."""
 
     def iter_rank(
         self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None, cp_rank: int = 0
     ) -> Iterator[tuple[dict, MicroBatch]]:
         """One DP rank's micro-batches from a data state on: (state at the step's start, batch); with
         context parallelism, the shard of CP rank `cp_rank` (cut in exactly one place per runtime)."""
-        ...
-
-    def plan(self) -> StepPlan:
-        """Plan the next global step (advances the Planner)."""
-        ...
-
-    def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        """Build one DP rank's micro-batches of a planned step (`only`: those micro-batch indices)."""
-        ...
-
-    def release(self, *in_flight: StepPlan) -> None:
-        """Let loaders drop blocks that neither the Planner nor the given plans still need."""
         ...
 
     def state_dict(self) -> dict: ...
@@ -79,6 +73,26 @@ class Runtime(Protocol):
         ...
 
 
+@runtime_checkable
+class JobDriver(Protocol):
+    """A whole job's contract: the roles driven step by step."""
+
+    def plan(self) -> StepPlan:
+        """Plan the next global step (advances the Planner)."""
+        ...
+
+    def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        """Build one DP rank's micro-batches of a planned step (`only`: those micro-batch indices)."""
+        ...
+
+    def release(self, *in_flight: StepPlan) -> None:
+        """Let loaders drop blocks that neither the Planner nor the given plans still need."""
+        ...
+
+
+Runtime = RankStream  # the name of plait <= 0.x's one Protocol: the trainer's side
+
+
 def runtime_class(name: str) -> type:
     if name == "local":
         from plait.runtime.local import LocalRuntime
@@ -112,7 +126,15 @@ def accepted_options(cls: type) -> list[str]:
     return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
-def make_runtime(spec: Spec, name: str = "local", **options) -> Runtime:
+def make_driver(spec: Spec, name: str = "local", **options) -> JobDriver:
+    """The driver of a whole job of `spec` on runtime `name` (`local` or `ray`): plan, build, release."""
+    if name not in DRIVERS:
+        raise PlaitError(f"the {name} runtime reads a served job's stream and drives no job: drive one with "
+                         f"{' or '.join(DRIVERS)}")
+    return make_runtime(spec, name, **options)
+
+
+def make_runtime(spec: Spec, name: str = "local", **options) -> RankStream:
     """The runtime `name` for `spec`; an option it does not take is an error naming it."""
     cls = runtime_class(name)
     allowed = accepted_options(cls)

@@ -1,6 +1,6 @@
 """The thin trainer client: micro-batches over Arrow Flight from the node's Constructor; no Ray here.
 
-    loader = plait.Loader(spec, dp_rank, runtime="flight", address="127.0.0.1:8815", token="...")
+    loader = plait.Loader(spec, dp_rank, runtime="flight", job_address="127.0.0.1:8815", token="...")
 
 A job served by `plait serve SPEC --job NAME` (plait.runtime.ray.flight_server) has one front door, the
 *rendezvous* Flight server of the serving process, at `address` (or `PLAIT_ADDRESS`), and one Flight
@@ -48,11 +48,14 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
+from plait.job.stream import asked, read_rank, state_after
+from plait.runtime.options import renamed
 from plait.state.log import StateRef
 from plait.spec import Spec, load_spec
 
 PROTOCOL = 1
 STATE_KEY = b"plait.state"
+CALL_TIMEOUT = 60.0  # seconds a control call (an action) may take
 RECONNECTS = 3  # a step whose Constructor is lost is asked again this many times (each after `reconnect`)
 ERROR_MARK = "PlaitError: "  # a server-side PlaitError travels as a FlightServerError with this prefix
 SCALARS = ("step", "microbatch", "num_microbatches", "dp_rank")
@@ -277,9 +280,10 @@ class Channel:
 class FlightRuntime:
     """The runtime interface (see plait.runtime) as a thin client of a job served over Arrow Flight.
 
-    Options: `address` (the job's rendezvous `host:port`; default PLAIT_ADDRESS), `token` (default
-    PLAIT_TOKEN or PLAIT_TOKEN_FILE), `job` (checked against the served job's name), `timeout` (seconds
-    for control calls, default 60). Checks that the served job runs this spec (data fingerprint) on the
+    Options: `job_address` (the served job's rendezvous `host:port`; default PLAIT_ADDRESS), `token`
+    (default PLAIT_TOKEN or PLAIT_TOKEN_FILE), `job` (checked against the served job's name),
+    `call_timeout` (seconds a control call may take, default 60; a step's stream has none). `address`
+    and `timeout` are their deprecated names. Checks that the served job runs this spec (data fingerprint) on the
     same number of DP ranks. Ray is never imported.
     """
 
@@ -287,14 +291,17 @@ class FlightRuntime:
 
     @staticmethod
     def option_names() -> list[str]:
-        return ["address", "token", "job", "timeout"]
+        return ["job_address", "token", "job", "call_timeout", "address", "timeout"]
 
-    def __init__(self, spec: Spec, *, address: str | None = None, token: str | None = None,
-                 job: str | None = None, timeout: float | None = 60.0):
+    def __init__(self, spec: Spec, *, job_address: str | None = None, token: str | None = None,
+                 job: str | None = None, call_timeout: float | None = None, address: str | None = None,
+                 timeout: float | None = None):
         self.spec = load_spec(spec)
-        address = address or os.environ.get("PLAIT_ADDRESS")
+        address = renamed("address", address, "job_address", job_address) or os.environ.get("PLAIT_ADDRESS")
+        timeout = renamed("timeout", timeout, "call_timeout", call_timeout)
+        timeout = CALL_TIMEOUT if timeout is None else timeout
         if not address:
-            raise PlaitError("the flight runtime needs the job's address: pass address='host:port' or set "
+            raise PlaitError("the flight runtime needs the job's address: pass job_address='host:port' or set "
                              "PLAIT_ADDRESS (`plait serve SPEC --job NAME` prints it)")
         self.address = address
         self._token = read_token(token)
@@ -355,22 +362,20 @@ class FlightRuntime:
     def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
                   cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
         """One rank's micro-batches from a data state on, each CP rank's shard cut by the Constructor; the
-        Constructor builds `prefetch` steps ahead of the requests."""
+        Constructor builds steps ahead of the requests."""
         self._seek(start_state)
-        step, skip = int(start_state["step"]), start_micro
-        channel = self._channel(dp_rank)
-        while max_steps is None or step < max_steps:
+        channel = [self._channel(dp_rank)]  # the rank's server: replaced when it is lost
+
+        def receive(step: int, _: int) -> tuple[dict | StateRef, list[MicroBatch]]:
             ticket = {"gen": self._gen, "step": step, "dp_rank": dp_rank, "limit": max_steps,
                       "cp": [self.spec.topology.cp, cp_rank], "state": False, "client": self.client_id}
-            state, batches, channel = self._fetch_step(channel, ticket)
+            state, batches, channel[0] = self._fetch_step(channel[0], ticket)
             if state is None:  # fetched only if the trainer checkpoints during this step
                 state = StateRef(step, functools.partial(self.state_at, self._gen, step))
             self._next_step = step + 1
-            for mb in batches:
-                if mb.microbatch >= skip:
-                    yield state, mb
-            skip = 0
-            step += 1
+            return state, batches
+
+        return read_rank(asked, receive, int(start_state["step"]), start_micro, max_steps)
 
     def _fetch_step(self, channel: Channel, ticket: dict) -> tuple[dict | None, list[MicroBatch], Channel]:
         """A step from the rank's Constructor; if it is lost, the rendezvous replaces a dead one (which
@@ -407,10 +412,7 @@ class FlightRuntime:
 
     def state_after(self, step: int) -> dict | None:
         """The data state after `step`: the start of the next one (the job's plan window holds it)."""
-        try:
-            return self.state_at(self._gen, step + 1)
-        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
-            return None
+        return state_after(self.state_at, self._gen, step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:
@@ -419,6 +421,10 @@ class FlightRuntime:
         self._gen, changes = self.control.action("seek_with_changes", {"state": state})
         self._next_step = int(state["step"])
         return list(changes)
+
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """Elastic resume (plait.job.elastic): the job re-plans the step on its saved layout."""
+        return self.control.action("replan_after", {"state": state, "layout": layout})
 
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """The job's one Planner applies it (call it from one rank); a planned step is refused."""
@@ -433,18 +439,6 @@ class FlightRuntime:
     def scaling_report(self) -> dict:
         """A thin client sees no loaders (the job's ray driver reports their rescaling)."""
         return {"events": [], "timeline": [], "options": None}
-
-    # ----- whole-job driving: not a thin client's job ----------------------------------------------------
-    def plan(self):
-        raise PlaitError("plan() is not available on the thin client: the job's Planner plans; drive a whole job "
-                         "with runtime='ray' (or `plait run`)")
-
-    def build(self, plan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        raise PlaitError("build() is not available on the thin client: iterate a Loader (iter_rank) instead, or "
-                         "drive a whole job with runtime='ray'")
-
-    def release(self, *in_flight) -> None:
-        """Nothing to release: the job's Planner tells its loaders what is live."""
 
     def close(self) -> None:
         """Close the connections (the served job goes on: `plait serve` owns it)."""

@@ -1,6 +1,11 @@
 """Local runtime: every role in this process, called directly. Deterministic, no services.
 
-Under torchrun with several processes on a node, plait.Loader shares one of these per node instead
+`LocalRoles` is the job's driver in this process (one Planner, one SourceLoader over every source, the
+Constructor: plan, build, release). `LocalRuntime` reads one rank's stream from them through the job
+service every runtime shares (plait.job.service.JobService: plan -> build -> serve), so a trainer's own
+process serves itself exactly as `plait serve --runtime local` serves many.
+
+Under torchrun with several processes on a node, plait.Loader shares one job per node instead
 (plait.runtime.node_share: LOCAL_RANK 0 hosts it, the node's processes read from it over Flight)."""
 
 from __future__ import annotations
@@ -8,10 +13,11 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
-from plait.plan import StepPlan
 from plait.batch import MicroBatch
-from plait.context_parallel import shard_for_rank
 from plait.job.builds import GuardedPayloads
+from plait.job.service import JobService
+from plait.job.stream import asked, read_rank
+from plait.plan import StepPlan
 from plait.roles.constructor import Constructor, LoaderPayloads
 from plait.roles.planner import Planner
 from plait.roles.source_loader import SourceLoader
@@ -19,16 +25,17 @@ from plait.spec import Spec
 from plait.telemetry import Stopwatch, Telemetry
 
 
-class LocalRuntime:
-    """Options: `dp` (override the topology's DP size); `metrics_port` (serve Prometheus metrics there;
-    default: the spec's `metrics.port`, off when unset)."""
+class LocalRoles:
+    """The job's driver in this process (plait.runtime.JobDriver). Options: `dp` (override the
+    topology's DP size); `metrics_port` (serve Prometheus metrics there; default: the spec's
+    `metrics.port`, off when unset)."""
 
     def __init__(self, spec: Spec, *, dp: int | None = None, metrics_port: int | None = None):
         self.spec = spec
         self.loader = SourceLoader(spec)
         self.planner = Planner(spec, self.loader, dp=dp)
-        # set_weights / report come from the trainer's thread while prefetch plans in another, and a shared
-        # job (plait.job.service) builds several ranks at once: the loader is touched under this lock only
+        # set_weights / report come from the trainer's thread while builds run on the job service's threads,
+        # and a shared job builds several ranks at once: the loader is touched under this lock only
         self._lock = threading.Lock()
         self.constructor = Constructor(GuardedPayloads(LoaderPayloads(lambda source: self.loader), self._lock))
         self.telemetry = Telemetry(spec.source_names)
@@ -39,7 +46,6 @@ class LocalRuntime:
         except BaseException:  # a port in use: release the loader's threads before saying so
             self.loader.close()
             raise
-        self._after: dict[int, dict] = {}  # step -> data state after it (the last few iterated)
 
     def plan(self) -> StepPlan:
         with Stopwatch() as t, self._lock:
@@ -61,42 +67,14 @@ class LocalRuntime:
                 live.update(plan.items.block_keys()[0])
             self.loader.retain(live)
 
-    def iter_rank(
-        self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None, cp_rank: int = 0
-    ) -> Iterator[tuple[dict, MicroBatch]]:
-        """One rank's micro-batches from a data state on: (state at the step's start, batch), each cut
-        to CP rank `cp_rank`'s shard when the topology has context parallelism.
-
-        Locally every rank plans the whole global step itself (cheap: metadata only) and builds only
-        its own micro-batches; all ranks compute the same plan, so they agree without talking.
-        """
-        cp = self.spec.topology.cp
-        self.load_state_dict(start_state)
-        skip = start_micro
-        while max_steps is None or self.planner.step < max_steps:
-            plan = self.plan()
-            self._after[plan.step] = self.planner.state_dict()
-            self._after.pop(plan.step - 8, None)
-            wanted = None if skip == 0 else set(range(skip, plan.microbatches))
-            skip = 0
-            for mb in shard_for_rank(self.build(plan, dp_rank, only=wanted), cp, cp_rank):
-                yield plan.state_before, mb
-            self.release()
-
     def state_dict(self) -> dict:
         return self.planner.state_dict()
-
-    def state_after(self, step: int) -> dict | None:
-        """The data state after a recently iterated step (None when no longer known)."""
-        return self._after.get(step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         with self._lock:
             return self.planner.load_state_dict(state, allow_spec_change=allow_spec_change)
 
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
-        """Local: this process's Planner. With DP > 1 every rank plans the whole step itself, so call it
-        identically (same weights, same at_step) on every rank, as for `report`."""
         with self._lock:
             self.planner.set_weights(weights, at_step)
 
@@ -113,3 +91,79 @@ class LocalRuntime:
 
     def close(self) -> None:
         self.loader.close()
+
+
+class LocalRuntime:
+    """One rank's stream (plait.runtime.RankStream) from the roles in this process, and their driver
+    (plan / build / release: `plait run`, the benchmarks). Options: LocalRoles's `dp`, `metrics_port`.
+
+    Every process plans the whole global step itself (cheap: metadata only) and builds only its own
+    rank's micro-batches; all ranks compute the same plan, so they agree without talking. Nothing is
+    built ahead here: the Loader's reader thread already reads ahead of the trainer."""
+
+    def __init__(self, spec: Spec, *, dp: int | None = None, metrics_port: int | None = None):
+        self.roles = LocalRoles(spec, dp=dp, metrics_port=metrics_port)
+        self.spec, self.planner, self.loader = spec, self.roles.planner, self.roles.loader
+        self.constructor, self.telemetry, self.metrics_port = (self.roles.constructor, self.roles.telemetry,
+                                                               self.roles.metrics_port)
+        try:
+            self.service = JobService(self.roles, build_ahead=0, threads=1, every_rank_reads=False)
+        except BaseException:
+            self.roles.close()
+            raise
+
+    # ----- the job's driver: the roles' ------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        return self.roles.plan()
+
+    def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        return self.roles.build(plan, dp_rank, only)
+
+    def release(self, *in_flight: StepPlan) -> None:
+        self.roles.release(*in_flight)
+
+    # ----- the trainer's stream: through the job service --------------------------------------------------
+    def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
+                  cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
+        """One rank's micro-batches from a data state on: (state at the step's start, batch), each cut
+        to CP rank `cp_rank`'s shard when the topology has context parallelism."""
+        service, cp = self.service, (self.spec.topology.cp, cp_rank)
+        gen = service.seek(start_state)
+
+        def receive(step: int, _: int) -> tuple[dict, list[MicroBatch]]:
+            return service.get(gen, step, dp_rank, max_steps, cp)
+
+        return read_rank(asked, receive, int(start_state["step"]), start_micro, max_steps)
+
+    def state_dict(self) -> dict:
+        return self.roles.state_dict()
+
+    def state_after(self, step: int) -> dict | None:
+        """The data state after a recently iterated step (None when no longer known)."""
+        return self.service.state_after(self.service.gen, step)
+
+    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
+        if allow_spec_change:
+            return self.service.seek_with_changes(state)[1]
+        self.service.seek(state)
+        return []
+
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        return self.service.replan_after(state, layout)
+
+    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
+        """This process's Planner. With DP > 1 every rank plans the whole step itself, so call it
+        identically (same weights, same at_step) on every rank, as for `report`."""
+        self.roles.set_weights(weights, at_step)
+
+    def report(self, step: int, losses: dict[str, float]) -> None:
+        self.roles.report(step, losses)
+
+    def error_report(self) -> dict:
+        return self.roles.error_report()
+
+    def scaling_report(self) -> dict:
+        return self.roles.scaling_report()
+
+    def close(self) -> None:
+        self.service.close()

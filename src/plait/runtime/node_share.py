@@ -19,7 +19,7 @@ Which launches share (`share=` of plait.Loader with runtime="local", or PLAIT_LO
 Rendezvous: the host writes {address, token, pid} to a file named by a hash of the launch (torchrun's run
 id, master address and port, node rank and restart count), the job name and the spec's data fingerprint,
 in a folder only this user can read (PLAIT_NODE_DIR, default <tmp>/plait-<uid>, mode 0700). The other
-processes wait for it (`timeout`, default 300 s), check the served job's spec, and join. The host keeps
+processes wait for it (`join_timeout`, default 300 s), check the served job's spec, and join. The host keeps
 serving after its own Loader closes (or its script ends with the Loader open) until every process of the
 node that joined has left (or died), or until all LOCAL_WORLD_SIZE processes have had `DRAIN_GRACE`
 seconds to join: its process waits for that at exit, so a rank that finishes first does not cut the
@@ -50,6 +50,7 @@ from typing import Iterator
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
+from plait.runtime.options import renamed
 from plait.spec import Spec
 
 SHARES = ("auto", "node", "process")
@@ -267,7 +268,7 @@ def _join(spec: Spec, job: str, path: Path, timeout: float):
             if not process_alive(int(info["pid"])):
                 last = f"the host process {info['pid']} that wrote it is gone"
             else:
-                return client(spec, address=info["address"], token=info["token"], job=job)
+                return client(spec, job_address=info["address"], token=info["token"], job=job)
         except (OSError, ValueError, KeyError):
             pass
         except PlaitError as e:  # a stale file, or a host still starting or already closing
@@ -284,15 +285,17 @@ def _join(spec: Spec, job: str, path: Path, timeout: float):
 class NodeRuntime:
     """The runtime interface (plait.runtime) for one process of a node whose LOCAL_RANK 0 hosts the data
     plane (see the module's doc). Options: `job` (names the node's job; default from the launch),
-    `metrics_port` (the host's Prometheus endpoint), `timeout` (seconds to wait for the host), `share`
-    (as plait.Loader's)."""
+    `metrics_port` (the host's Prometheus endpoint), `join_timeout` (seconds to wait for the host;
+    `timeout` is its deprecated name), `share` (as plait.Loader's)."""
 
     @staticmethod
     def option_names() -> list[str]:
-        return ["job", "metrics_port", "timeout", "share"]
+        return ["job", "metrics_port", "join_timeout", "share", "timeout"]
 
     def __init__(self, spec: Spec, *, job: str | None = None, metrics_port: int | None = None,
-                 timeout: float = JOIN_TIMEOUT, share: str = "node"):
+                 join_timeout: float | None = None, share: str = "node", timeout: float | None = None):
+        timeout = renamed("timeout", timeout, "join_timeout", join_timeout)
+        timeout = JOIN_TIMEOUT if timeout is None else timeout
         launch = node_launch(share)
         if launch is None:
             raise PlaitError("the node runtime needs torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE (share='process' "
@@ -334,6 +337,9 @@ class NodeRuntime:
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         return self.client.load_state_dict(state, allow_spec_change=allow_spec_change)
 
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        return self.client.replan_after(state, layout)
+
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """As the local runtime's: call it identically on every rank (the node's Planner records it once)."""
         self.client.set_weights(weights, at_step)
@@ -347,15 +353,6 @@ class NodeRuntime:
 
     def scaling_report(self) -> dict:
         return self.client.scaling_report()
-
-    def plan(self):
-        return self.client.plan()
-
-    def build(self, plan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        return self.client.build(plan, dp_rank, only)
-
-    def release(self, *in_flight) -> None:
-        """Nothing to release here: the node's host releases its loader's blocks."""
 
     def close(self) -> None:
         """Leave the node's job; the host's process serves on until the node's other processes are done."""

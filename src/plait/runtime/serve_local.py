@@ -1,6 +1,6 @@
 """One process serves a whole job to thin trainer clients (`plait serve SPEC --job NAME --runtime local`).
 
-No Ray: the local runtime's roles (plait.runtime.local.LocalRuntime: one Planner, one SourceLoader over
+No Ray: the local runtime's roles (plait.runtime.local.LocalRoles: one Planner, one SourceLoader over
 every source, the Constructor) run in this process, and one Arrow Flight server here speaks the protocol
 of plait.runtime.flight, so trainers use `plait.Loader(spec, dp_rank, runtime="flight")` unchanged:
 
@@ -9,7 +9,7 @@ of plait.runtime.flight, so trainers use `plait.Loader(spec, dp_rank, runtime="f
     plan stream (each step planned once for every rank, a bounded window of planned steps in which a rank
     too far ahead of the slowest waits, generations reset by `seek`);
   * `hello` names this same server as every DP rank's endpoint, and `do_get` streams one step of one rank:
-    built once per (generation, step, rank), `prefetch` steps ahead on a few build threads, cut to the
+    built once per (generation, step, rank), `build_ahead` steps ahead on a few build threads, cut to the
     asking CP rank.
 
 docs/serving.md describes the job service, the window's backpressure and how a gone trainer is detected.
@@ -20,107 +20,78 @@ from __future__ import annotations
 
 import secrets
 import socket
-import threading
-from typing import Any
-
 
 from plait.errors import PlaitError
 from plait.job.consumers import Consumers
 from plait.job.service import JobService
-from plait.runtime.flight import PROTOCOL, location_of
-from plait.runtime.flight_serving import ActionServer, grpc_location, serve_step, split_address
-from plait.runtime.local import LocalRuntime
+from plait.runtime.options import renamed
+from plait.runtime.flight import PROTOCOL
+from plait.runtime.flight_serving import JobFlight, ServedJob, grpc_location, listen_address, split_address
+from plait.runtime.local import LocalRoles
 from plait.spec import Spec, load_spec
 
 
-class LocalFlight(ActionServer):
-    """The job's one Flight server: rendezvous actions and every rank's `do_get`."""
+BUILD_AHEAD = 2  # steps built ahead of each rank's request
 
-    def __init__(self, job: JobService, info: dict, location: str, token: str):
-        super().__init__(location, token, info)
-        self.job = job
 
-    def answer(self, name: str, body: dict, peer: str) -> Any:
-        job = self.job
-        calls = {
-            "hello": lambda: self.info,
-            "base": job.base,
-            "seek": lambda: job.seek(body["state"]),
-            "seek_with_changes": lambda: job.seek_with_changes(body["state"]),
-            "state_at": lambda: job.state_at(int(body["gen"]), int(body["step"])),
-            "set_weights": lambda: job.set_weights(body["weights"], int(body["at_step"])),
-            "report": lambda: job.report(int(body["step"]), body["losses"]),
-            "error_report": job.error_report,
-            "reconnect": lambda: self.info["endpoints"],  # one process: nothing to replace
-            "attach": lambda: self.endpoint(int(body["dp_rank"])),  # every rank is served here
-            "join": lambda: job.join(body["id"], int(body["pid"])),
-            "leave": lambda: job.leave(body["id"]),
-        }
-        if name not in calls:
-            raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
-        return calls[name]()
+class OneServer:
+    """The actions of a job whose one server serves every rank: `hello`, and every rank's endpoint is
+    this server (the job service answers the other actions)."""
 
-    def endpoint(self, dp_rank: int) -> str:
+    def __init__(self, info: dict, ranks: int):
+        self.info, self.ranks = info, ranks
+
+    def hello(self) -> dict:
+        return self.info
+
+    def reconnect(self, dp_rank: int, step: int) -> dict[str, str]:
+        return self.info["endpoints"]  # one process: nothing to replace
+
+    def attach(self, dp_rank: int, node: str | None, peer_ip: str | None) -> str:
         if str(dp_rank) not in self.info["endpoints"]:
-            raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.job.ranks} DP ranks")
+            raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.ranks} DP ranks")
         return self.info["endpoints"][str(dp_rank)]
 
-    def do_get(self, context, ticket):
-        return serve_step(self.job.get, ticket)
 
-
-class LocalJobServer:
+class LocalJobServer(ServedJob):
     """Job `job` of `spec` in this process, served over Arrow Flight at `listen` (`host:port`, port 0 = a
     free one; `self.address` is where it listens). `token`: the job's token (default: a fresh random one,
-    `self.token`). `dp`, `metrics_port`: LocalRuntime's; `prefetch`, `expected`: JobService's. `close()`
+    `self.token`). `dp`, `metrics_port`: LocalRoles's; `build_ahead` (steps built ahead of each rank's request;
+    `prefetch`, its old name, is deprecated), `expected`: JobService's. `close()`
     ends the job."""
 
     def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *, token: str | None = None,
-                 dp: int | None = None, prefetch: int = 2, metrics_port: int | None = None, expected: int = 0):
+                 dp: int | None = None, build_ahead: int | None = None, metrics_port: int | None = None,
+                 expected: int = 0, prefetch: int | None = None):
+        build_ahead = renamed("prefetch", prefetch, "build_ahead", build_ahead)
+        super().__init__()
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
-        self.stopped = threading.Event()
-        self.service = JobService(LocalRuntime(self.spec, dp=dp, metrics_port=metrics_port), prefetch=prefetch,
-                                  expected=expected)
+        self.service = JobService(LocalRoles(self.spec, dp=dp, metrics_port=metrics_port), expected=expected,
+                                  build_ahead=BUILD_AHEAD if build_ahead is None else build_ahead)
         self.ranks = self.service.ranks
         info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.ranks,
-                "cp": self.spec.topology.cp}
+                "cp": self.spec.topology.cp, "protocol": PROTOCOL}
+        self.front = OneServer(info, self.ranks)
         try:
-            self.server = LocalFlight(self.service, info, grpc_location(host, port), self.token)
+            self.server = JobFlight(grpc_location(host, port), self.token, (self.front, self.service),
+                                    get=self.service.get)
         except BaseException:
             self.service.close()
             raise
         # Every rank's steps come from this same server, at an address the trainers can reach.
         advertised = socket.gethostname() if host in ("0.0.0.0", "::") else host
         here = grpc_location(advertised, self.server.port)
-        self.server.info["endpoints"] = {str(r): here for r in range(self.ranks)}
+        info["endpoints"] = {str(r): here for r in range(self.ranks)}
         self.job = job
-        self.address = f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"
-
-    @property
-    def location(self) -> str:
-        return location_of(self.address)
+        self.address = listen_address(host, self.server.port)
 
     @property
     def clients(self) -> Consumers:
         """The trainer processes that joined and how far each has read (plait.runtime.node_share)."""
         return self.service.consumers
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until `close()` (or `timeout` seconds); True when closed."""
-        return self.stopped.wait(timeout)
-
-    def close(self) -> None:
-        if self.stopped.is_set():
-            return
+    def stop(self) -> None:
         self.server.shutdown()
         self.service.close()
-        self.stopped.set()
-
-    def __enter__(self) -> "LocalJobServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-

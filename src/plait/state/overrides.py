@@ -23,6 +23,17 @@ from plait.mixture import POLICIES, MixtureSchedule, apply_overrides, mask
 from plait.spec import Spec
 
 
+def update_step(online, window: int) -> int:
+    """The step at which the online update of window `window` (steps [wK, (w+1)K)) takes effect: the one
+    definition of the online policy's timing (`online`: the spec's mixture.online)."""
+    return (window + 1) * online.every - 1 + online.delay
+
+
+def report_effect_step(online, step: int) -> int:
+    """The step at which a loss reported for `step` takes effect (its window's update)."""
+    return update_step(online, step // online.every)
+
+
 class RunWeights:
     def __init__(self, spec: Spec):
         self.names = spec.source_names
@@ -45,11 +56,6 @@ class RunWeights:
             return w
         w = apply_overrides(w, self.names, self.overrides, step)
         return mask(w, self.schedule.active(step), f"step {step}") if self.schedule.windowed else w
-
-    def update_step(self, window: int) -> int:
-        """The step at which the online update of window `window` takes effect."""
-        assert self.online is not None
-        return (window + 1) * self.online.every - 1 + self.online.delay
 
     def _online_update(self, step: int, tokens: int) -> None:
         o = self.online
@@ -99,7 +105,7 @@ class RunWeights:
         bad = {n: v for n, v in losses.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
         if bad:
             raise PlaitError(f"report(step={step}): losses must be finite numbers (got {bad})")
-        effect = self.update_step(step // self.online.every)
+        effect = report_effect_step(self.online, step)
         if step < 0 or effect < planned:
             raise PlaitError(
                 f"report(step={step}) came too late: its window's update takes effect at step {effect}, which is "
@@ -146,8 +152,7 @@ def merge_pending(state: dict, overrides: list[dict], reports: dict[int, dict], 
     if online is not None and reports:
         held = dict((state.get("online") or {}).get("reports") or {})
         for s, r in reports.items():
-            effect = (s // online.every + 1) * online.every - 1 + online.delay
-            if effect >= step:
+            if report_effect_step(online, s) >= step:
                 held[str(s)] = {**held.get(str(s), {}), **r}
         out["online"] = {"reports": dict(sorted(held.items(), key=lambda kv: int(kv[0])))}
     return out

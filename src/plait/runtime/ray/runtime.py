@@ -11,6 +11,7 @@ The stream is the local runtime's, bit for bit: the Planner is the same class fe
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import uuid
@@ -18,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
 
 from plait.batch import MicroBatch
+from plait.job.stream import read_rank, state_after
 from plait.errors import PlaitError
 from plait.plan import StepPlan
 from plait.state.log import PlannerLog
@@ -284,23 +286,17 @@ class RayRuntime:
         Constructor. Every rank of the job reads the same, once-planned stream; the DP replica's
         Constructor builds each step once for all its ranks."""
         self._seek(start_state)
-        step, skip = int(start_state["step"]), start_micro
         cp = (self.spec.topology.cp, cp_rank)
 
-        def request(t):
-            return self._constructor_for(dp_rank).get.remote(self._gen, t, dp_rank, max_steps, cp)
+        def request(step: int):  # sent before the previous step's batches are handed out: built meanwhile
+            return self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, max_steps, cp)
 
-        ahead = request(step) if max_steps is None or step < max_steps else None
-        while ahead is not None:
-            state, batches = self._get_build(ahead, step, dp_rank, (max_steps, cp))
+        def receive(ref, step: int) -> tuple[dict, list[MicroBatch]]:
+            state, batches = self._get_build(ref, step, dp_rank, (max_steps, cp))
             self._planner_log.record(state)
-            nxt = step + 1
-            ahead = request(nxt) if max_steps is None or nxt < max_steps else None
-            for mb in batches:
-                if mb.microbatch >= skip:
-                    yield state, mb
-            skip = 0
-            step = nxt
+            return state, batches
+
+        return read_rank(request, receive, int(start_state["step"]), start_micro, max_steps)
 
     def _get_build(self, ref, step: int, dp_rank: int, extra: tuple = ()):
         """A build's result; if its Constructor died, a new one rebuilds the step (asked again with the
@@ -352,10 +348,7 @@ class RayRuntime:
 
     def state_after(self, step: int) -> dict | None:
         """The data state after `step`: the start of the next one (the Planner's window holds it)."""
-        try:
-            return self.ask_planner("state_at", self._gen, step + 1)
-        except PlaitError:  # the stream was reset or the step left the window: the Loader writes no `next`
-            return None
+        return state_after(functools.partial(self.ask_planner, "state_at"), self._gen, step)
 
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
         if not allow_spec_change:

@@ -23,8 +23,8 @@ import secrets
 import threading
 
 from plait.errors import PlaitError
-from plait.runtime.flight import location_of
-from plait.runtime.flight_serving import split_address
+from plait.runtime.flight import PROTOCOL
+from plait.runtime.flight_serving import ServedJob, listen_address, split_address
 from plait.runtime.ray import recovery
 from plait.runtime.ray.common import get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
@@ -34,7 +34,7 @@ from plait.runtime.ray.runtime import RayRuntime
 from plait.spec import Spec, load_spec
 
 
-class JobServer:
+class JobServer(ServedJob):
     """Job `job` of `spec` on Ray, served over Arrow Flight at `listen` (`host:port`, port 0 = a free one;
     `self.address` is where it listens).
 
@@ -46,10 +46,10 @@ class JobServer:
 
     def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *,
                  token: str | None = None, constructor_host: str | None = None, **ray_options):
+        super().__init__()
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
-        self.stopped = threading.Event()
         try:
             self.runtime = RayRuntime(self.spec, job=job, **ray_options)
         except JobNameTaken as e:  # in `plait serve` terms: it has no attach option
@@ -64,15 +64,14 @@ class JobServer:
         self.here = ray_module().get_runtime_context().get_node_id()  # the serving node
         try:
             self.endpoints = self._serve_constructors()
-            info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
-                    "cp": self.spec.topology.cp, "endpoints": self.endpoints}
-            self.rendezvous = RendezvousFlight(self.runtime.ask_planner, info, grpc_location(host, port),
-                                               self.token, serving=self)
+            self.info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
+                         "cp": self.spec.topology.cp, "protocol": PROTOCOL}
+            self.rendezvous = RendezvousFlight(self.runtime.ask_planner, self, grpc_location(host, port), self.token)
         except BaseException:
             self.close()
             raise
         self.job = job
-        self.address = f"[{host}]:{self.rendezvous.port}" if ":" in host else f"{host}:{self.rendezvous.port}"
+        self.address = listen_address(host, self.rendezvous.port)
 
     def _serve_constructors(self) -> dict[str, str]:
         """Each DP rank's Constructor, its Flight server started (once per actor): {dp_rank: location}."""
@@ -88,6 +87,18 @@ class JobServer:
         found = dict(zip(locations, get(list(locations.values()))))
         return {str(r): found[pool.key(r)] for r in range(rt.dp)}
 
+    # ----- the rendezvous's actions (plait.runtime.flight_serving.ACTION_ARGS) -------------------------------
+    def hello(self) -> dict:
+        """The job, its fingerprint and DP ranks, and each rank's Constructor location."""
+        with self.lock:
+            return {**self.info, "endpoints": dict(self.endpoints)}
+
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """Elastic resume of a thin client: the step re-planned on its saved layout, here (plait.job.elastic)."""
+        from plait.job.elastic import replan_after
+
+        return replan_after(self.spec, state, layout)
+
     def reconnect(self, dp_rank: int, step: int) -> dict[str, str]:
         """A thin client lost its Constructor at `step`: if it died, a new one is started (it rebuilds the
         step from the Planner's window: the same micro-batches) and serves Flight; every rank's endpoint.
@@ -100,9 +111,9 @@ class JobServer:
                 self.runtime.planner.record_recovery.remote("constructor")
             return dict(self.endpoints)
 
-    def attach(self, dp_rank: int, node: str | None, peer_ip: str | None) -> tuple[str, dict[str, str]]:
-        """A trainer's first request for `dp_rank`: (the rank's endpoint, every rank's endpoint), the rank
-        moved to a Constructor on the trainer's node (`node`, else `peer_ip`) when it is another Ray node."""
+    def attach(self, dp_rank: int, node: str | None, peer_ip: str | None) -> str:
+        """A trainer's first request for `dp_rank`: the rank's endpoint, the rank moved to a Constructor on
+        the trainer's node (`node`, else `peer_ip`) when it is another Ray node."""
         if not 0 <= dp_rank < self.runtime.dp:
             raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.runtime.dp} DP ranks")
         with self.lock:
@@ -110,29 +121,14 @@ class JobServer:
             if self.pool.mode != "planner" and target != self.pool.node_of(dp_rank):
                 self.pool.place(dp_rank, target)
                 self.endpoints = self._serve_constructors()
-            return self.endpoints[str(dp_rank)], dict(self.endpoints)
+            return self.endpoints[str(dp_rank)]
 
-    @property
-    def location(self) -> str:
-        return location_of(self.address)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until `close()` (or `timeout` seconds); True when closed."""
-        return self.stopped.wait(timeout)
-
-    def close(self) -> None:
+    def stop(self) -> None:
         """Stop the rendezvous and end the job (its Constructors' Flight servers go with them)."""
         if self.rendezvous is not None:
             self.rendezvous.shutdown()
             self.rendezvous = None
         self.runtime.close()
-        self.stopped.set()
-
-    def __enter__(self) -> "JobServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def trainer_node(node: str | None, peer_ip: str | None, here: str) -> str:
