@@ -55,7 +55,7 @@ def replan_after(spec: Spec, state: dict, layout: dict) -> dict:
 
 def replan_through(runtime, spec: Spec, state: dict, layout: dict) -> dict:
     """`replan_after` on the job's side: through the runtime where it offers it (every runtime of this
-    package but ray's in-trainer driver, which re-plans here until its Planner actor offers it)."""
+    package does; a runtime without it re-plans here)."""
     on_job = getattr(runtime, "replan_after", None)
     if on_job is not None:
         return on_job(state, layout)

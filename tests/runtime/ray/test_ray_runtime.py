@@ -118,3 +118,31 @@ def test_auto_layout_follows_measured_cost(ray_session, tmp_path):
     assert all(float(r["us_per_1k_tokens"].split("–")[0]) > 0 for r in rows)
     names = " ".join(r["sources"] for r in rows)
     assert "ids0[" not in names and "ids1[" not in names  # cheap sources keep one partition
+
+
+def test_an_elastic_resume_is_replanned_by_the_jobs_planner(ray_session, spec, monkeypatch):
+    """A boundary state saved on 4 ranks without the state after its step resumes on a 2-rank Ray job:
+    the job's Planner actor re-plans the saved step (`replan_after`), never the trainer, and the client
+    reads exactly what a local Loader resuming the same state reads (sample ids)."""
+    import json
+
+    from plait.job import elastic
+    from plait.state.schema import seal
+
+    with plait.Loader(spec, dp_rank=0, steps=2, read_ahead=0) as ld:
+        list(ld)
+        full = json.loads(json.dumps(ld.state_dict()))
+    saved = seal({k: v for k, v in full.items() if k not in ("next", "checksum")})
+    spec2 = spec.with_overrides(topology={"dp": 2})
+    with plait.Loader(spec2, dp_rank=1, steps=4, read_ahead=0) as local:
+        local.load_state_dict(saved)
+        want = [mb.sample_ids.tolist() for mb in local]
+
+    def in_trainer(*args, **kwargs):
+        raise AssertionError("the trainer re-planned a step")
+
+    monkeypatch.setattr(elastic, "replan_after", in_trainer)  # this process only: the actor has its own
+    with plait.Loader(spec2, dp_rank=1, steps=4, read_ahead=0, runtime="ray", job="elastic-job", loaders=1) as ray_ld:
+        ray_ld.load_state_dict(saved)
+        got = [mb.sample_ids.tolist() for mb in ray_ld]
+    assert got == want and len(got) > 0

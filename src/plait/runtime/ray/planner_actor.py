@@ -153,6 +153,14 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
     def report(self, step: int, losses: dict) -> None:
         self.planner.report(step, losses)
 
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """Elastic resume on the job's side: the data state after the step that starts at `state`,
+        re-planned on the `layout` it ran on (metadata only, on a SourceLoader of its own: the job's
+        stream and its loaders are untouched, so no lock)."""
+        from plait.job.elastic import replan_after  # the Planner (and numba) only where a step is re-planned
+
+        return replan_after(self.spec, state, layout)
+
     def _plan_next(self) -> StepPlan:
         """The window's way to plan the next step (a successor plans it from its predecessor's log)."""
         self.standby.align(self)

@@ -360,6 +360,10 @@ class RayRuntime:
         self._next_step = int(state["step"])
         return changes
 
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """An elastic resume's re-planning, done by the job's Planner actor (not in the trainer)."""
+        return self.ask_planner("replan_after", state, layout)
+
     def set_weights(self, weights: dict[str, float], at_step: int) -> None:
         """Ray: the job's one Planner applies it, so call it from one rank (any); a planned step is refused."""
         self.ask_planner("set_weights", weights, at_step)
