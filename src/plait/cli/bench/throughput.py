@@ -92,7 +92,7 @@ def plait_read(spec, target_tokens: int) -> tuple[int, float, int]:
     """Stream one rank (dp=1) until `target_tokens` were delivered, no prefetch thread."""
     from plait.client import Loader
 
-    loader = Loader(spec, dp_rank=0, prefetch=0)
+    loader = Loader(spec, dp_rank=0, read_ahead=0)
     t = time.perf_counter()
     n = 0
     batches = 0
