@@ -129,7 +129,9 @@ class LoaderConfig:
         starting them never finds a retiring loader of the same index by name."""
         return loader_name(self.job, k, generation) + (f"@v{self.version}" if self.version else "")
 
-    def start(self, k: int, generation: int = 0):
-        """Start (or, by name, find) loader k's actor; a replacement has the next generation's name."""
+    def start(self, k: int, generation: int = 0, name: str | None = None):
+        """Start (or, by name, find) loader k's actor; a replacement has the next generation's name.
+        `name`: the name it runs under already (a successor Planner finds a handed-over loader by it)."""
         ray = ray_module()
-        return ray.remote(LoaderActor).options(**self.options(self.name(k, generation))).remote(*self.args(k))
+        name = name or self.name(k, generation)
+        return ray.remote(LoaderActor).options(**self.options(name)).remote(*self.args(k))

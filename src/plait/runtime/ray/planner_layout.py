@@ -92,9 +92,10 @@ class LayoutControl:
         return self.routes.current.layout
 
     def _fleet(self, config: LoaderConfig, options: dict | None = None, previous=None) -> LoaderFleet:
-        """The loaders of `config`'s layout. Only the first fleet takes `loader_generations` (a successor's
-        view of the dead Planner's replacements); a new layout's loaders start at generation 0."""
-        options = options if options is not None else {k: v for k, v in self.options.items() if k != "loader_generations"}
+        """The loaders of `config`'s layout. Only the first fleet takes `loader_generations` and `loader_names`
+        (a successor's view of the dead Planner's loaders); a new layout's loaders start at generation 0."""
+        first_only = ("loader_generations", "loader_names")
+        options = options if options is not None else {k: v for k, v in self.options.items() if k not in first_only}
         return LoaderFleet(config, self.spec, options, now=self.now, on_replaced=self.on_replaced, previous=previous)
 
     # ----- changing the layout ----------------------------------------------------------------------

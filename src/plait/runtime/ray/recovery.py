@@ -71,12 +71,12 @@ class LoaderFleet:
         self.now = now
         self.on_replaced = on_replaced
         n = config.layout.loaders
-        # A successor Planner (plait.runtime.ray.standby_planner) finds its predecessor's loaders by name.
+        # A successor Planner (plait.runtime.ray.standby_planner) finds its predecessor's loaders by name:
+        # `loader_names` holds them (a loader handed over keeps the name of the layout that started it).
         self.generation = list(options.get("loader_generations") or [0] * n)
+        found = list(options.get("loader_names") or [None] * n)
         self.owners: dict[str, int] = previous.owners if previous is not None else {}
-        # Not in a shared job: there a successor Planner finds the loaders by their layout version's names.
-        handover = previous is not None and not config.lifetime
-        self.adopted = unchanged_loaders(previous.config.layout, config.layout) if handover else {}
+        self.adopted = unchanged_loaders(previous.config.layout, config.layout) if previous is not None else {}
         self.handles, self.names = [], []
         self.shadows: list[list] = [[] for _ in range(n)]
         for k in range(n):
@@ -86,8 +86,9 @@ class LoaderFleet:
                 self.names.append(previous.names[j])
                 self.shadows[k] = list(previous.shadows[j])
             else:
-                self.handles.append(config.start(k, self.generation[k]))
-                self.names.append(config.name(k, self.generation[k]))
+                name = found[k] or config.name(k, self.generation[k])
+                self.handles.append(config.start(k, self.generation[k], name))
+                self.names.append(name)
             self.owners[self.names[k]] = self.owners.get(self.names[k], 0) + 1
         self.events: list[dict] = []
         self.on_event: Callable[[dict], None] | None = None  # told of each event (the job's metrics)

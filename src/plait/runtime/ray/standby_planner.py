@@ -136,7 +136,8 @@ class StandbyPlannerActor:
                     self.recipe.name, self.low, len(self.states))
         wait_name_free(self.recipe.name)
         options = {**self.recipe.options, "takeover": package,
-                   "loader_generations": self.meta.get("loader_generations")}
+                   "loader_generations": self.meta.get("loader_generations"),
+                   "loader_names": self.meta.get("loader_names")}
         if self.meta.get("layout") is not None:  # the layout in use (re-partitioned since the start or not)
             options.update(layout=self.meta["layout"], layout_version=self.meta.get("layout_version", 0))
         # The log stays until the successor's full state replaces it: should the successor die first, it
@@ -205,7 +206,7 @@ class StandbyLink:
         options = recipe.options
         if not (options.get("planner_standby", True) and options.get("lifetime") == "detached"):
             return cls.off()
-        clean = {k: v for k, v in options.items() if k not in ("takeover", "loader_generations")}
+        clean = {k: v for k, v in options.items() if k not in ("takeover", "loader_generations", "loader_names")}
         return cls(dataclasses.replace(recipe, options=clean), options.get("takeover"), window)
 
     def handles(self) -> list:
@@ -257,7 +258,7 @@ class StandbyLink:
             return
         current = actor.planner.state_dict()
         meta = {**actor.presence.facts(), "planned": actor.planned,
-                "loader_generations": list(actor.loaders.generation),
+                "loader_generations": list(actor.loaders.generation), "loader_names": list(actor.loaders.names),
                 "layout": actor.routes.current.layout.to_dict(), "layout_version": actor.routes.version}
         if self._check() or self.sent is None or self.sent_gen != actor.gen:
             states = {int(plan.state_before["step"]): plan.state_before for plan in actor.window.steps.values()}
