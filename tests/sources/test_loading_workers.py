@@ -14,7 +14,7 @@ from mm_data import llava, mm_spec, parquet, webdataset
 import plait
 from plait.errors import SpecError
 from plait.metrics import batch_digest_update
-from plait.runtime.local import LocalRuntime
+from plait.runtime.local import LocalRoles, LocalRuntime
 from plait.job.service import JobService
 from plait.sources import multimodal
 from plait.sources.workers import WorkerPool, resolve_workers
@@ -88,7 +88,7 @@ def test_pixels_are_decoded_into_the_delivered_buffer(sources, monkeypatch):
 def test_ranks_of_one_replica_share_the_batch(sources):
     """TP ranks (the same DP rank asked twice) get the same arrays; CP shards keep the replica's pixels."""
     spec = plait.load_spec({**mm_spec(sources), "topology": {"dp": 2, "cp": 2}, "loading": {"workers": 2}})
-    job = JobService(LocalRuntime(spec), prefetch=0)
+    job = JobService(LocalRoles(spec), build_ahead=0)
     try:
         gen, _ = job.base()
         _, tp0 = job.get(gen, 0, 0, cp=(2, 0))

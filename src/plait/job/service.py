@@ -101,13 +101,14 @@ class JobService:
     def seek(self, state: dict) -> int:
         """Make step state['step'] start from `state`; a no-op when the stream already does."""
         with self.lock:
-            step = int(state["step"])
-            plan = self.window.steps.get(step)
-            if plan is not None and same_state(plan.state_before, state):
-                return self.gen
-            if plan is None and self.roles.planner.step == step and same_state(self.roles.state_dict(), state):
-                return self.gen
-            self.roles.load_state_dict(state)  # validates version and fingerprint
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, int):  # else not a state: the roles' check below names what is wrong
+                plan = self.window.steps.get(step)
+                if plan is not None and same_state(plan.state_before, state):
+                    return self.gen
+                if plan is None and self.roles.planner.step == step and same_state(self.roles.state_dict(), state):
+                    return self.gen
+            self.roles.load_state_dict(state)  # validates version, fields and fingerprint
             return self._new_generation()
 
     def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
