@@ -479,3 +479,24 @@ def scrape_metrics(port: int) -> dict:
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def boundary_state_without_next(spec, steps: int = 2) -> dict:
+    """A Loader's state at the boundary after `steps` steps on `spec`'s layout, without the data state
+    after its step (`next`), as an older plait wrote it: resuming it on another layout must re-plan."""
+    import plait
+    from plait.state.schema import seal
+
+    with plait.Loader(spec, dp_rank=0, steps=steps, read_ahead=0) as ld:
+        list(ld)
+        full = json.loads(json.dumps(ld.state_dict()))
+    return seal({k: v for k, v in full.items() if k not in ("next", "checksum")})
+
+
+def local_resume_ids(spec, state: dict, dp_rank: int, steps: int) -> list[list]:
+    """Sample ids a local Loader of `dp_rank` reads for `steps` steps resuming `state` on `spec`."""
+    import plait
+
+    with plait.Loader(spec, dp_rank=dp_rank, steps=steps, read_ahead=0) as local:
+        local.load_state_dict(state)
+        return [mb.sample_ids.tolist() for mb in local]

@@ -378,9 +378,7 @@ def elastic_start(state: dict, spec: Spec, runtime) -> tuple[dict, int]:
             f"({now}) needs a checkpoint taken at a step boundary"
         )
     if micro:
-        from plait.job.elastic import replan_through
-
-        data = replan_through(runtime, spec, data, saved)
+        data = runtime.replan_after(data, saved)  # plait.job.elastic, on the job's side
     warnings.warn(
         f"resuming on a different layout ({changed}): the data continues exactly, but a step now holds a "
         "different number of tokens, so step-keyed schedules (learning rate) drift; key them on "

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fixtures import mixed_spec as make_spec
+from helpers import boundary_state_without_next, local_resume_ids
 from plait.state.log import nbytes
 from plait.errors import PlaitError
 from plait.runtime.local import LocalRuntime
@@ -178,17 +179,9 @@ def test_a_thin_client_resumes_elastically_with_the_job_replanning(spec, monkeyp
     from plait.runtime.flight_serving import JobFlight
     from plait.runtime.serve_local import LocalJobServer
 
-    from plait.state.schema import seal
-
-    with plait.Loader(spec, dp_rank=0, steps=2, read_ahead=0) as ld:
-        list(ld)
-        full = json.loads(json.dumps(ld.state_dict()))
-    # Without the state after its step (`next`, as an older plait wrote it) the step must be re-planned.
-    saved = seal({k: v for k, v in full.items() if k not in ("next", "checksum")})
+    saved = boundary_state_without_next(spec)  # without `next`: the step must be re-planned
     spec4 = spec.with_overrides(topology={"dp": 4})
-    with plait.Loader(spec4, dp_rank=1, steps=4, read_ahead=0) as local:
-        local.load_state_dict(saved)
-        want = [mb.sample_ids.tolist() for mb in local]
+    want = local_resume_ids(spec4, saved, dp_rank=1, steps=4)
 
     answered = []
     answer = JobFlight.answer

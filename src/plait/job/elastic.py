@@ -52,11 +52,3 @@ def replan_after(spec: Spec, state: dict, layout: dict) -> dict:
         )
     return advance(old, state, dp=int(layout["dp"]))
 
-
-def replan_through(runtime, spec: Spec, state: dict, layout: dict) -> dict:
-    """`replan_after` on the job's side: through the runtime where it offers it (every runtime of this
-    package does; a runtime without it re-plans here)."""
-    on_job = getattr(runtime, "replan_after", None)
-    if on_job is not None:
-        return on_job(state, layout)
-    return replan_after(spec, state, layout)

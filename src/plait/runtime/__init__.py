@@ -44,6 +44,11 @@ class RankStream(Protocol):
         step-boundary checkpoint carries it (`next`), so a spec or layout change resumes from there."""
         ...
 
+    def replan_after(self, state: dict, layout: dict) -> dict:
+        """The data state after the step that starts at `state`, re-planned on the `layout` it ran on
+        (plait.job.elastic), on the job's side: an elastic resume never plans in a thin trainer."""
+        ...
+
     def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str] | None:
         """Continue from a data state. With `allow_spec_change`, a state of another mixture or set of
         sources continues under this spec (state/spec_change.py); returns the changes found."""

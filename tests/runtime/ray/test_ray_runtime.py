@@ -11,6 +11,7 @@ ray = pytest.importorskip("ray")
 import plait  # noqa: E402
 from plait.metrics import combined_digest  # noqa: E402
 from plait.cli.stream import stream  # noqa: E402
+from helpers import boundary_state_without_next, local_resume_ids  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -124,19 +125,11 @@ def test_an_elastic_resume_is_replanned_by_the_jobs_planner(ray_session, spec, m
     """A boundary state saved on 4 ranks without the state after its step resumes on a 2-rank Ray job:
     the job's Planner actor re-plans the saved step (`replan_after`), never the trainer, and the client
     reads exactly what a local Loader resuming the same state reads (sample ids)."""
-    import json
-
     from plait.job import elastic
-    from plait.state.schema import seal
 
-    with plait.Loader(spec, dp_rank=0, steps=2, read_ahead=0) as ld:
-        list(ld)
-        full = json.loads(json.dumps(ld.state_dict()))
-    saved = seal({k: v for k, v in full.items() if k not in ("next", "checksum")})
+    saved = boundary_state_without_next(spec)
     spec2 = spec.with_overrides(topology={"dp": 2})
-    with plait.Loader(spec2, dp_rank=1, steps=4, read_ahead=0) as local:
-        local.load_state_dict(saved)
-        want = [mb.sample_ids.tolist() for mb in local]
+    want = local_resume_ids(spec2, saved, dp_rank=1, steps=4)
 
     def in_trainer(*args, **kwargs):
         raise AssertionError("the trainer re-planned a step")
