@@ -16,15 +16,21 @@ Workloads (`--workloads`, all by default; one row per (workload, DP, seq_len, st
 
   gpu-bound     the text + image mixture below at `--seq-len` with a GPU of `--gpu-tflops`;
   data-bound    the same with a GPU of `--data-bound-tflops` (default 100000): delivery sets the pace;
+                plait runs there as one machine runs it by default (the local runtime, no services) and,
+                in a second row (`runtime: ray`), on the ray runtime (`--data-bound-runtimes`);
   long-context, cpu-pool, node-images: plait.cli.bench.e2e_workloads.
 
 Strategies, the same steps and the same CPU budget B (`--cpus`, default 8 logical CPUs):
 
   per-rank  each rank has a torch DataLoader with W = B / DP workers over its share of the sources,
             packing greedily in arrival order (plait.cli.bench.e2e_per_rank): B worker processes.
-  plait     the ray runtime (plait.Loader, runtime="ray", loaders="auto", and autoscale=True where the
-            runtime has it) in a Ray instance of B CPUs: at most B SourceLoader actors, plus the Planner
-            and a Constructor, balancing each step's compute across ranks.
+  plait     gpu-bound, and data-bound's `ray` row: the ray runtime (plait.Loader, runtime="ray",
+            loaders="auto", and autoscale=True where the runtime has it) in a Ray instance of B CPUs: at
+            most B SourceLoader actors, plus the Planner and a Constructor, balancing each step's compute
+            across ranks. data-bound's `local` row: the local runtime in this process reading every rank
+            (LocalRuntime all_ranks: each step planned once, every rank's micro-batches built ahead on
+            build threads), one SourceLoader decoding on loading.workers = B threads: B preprocessing
+            threads where per-rank has B worker processes, on the same cores.
 
 On a machine with fewer cores than B (this one has 2) both are CPU-bound on the same cores; the budget
 then caps processes, not cores. Per (strategy, DP): steps/s after warm-up, wait_fraction (rank-time
@@ -48,7 +54,7 @@ from plait.cli.bench.e2e_run import (
     start_ray,
 )
 
-HELP = "end to end: a simulated synchronous DP job fed by per-rank torch DataLoaders vs plait on ray (steps/s)"
+HELP = "end to end: a simulated synchronous DP job fed by per-rank torch DataLoaders vs plait (steps/s)"
 DESCRIPTION = __doc__
 IMAGE_SHARDS = 16
 DPS = (8,)
