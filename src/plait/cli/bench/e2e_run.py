@@ -180,7 +180,8 @@ def full_step_seconds(spec, clock: GpuClock) -> float:
 
 
 def images_decoded(runtime) -> int | None:
-    """Images the job's current loaders decoded for payloads (None where they cannot be asked)."""
+    """Images the job's current loaders decoded for payloads (None where they cannot be asked; the caller
+    drops it after a rescale, whose new loaders counted only their own)."""
     try:
         return int(sum(s.get("images_decoded", 0) for s in runtime.stats()["loaders"]))
     except Exception:  # noqa: BLE001 - a figure beside the rates, never a reason to lose the row
@@ -210,6 +211,8 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
         for ld in loaders:
             ld.close()
     events = (report or {}).get("events") or []
+    if any(e.get("kind") != "unmet" for e in events):  # a rescale replaced loaders: these counted their own
+        row["images_decoded"] = None
     row.update(loaders_at_start=layout.loaders, autoscale=autoscale,
                loaders_at_end=events[-1]["loaders"] if events else layout.loaders,
                rescale_events=None if report is None else len([e for e in events if e.get("kind") != "unmet"]),
