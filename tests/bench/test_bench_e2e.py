@@ -274,3 +274,23 @@ def test_a_workload_that_fails_is_reported_and_the_others_still_run(tmp_path, mo
     result = json.loads(out.read_text())
     assert {r["workload"] for r in result["rows"]} == {"long-context"}  # every row that ran is there
     assert [f["workload"] for f in result["failures"]] == ["cpu-pool"] and "timed out" in result["failures"][0]["error"]
+
+
+def test_a_workload_whose_plait_side_fails_keeps_the_rows_that_ran(tmp_path, monkeypatch):
+    from plait.cli import main
+    from plait.cli.bench import e2e_workloads
+
+    def ray_did_not_start(args, spec, clock, autoscale, err):
+        e = RuntimeError("The current node timed out during startup")
+        e.rows = [{"workload": "cpu-pool", "dp": 2, "seq_len": 2048, "strategy": "per-rank", "steps_per_s": 1.0,
+                   "tokens_per_s": 1.0, "wait_fraction": 0.0, "balance_loss": 0.0}]
+        raise e
+
+    monkeypatch.setattr(e2e_workloads, "run_cpu_pool", ray_did_not_start)
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--workloads", "cpu-pool", "--dp", "2", "--cache", str(tmp_path / "data"), "--quiet",
+            "--json", str(out)]
+    assert main(argv) == 1
+    result = json.loads(out.read_text())
+    assert [(r["workload"], r["strategy"]) for r in result["rows"]] == [("cpu-pool", "per-rank")]
+    assert [f["workload"] for f in result["failures"]] == ["cpu-pool"]

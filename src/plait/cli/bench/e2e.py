@@ -271,7 +271,7 @@ def run(args) -> int:
         except Exception as e:  # noqa: BLE001 - reported in the result and on stderr, never silently
             failures.append({"workload": workload, "error": f"{type(e).__name__}: {e}"})
             err.print(f"[red]e2e: {workload} failed: {type(e).__name__}: {e}[/]")
-            return []
+            return list(getattr(e, "rows", None) or [])  # the rows it had run (cpu-pool: per-rank's)
 
     if "long-context" in args.workload_list:
         rows += attempt("long-context", lambda: more.run_long_context(args, err))
