@@ -70,6 +70,41 @@ def test_node_images_runs_torchrun_style_processes_both_ways(tmp_path):
     assert q["steps_per_s_ratio"] == pytest.approx(rows["plait"]["images_per_s"] / rows["per-rank"]["images_per_s"])
 
 
+@pytest.mark.subprocess
+def test_data_bound_runs_plait_on_the_local_runtime_with_the_per_rank_budget(tmp_path):
+    """data-bound without Ray: plait in this process (LocalRuntime all_ranks) decoding on --cpus threads,
+    per-rank with --cpus worker processes; each image decoded once per delivery; the ratio names its runtime."""
+    from plait.cli import main
+
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--workloads", "data-bound", "--data-bound-runtimes", "local", "--dp", "2", "--cpus", "2",
+            "--steps", "3", "--warmup", "1", "--images", "64", "--seq-len", "4096", "--cache", str(tmp_path / "data"),
+            "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert all(ROW_KEYS <= set(r) for r in result["rows"])
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "data-bound" for r in rows.values())
+    plait, per_rank = rows["plait"], rows["per-rank"]
+    assert plait["runtime"] == "local" and plait["workers"] == 2 == per_rank["processes"]  # the same budget
+    assert plait["images_delivered"] > 0 and plait["images_decoded"] == plait["images_delivered"]
+    assert plait["steps"] == per_rank["steps"] == 3
+    [q] = result["ratios"]
+    assert q["runtime"] == "local"
+    assert q["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
+
+
+def test_a_workload_with_plait_on_two_runtimes_has_a_ratio_per_runtime():
+    from plait.cli.bench.e2e import ratios
+
+    base = {"workload": "data-bound", "dp": 8, "seq_len": 8192}
+    rows = [{**base, "strategy": "per-rank", "steps_per_s": 2.0, "tokens_per_s": 10.0},
+            {**base, "strategy": "plait", "runtime": "ray", "steps_per_s": 1.0, "tokens_per_s": 5.0},
+            {**base, "strategy": "plait", "runtime": "local", "steps_per_s": 3.0, "tokens_per_s": 15.0}]
+    assert ratios(rows) == [{**base, "steps_per_s_ratio": 1.5, "runtime": "local", "tokens_per_s_ratio": 1.5},
+                            {**base, "steps_per_s_ratio": 0.5, "runtime": "ray", "tokens_per_s_ratio": 0.5}]
+
+
 def test_ratios_pair_strategies_per_workload_dp_and_seq_len():
     from plait.cli.bench.e2e import ratios
 
@@ -239,3 +274,23 @@ def test_a_workload_that_fails_is_reported_and_the_others_still_run(tmp_path, mo
     result = json.loads(out.read_text())
     assert {r["workload"] for r in result["rows"]} == {"long-context"}  # every row that ran is there
     assert [f["workload"] for f in result["failures"]] == ["cpu-pool"] and "timed out" in result["failures"][0]["error"]
+
+
+def test_a_workload_whose_plait_side_fails_keeps_the_rows_that_ran(tmp_path, monkeypatch):
+    from plait.cli import main
+    from plait.cli.bench import e2e_workloads
+
+    def ray_did_not_start(args, spec, clock, autoscale, err):
+        e = RuntimeError("The current node timed out during startup")
+        e.rows = [{"workload": "cpu-pool", "dp": 2, "seq_len": 2048, "strategy": "per-rank", "steps_per_s": 1.0,
+                   "tokens_per_s": 1.0, "wait_fraction": 0.0, "balance_loss": 0.0}]
+        raise e
+
+    monkeypatch.setattr(e2e_workloads, "run_cpu_pool", ray_did_not_start)
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--workloads", "cpu-pool", "--dp", "2", "--cache", str(tmp_path / "data"), "--quiet",
+            "--json", str(out)]
+    assert main(argv) == 1
+    result = json.loads(out.read_text())
+    assert [(r["workload"], r["strategy"]) for r in result["rows"]] == [("cpu-pool", "per-rank")]
+    assert [f["workload"] for f in result["failures"]] == ["cpu-pool"]

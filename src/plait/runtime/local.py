@@ -24,6 +24,8 @@ from plait.roles.source_loader import SourceLoader
 from plait.spec import Spec
 from plait.telemetry import Stopwatch, Telemetry
 
+ALL_RANKS_AHEAD = 2  # steps built ahead of each rank's request when one process reads every rank
+
 
 class LocalRoles:
     """The job's driver in this process (plait.runtime.JobDriver). Options: `dp` (override the
@@ -95,19 +97,31 @@ class LocalRoles:
 
 class LocalRuntime:
     """One rank's stream (plait.runtime.RankStream) from the roles in this process, and their driver
-    (plan / build / release: `plait run`, the benchmarks). Options: LocalRoles's `dp`, `metrics_port`.
+    (plan / build / release: `plait run`, the benchmarks). Options: LocalRoles's `dp`, `metrics_port`;
+    `all_ranks`, `build_ahead`, `build_threads` below.
 
     Every process plans the whole global step itself (cheap: metadata only) and builds only its own
     rank's micro-batches; all ranks compute the same plan, so they agree without talking. Nothing is
-    built ahead here: the Loader's reader thread already reads ahead of the trainer."""
+    built ahead here: the Loader's reader thread already reads ahead of the trainer.
 
-    def __init__(self, spec: Spec, *, dp: int | None = None, metrics_port: int | None = None):
+    `all_ranks=True`: this one process reads every DP rank's stream (`iter_rank` of each rank, e.g. from a
+    thread per rank: one process driving all of a machine's GPUs, a simulator). The job is then served as
+    the node-shared data plane serves it (plait.runtime.node_share), without the sockets: each step planned
+    once, a step's blocks kept until every rank has built it (each image decoded once per delivery), and
+    each rank's micro-batches built `build_ahead` steps ahead (default 2) on `build_threads` threads
+    (default plait.job.builds.default_threads), several ranks at once; the images of a build are decoded
+    on the SourceLoader's `loading.workers` threads."""
+
+    def __init__(self, spec: Spec, *, dp: int | None = None, metrics_port: int | None = None,
+                 all_ranks: bool = False, build_ahead: int | None = None, build_threads: int | None = None):
         self.roles = LocalRoles(spec, dp=dp, metrics_port=metrics_port)
         self.spec, self.planner, self.loader = spec, self.roles.planner, self.roles.loader
         self.constructor, self.telemetry, self.metrics_port = (self.roles.constructor, self.roles.telemetry,
                                                                self.roles.metrics_port)
+        ahead = build_ahead if build_ahead is not None else (ALL_RANKS_AHEAD if all_ranks else 0)
+        threads = build_threads if build_threads is not None else (None if all_ranks else 1)
         try:
-            self.service = JobService(self.roles, build_ahead=0, threads=1, every_rank_reads=False)
+            self.service = JobService(self.roles, build_ahead=ahead, threads=threads, every_rank_reads=all_ranks)
         except BaseException:
             self.roles.close()
             raise

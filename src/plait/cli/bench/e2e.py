@@ -16,15 +16,21 @@ Workloads (`--workloads`, all by default; one row per (workload, DP, seq_len, st
 
   gpu-bound     the text + image mixture below at `--seq-len` with a GPU of `--gpu-tflops`;
   data-bound    the same with a GPU of `--data-bound-tflops` (default 100000): delivery sets the pace;
+                plait runs there as one machine runs it by default (the local runtime, no services) and,
+                in a second row (`runtime: ray`), on the ray runtime (`--data-bound-runtimes`);
   long-context, cpu-pool, node-images: plait.cli.bench.e2e_workloads.
 
 Strategies, the same steps and the same CPU budget B (`--cpus`, default 8 logical CPUs):
 
   per-rank  each rank has a torch DataLoader with W = B / DP workers over its share of the sources,
             packing greedily in arrival order (plait.cli.bench.e2e_per_rank): B worker processes.
-  plait     the ray runtime (plait.Loader, runtime="ray", loaders="auto", and autoscale=True where the
-            runtime has it) in a Ray instance of B CPUs: at most B SourceLoader actors, plus the Planner
-            and a Constructor, balancing each step's compute across ranks.
+  plait     gpu-bound, and data-bound's `ray` row: the ray runtime (plait.Loader, runtime="ray",
+            loaders="auto", and autoscale=True where the runtime has it) in a Ray instance of B CPUs: at
+            most B SourceLoader actors, plus the Planner and a Constructor, balancing each step's compute
+            across ranks. data-bound's `local` row: the local runtime in this process reading every rank
+            (LocalRuntime all_ranks: each step planned once, every rank's micro-batches built ahead on
+            build threads), one SourceLoader decoding on loading.workers = B threads: B preprocessing
+            threads where per-rank has B worker processes, on the same cores.
 
 On a machine with fewer cores than B (this one has 2) both are CPU-bound on the same cores; the budget
 then caps processes, not cores. Per (strategy, DP): steps/s after warm-up, wait_fraction (rank-time
@@ -39,9 +45,16 @@ import json
 import os
 from pathlib import Path
 
-from plait.cli.bench.e2e_run import GpuClock, autoscale_available, run_per_rank, run_plait, start_ray
+from plait.cli.bench.e2e_run import (
+    GpuClock,
+    autoscale_available,
+    run_per_rank,
+    run_plait,
+    run_plait_local,
+    start_ray,
+)
 
-HELP = "end to end: a simulated synchronous DP job fed by per-rank torch DataLoaders vs plait on ray (steps/s)"
+HELP = "end to end: a simulated synchronous DP job fed by per-rank torch DataLoaders vs plait (steps/s)"
 DESCRIPTION = __doc__
 IMAGE_SHARDS = 16
 DPS = (8,)
@@ -66,6 +79,13 @@ def add_arguments(p) -> None:
     p.add_argument("--cache", default=None, help="folder of the bench's image source (default: plait's cache)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"any of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--data-bound-tflops", type=float, default=100000.0, help="data-bound and cpu-pool: the GPU speed")
+    p.add_argument("--data-bound-runtimes", default="local,ray",
+                   help="data-bound: plait's runtimes, one plait row each (local: in this process, no services, "
+                        "loading.workers = --cpus threads; ray: the ray runtime in a Ray instance of --cpus CPUs)")
+    p.add_argument("--local-workers", type=int, default=None,
+                   help="data-bound, local runtime: loading.workers (default: --cpus, per-rank's worker processes)")
+    p.add_argument("--local-build-threads", type=int, default=None,
+                   help="data-bound, local runtime: build threads (default: plait's, plait.job.builds.default_threads)")
     p.add_argument("--long-seq", default="32768,131072", help="long-context: seq_len values")
     p.add_argument("--long-dp", default="8,32", help="long-context: DP sizes")
     p.add_argument("--long-steps", type=int, default=6, help="long-context: steps per (strategy, DP, seq_len)")
@@ -165,6 +185,9 @@ def parse(args) -> list[int]:
     args.strategy_list = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not args.strategy_list or set(args.strategy_list) - {"per-rank", "plait"}:
         raise PlaitError(f"--strategies: choose from per-rank, plait; got {args.strategies!r}")
+    args.runtime_list = [s.strip() for s in args.data_bound_runtimes.split(",") if s.strip()]
+    if not args.runtime_list or set(args.runtime_list) - {"local", "ray"}:
+        raise PlaitError(f"--data-bound-runtimes: choose from local, ray; got {args.data_bound_runtimes!r}")
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workload_list or set(args.workload_list) - set(WORKLOADS):
         raise PlaitError(f"--workloads: choose from {', '.join(WORKLOADS)}; got {args.workloads!r}")
@@ -183,6 +206,19 @@ def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
             err.print(f"[bold]e2e[/] {workload} per-rank, DP {dp} ...")
             row = run_per_rank(specs[dp], args, GpuClock.of_spec(specs[dp], tflops))
             rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "per-rank", **row})
+    if "plait" in args.strategy_list and "data-bound" in args.workload_list and "local" in args.runtime_list:
+        tflops = args.data_bound_tflops
+        for dp in dps:  # the one-machine default: the local runtime in this process, no services
+            err.print(f"[bold]e2e[/] data-bound plait, local runtime, DP {dp} ...")
+            try:
+                row = run_plait_local(specs[dp], args, GpuClock.of_spec(specs[dp], tflops))
+            except Exception as e:  # noqa: BLE001 - reported; the other rows still run
+                failures.append({"workload": "data-bound", "dp": dp, "strategy": "plait", "runtime": "local",
+                                 "error": f"{type(e).__name__}: {e}"})
+                err.print(f"[red]e2e: data-bound plait (local), DP {dp} failed: {e}[/]")
+                continue
+            rows.append({"workload": "data-bound", "dp": dp, "seq_len": args.seq_len, "strategy": "plait", **row})
+    runs = [(w, t) for w, t in runs if w == "gpu-bound" or "ray" in args.runtime_list]
     if "plait" in args.strategy_list and runs:
         import ray
 
@@ -205,7 +241,8 @@ def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
                                          "error": f"{type(e).__name__}: {e}"})
                         err.print(f"[red]e2e: {workload} plait, DP {dp} failed: {e}[/]")
                         continue
-                    rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "plait", **row})
+                    rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "plait",
+                                 "runtime": "ray", **row})
         finally:
             if started:
                 ray.shutdown()
@@ -234,7 +271,7 @@ def run(args) -> int:
         except Exception as e:  # noqa: BLE001 - reported in the result and on stderr, never silently
             failures.append({"workload": workload, "error": f"{type(e).__name__}: {e}"})
             err.print(f"[red]e2e: {workload} failed: {type(e).__name__}: {e}[/]")
-            return []
+            return list(getattr(e, "rows", None) or [])  # the rows it had run (cpu-pool: per-rank's)
 
     if "long-context" in args.workload_list:
         rows += attempt("long-context", lambda: more.run_long_context(args, err))
@@ -259,19 +296,28 @@ def run(args) -> int:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (workload, DP, seq_len): steps/s of plait over per-rank (node-images: images/s), one run."""
-    by = {(r["workload"], r["dp"], r["seq_len"], r["strategy"]): r for r in rows}
+    """Per (workload, DP, seq_len) and plait row: steps/s of plait over per-rank (node-images: images/s),
+    one run. A workload with plait on several runtimes (data-bound: local and ray) has one ratio per
+    runtime, which names it (`runtime`)."""
+    per_rank = {(r["workload"], r["dp"], r["seq_len"]): r for r in rows if r["strategy"] == "per-rank"}
+    plaits = [r for r in rows if r["strategy"] == "plait"]
+    several = {k for k in per_rank if sum(1 for a in plaits if (a["workload"], a["dp"], a["seq_len"]) == k) > 1}
     out = []
-    for key in sorted({(r["workload"], r["dp"], r["seq_len"]) for r in rows}, key=lambda k: (WORKLOADS.index(k[0]), k[1:])):
-        a, b = by.get((*key, "plait")), by.get((*key, "per-rank"))
-        if a and b:
-            rate = "images_per_s" if key[0] == "node-images" else "steps_per_s"
-            q = {"workload": key[0], "dp": key[1], "seq_len": key[2], "steps_per_s_ratio": a[rate] / max(b[rate], 1e-12)}
-            if a.get("tokens_per_s") and b.get("tokens_per_s"):
-                q["tokens_per_s_ratio"] = a["tokens_per_s"] / max(b["tokens_per_s"], 1e-12)
-            if a.get("bound_steps_per_s"):  # long-context: no placement of plait's documents beats this
-                q["bound_ratio"] = a["bound_steps_per_s"] / max(b[rate], 1e-12)
-            out.append(q)
+    order = lambda a: (WORKLOADS.index(a["workload"]), a["dp"], a["seq_len"], a.get("runtime") or "")  # noqa: E731
+    for a in sorted(plaits, key=order):
+        key = (a["workload"], a["dp"], a["seq_len"])
+        b = per_rank.get(key)
+        if b is None:
+            continue
+        rate = "images_per_s" if key[0] == "node-images" else "steps_per_s"
+        q = {"workload": key[0], "dp": key[1], "seq_len": key[2], "steps_per_s_ratio": a[rate] / max(b[rate], 1e-12)}
+        if key in several or (key[0] == "data-bound" and a.get("runtime")):
+            q["runtime"] = a.get("runtime")
+        if a.get("tokens_per_s") and b.get("tokens_per_s"):
+            q["tokens_per_s_ratio"] = a["tokens_per_s"] / max(b["tokens_per_s"], 1e-12)
+        if a.get("bound_steps_per_s"):  # long-context: no placement of plait's documents beats this
+            q["bound_ratio"] = a["bound_steps_per_s"] / max(b[rate], 1e-12)
+        out.append(q)
     return out
 
 
@@ -303,8 +349,9 @@ def table(result: dict) -> None:
     for r in result["rows"]:
         procs = (f"{r['processes']} proc" if r["strategy"] == "per-rank" and "processes" in r
                  else f"{r['loaders_at_start']}->{r['loaders_at_end']} actors" if "loaders_at_start" in r
-                 else f"{r.get('workers', '-')} threads" if r["workload"] == "node-images" else "local")
-        t.add_row(r["workload"] + (" (disaggregation)" if r["workload"] == "cpu-pool" else ""), r["strategy"],
+                 else f"{r.get('workers', '-')} threads" if "workers" in r else "local")
+        t.add_row(r["workload"] + (" (disaggregation)" if r["workload"] == "cpu-pool" else ""),
+                  r["strategy"] + (f" ({r['runtime']})" if r.get("runtime") and r["workload"] == "data-bound" else ""),
                   str(r["dp"]), str(r["seq_len"]), fmt(r["steps_per_s"], ".3f"), fmt(r.get("images_per_s"), ".1f"),
                   fmt(r["wait_fraction"], ".1%"), fmt(r["balance_loss"], ".3f"), fmt(r["tokens_per_s"], ",.0f"), procs,
                   "->".join(f"{x:.1f}" for x in r.get("load_average") or []) or "-")
@@ -315,7 +362,8 @@ def table(result: dict) -> None:
         rate = "images/s" if q["workload"] == "node-images" else "steps/s"
         bound = (f"; at most {q['bound_ratio']:.2f}x for any balancer (plait's steps at their lower bound)"
                  if "bound_ratio" in q else "")
-        out.print(f"{q['workload']} DP {q['dp']} seq_len {q['seq_len']}: plait / per-rank {rate} = "
+        on = f" ({q['runtime']} runtime)" if q.get("runtime") else ""
+        out.print(f"{q['workload']}{on} DP {q['dp']} seq_len {q['seq_len']}: plait / per-rank {rate} = "
                   f"[bold]{q['steps_per_s_ratio']:.2f}x[/] (target >= {goal}x: {verdict}){bound}")
     for f in result.get("failures") or []:
         out.print(f"[red]{f['workload']}: no rows ({f['error']})[/]")

@@ -58,13 +58,14 @@ class Trace:
     computes: np.ndarray  # [steps, ranks]
     tokens: np.ndarray  # [steps, ranks]
     step_ends: np.ndarray  # [steps]
+    images: np.ndarray | None = None  # [steps, ranks]: images delivered
 
 
 def run_synchronous(streams: list, steps: int, microbatches: int, clock: GpuClock, shape) -> Trace:
     """Run `steps` synchronous steps: rank r takes `microbatches` micro-batches of `streams[r]` per step,
     computing each for the clock's time (a sleep), then waits at the step's barrier."""
     ranks = len(streams)
-    waits, computes, tokens = (np.zeros((steps, ranks)) for _ in range(3))
+    waits, computes, tokens, images = (np.zeros((steps, ranks)) for _ in range(4))
     ends = np.zeros(steps)
     done = [0]
 
@@ -88,6 +89,7 @@ def run_synchronous(streams: list, steps: int, microbatches: int, clock: GpuCloc
                     time.sleep(seconds)
                     computes[s, r] += seconds
                     tokens[s, r] += n
+                    images[s, r] += len(patches)
                 barrier.wait()
         except threading.BrokenBarrierError:
             pass
@@ -103,7 +105,7 @@ def run_synchronous(streams: list, steps: int, microbatches: int, clock: GpuCloc
         t.join()
     if errors:
         raise errors[0]
-    return Trace(start, waits, computes, tokens, ends)
+    return Trace(start, waits, computes, tokens, ends, images)
 
 
 def balance_loss(computes: np.ndarray) -> float:
@@ -156,6 +158,7 @@ def run_per_rank(spec, args, clock: GpuClock) -> dict:
     trace = run_synchronous(streams, args.steps, args.microbatches, clock, torch_shape)
     trace.start = t0
     row = summarize(trace, args.warmup)
+    row["images_delivered"] = int(trace.images.sum())
     del streams, trace
     gc.collect()  # ends the DataLoaders' worker processes now
     row.update(workers_per_rank=workers, processes=workers * spec.topology.dp,
@@ -176,6 +179,15 @@ def full_step_seconds(spec, clock: GpuClock) -> float:
     return spec.packing.num_microbatches * clock.seconds(np.array([n // 8] * 8), np.zeros(0, np.int64))
 
 
+def images_decoded(runtime) -> int | None:
+    """Images the job's current loaders decoded for payloads (None where they cannot be asked; the caller
+    drops it after a rescale, whose new loaders counted only their own)."""
+    try:
+        return int(sum(s.get("images_decoded", 0) for s in runtime.stats()["loaders"]))
+    except Exception:  # noqa: BLE001 - a figure beside the rates, never a reason to lose the row
+        return None
+
+
 def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
     import plait
 
@@ -191,16 +203,58 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
         trace = run_synchronous(loaders, args.steps, args.microbatches, clock, plait_shape)
         trace.start = t0
         row = summarize(trace, args.warmup)
+        row["images_delivered"] = int(trace.images.sum())
+        row["images_decoded"] = images_decoded(loaders[0].runtime)
         layout = loaders[0].runtime.layout
         report = loaders[0].scaling_report() if hasattr(loaders[0], "scaling_report") else None
     finally:
         for ld in loaders:
             ld.close()
     events = (report or {}).get("events") or []
+    if any(e.get("kind") != "unmet" for e in events):  # a rescale replaced loaders: these counted their own
+        row["images_decoded"] = None
     row.update(loaders_at_start=layout.loaders, autoscale=autoscale,
                loaders_at_end=events[-1]["loaders"] if events else layout.loaders,
                rescale_events=None if report is None else len([e for e in events if e.get("kind") != "unmet"]),
                unmet_reports=len([e for e in events if e.get("kind") == "unmet"]),
+               load_average=[load_before, load_average()])
+    return row
+
+
+def with_workers(spec, workers: int | str):
+    """`spec` with loading.workers set (threads its SourceLoader decodes images on)."""
+    from plait.spec import load_spec
+
+    d = spec.model_dump(mode="json")
+    d["loading"] = {**(d.get("loading") or {}), "workers": workers}
+    return load_spec(d)
+
+
+def run_plait_local(spec, args, clock: GpuClock) -> dict:
+    """plait as one machine runs it without services: the local runtime in this process, reading every
+    rank (LocalRuntime all_ranks: each step planned once, every rank's micro-batches built ahead on build
+    threads, several ranks at once), one SourceLoader decoding on `loading.workers` = B threads (the
+    budget per-rank spends on B worker processes; `--local-workers` sets another)."""
+    from plait.runtime.local import LocalRuntime
+    from plait.sources.workers import resolve_workers
+
+    workers = getattr(args, "local_workers", None) or args.cpus
+    spec = with_workers(spec, workers)
+    load_before = load_average()
+    t0 = time.perf_counter()
+    rt = LocalRuntime(spec, all_ranks=True, build_threads=getattr(args, "local_build_threads", None))
+    try:
+        start = rt.state_dict()
+        streams = [(mb for _, mb in rt.iter_rank(r, start, 0, args.steps)) for r in range(spec.topology.dp)]
+        trace = run_synchronous(streams, args.steps, args.microbatches, clock, plait_shape)
+        trace.start = t0
+        row = summarize(trace, args.warmup)
+        images = rt.loader.images_decoded
+        threads = len(rt.service.cache.workers.threads)
+    finally:
+        rt.close()
+    row.update(runtime="local", workers=resolve_workers(spec.loading.workers), build_threads=threads,
+               images_decoded=images, images_delivered=int(trace.images.sum()),
                load_average=[load_before, load_average()])
     return row
 

@@ -193,9 +193,7 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
     plait gets the same CPU budget (`--cpus` loaders at most) split over two Ray nodes: half on a node
     pinned to the trainers' core, half on a second node pinned to the others (the CPU pool; a raylet and
     its workers inherit the affinity they were started with). Per-rank loaders cannot use the pool."""
-    import ray
-
-    from plait.cli.bench.e2e_run import run_per_rank, run_plait, start_ray
+    from plait.cli.bench.e2e_run import run_per_rank
 
     saved = os.sched_getaffinity(0)
     cores = sorted(saved)
@@ -204,7 +202,6 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
         return []
     trainer, pool = {cores[0]}, set(cores[1:])
     wanted = getattr(args, "strategy_list", ["per-rank", "plait"])
-    here = max(1, args.cpus // 2)
     base = {"workload": "cpu-pool", "dp": spec.topology.dp, "seq_len": spec.packing.seq_len,
             "trainer_cores": sorted(trainer), "pool_cores": sorted(pool)}
     rows = []
@@ -215,23 +212,39 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
             rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
         if "plait" not in wanted:
             return rows
-        cluster = start_cluster(err)
         try:
-            cluster.add_node(num_cpus=here)  # the trainers' node: loaders may run beside the trainers
-            os.sched_setaffinity(0, pool)
-            cluster.add_node(num_cpus=max(1, args.cpus - here))  # the CPU pool
-            os.sched_setaffinity(0, trainer)
-            start_ray(address=cluster.address)
-            err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {cores[0]}, SourceLoaders on "
-                      f"{cores[0]} and {sorted(pool)} ...")
-            rows.append({**base, "strategy": "plait", "loader_cpus_per_node": [here, max(1, args.cpus - here)],
-                         **run_plait(spec, args, clock, autoscale, loader_cpus=1)})
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+            row = plait_on_two_nodes(args, spec, clock, autoscale, err, trainer, pool)
+        except Exception as e:  # Ray did not start (a loaded machine): per-rank's row is still reported
+            e.rows = rows
+            raise
+        rows.append({**base, "strategy": "plait", **row})
     finally:
         os.sched_setaffinity(0, saved)
     return rows
+
+
+def plait_on_two_nodes(args, spec, clock, autoscale: bool, err, trainer: set[int], pool: set[int]) -> dict:
+    """plait's cpu-pool row: --cpus loaders at most, half on a Ray node pinned to the trainers' core, half on
+    a node pinned to the pool's (a raylet and its workers inherit the affinity they start with)."""
+    import ray
+
+    from plait.cli.bench.e2e_run import run_plait, start_ray
+
+    here = max(1, args.cpus // 2)
+    cluster = start_cluster(err)
+    try:
+        cluster.add_node(num_cpus=here)  # the trainers' node: loaders may run beside the trainers
+        os.sched_setaffinity(0, pool)
+        cluster.add_node(num_cpus=max(1, args.cpus - here))  # the CPU pool
+        os.sched_setaffinity(0, trainer)
+        start_ray(address=cluster.address)
+        err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {min(trainer)}, SourceLoaders on "
+                  f"{min(trainer)} and {sorted(pool)} ...")
+        return {"loader_cpus_per_node": [here, max(1, args.cpus - here)],
+                **run_plait(spec, args, clock, autoscale, loader_cpus=1)}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 # ----- node-images: the local runtime under torchrun-style processes --------------------------------
