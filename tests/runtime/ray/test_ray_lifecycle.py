@@ -77,7 +77,8 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
 
     assert not ray.is_initialized(), "this test needs no Ray running in the process"
     ds = token_parquet(tmp_path / "a", files=1, docs_per_file=20, row_group_size=5, lo=4, hi=40)
-    loader = plait.Loader(make_spec([ds], seq_len=64, microbatches=2, dp=1), runtime="ray", loaders=1, steps=1)
+    loader = plait.Loader(make_spec([ds], seq_len=64, microbatches=2, dp=1), runtime="ray", loaders=1, steps=1,
+                          job="long-job")
     try:
         config = state.get_system_config()
         assert config["task_events_max_num_task_in_gcs"] == TASK_EVENTS_IN_GCS  # Ray's default: 100,000
@@ -88,6 +89,28 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
         for process in node.all_processes.get(ray_constants.PROCESS_TYPE_DASHBOARD, []):
             assert "--disable-frontend" in process.process.args
         assert len(list(loader)) == 2
+        # plait's actors make no task events (each call would be one more record in the GCS), on any cluster:
+        # read back from the handles the GCS gives out by name
+        for name in ("long-job/planner", "long-job/loader-0"):
+            assert ray.get_actor(name, namespace="plait")._ray_enable_task_events is False, name
     finally:
         loader.close()
     assert not ray.is_initialized()
+
+
+def test_an_actor_process_bounds_its_malloc_arenas(monkeypatch):
+    """glibc: mallopt(M_ARENA_MAX) is accepted; elsewhere (no mallopt) it is a no-op that says so."""
+    import ctypes
+    import platform
+
+    from plait.runtime.ray.common import limit_malloc_arenas
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert limit_malloc_arenas(8) is True  # 8: this test process's own allocator is left near its default
+
+    class NoMallopt:
+        def __init__(self, name):
+            pass
+
+    monkeypatch.setattr(ctypes, "CDLL", NoMallopt)
+    assert limit_malloc_arenas() is False

@@ -62,8 +62,14 @@ def process_rss() -> int:
 
 def actor_options(name: str | None = None, lifetime: str | None = None, **resources: Any) -> dict:
     """Options for `ray.remote(cls).options(...)`: a named actor is found again by its name (in
-    NAMESPACE) rather than started twice; `lifetime="detached"` outlives its creator (shared jobs)."""
-    opts = dict(resources)
+    NAMESPACE) rather than started twice; `lifetime="detached"` outlives its creator (shared jobs).
+
+    Task events are off for plait's actors (`enable_task_events=False`, as Ray Serve does for its own):
+    every actor call is otherwise a task event the GCS keeps (up to `task_events_max_num_task_in_gcs`)
+    and, past that cap, one more "dropped attempt" record per call in a per-job set (Ray keeps up to a
+    million), so gcs_server grew all through a soak (docs/soak.md); plait never reads them. This holds
+    on a cluster plait joins too, whatever its system config."""
+    opts = dict(resources, enable_task_events=False)
     if name is not None:
         opts.update(name=name, namespace=NAMESPACE, get_if_exists=True)
     if lifetime:
@@ -77,6 +83,29 @@ def use_numpy_kernels() -> None:
     from plait import kernels
 
     kernels.use_compiled(False)
+
+
+MALLOC_ARENAS = 2  # glibc malloc arenas in an actor process (glibc's default: 8 per core)
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Bound the glibc malloc arenas of this (actor) process; True when set.
+
+    An actor with `max_concurrency` runs its calls on up to that many threads, which Ray starts as calls
+    arrive; glibc gives a thread that allocates under contention an arena of its own (up to 8 per core),
+    and each arena keeps the pages it freed. That is native memory Python's tracemalloc never sees,
+    rising in steps as more threads have run: the Constructor's RSS rose ~25 MiB/hour with a flat traced
+    total (docs/soak.md). Set in the actor's __init__ (mallopt(M_ARENA_MAX), the MALLOC_ARENA_MAX
+    variable's effect, which Ray's worker processes would read only at their start): threads that first
+    allocate after it share the arenas already made. A no-op without glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return False
+    m_arena_max = -8  # glibc's malloc.h
+    return bool(mallopt(m_arena_max, int(arenas)))
 
 
 # ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------
