@@ -68,12 +68,16 @@ def test_a_failed_join_says_plaits_advice_first_and_keeps_rays_output_in_a_file(
 
 
 def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
-    """Bounded task events in the GCS, no dashboard (nor Ray's metrics export), rotated logs: read back from
-    the instance plait started."""
+    """Bounded task events in the GCS, no dashboard (nor Ray's metrics export), rotated logs, bounded malloc
+    arenas; plait's actors without task events: read back from the instance plait started."""
     from ray._private import ray_constants, worker
     from ray._private.state import state
 
-    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, TASK_EVENTS_IN_GCS
+    import os
+
+    import psutil
+
+    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, MALLOC_ENV, TASK_EVENTS_IN_GCS
 
     assert not ray.is_initialized(), "this test needs no Ray running in the process"
     ds = token_parquet(tmp_path / "a", files=1, docs_per_file=20, row_group_size=5, lo=4, hi=40)
@@ -93,24 +97,13 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
         # read back from the handles the GCS gives out by name
         for name in ("long-job/planner", "long-job/loader-0"):
             assert ray.get_actor(name, namespace="plait")._ray_enable_task_events is False, name
+        # their processes and Ray's own start with few malloc arenas (MALLOC_ARENA_MAX, read at a process's start)
+        loader_pid = ray.get(ray.get_actor("long-job/loader-0", namespace="plait").stats.remote())["pid"]
+        gcs_pid = node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process.pid
+        for pid in (loader_pid, gcs_pid):
+            assert psutil.Process(pid).environ().get("MALLOC_ARENA_MAX") == MALLOC_ENV["MALLOC_ARENA_MAX"]
+        assert "MALLOC_ARENA_MAX" not in os.environ  # the trainer's own environment is left as it was
     finally:
         loader.close()
     assert not ray.is_initialized()
 
-
-def test_an_actor_process_bounds_its_malloc_arenas(monkeypatch):
-    """glibc: mallopt(M_ARENA_MAX) is accepted; elsewhere (no mallopt) it is a no-op that says so."""
-    import ctypes
-    import platform
-
-    from plait.runtime.ray.common import limit_malloc_arenas
-
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        assert limit_malloc_arenas(8) is True  # 8: this test process's own allocator is left near its default
-
-    class NoMallopt:
-        def __init__(self, name):
-            pass
-
-    monkeypatch.setattr(ctypes, "CDLL", NoMallopt)
-    assert limit_malloc_arenas() is False

@@ -67,9 +67,10 @@ def actor_options(name: str | None = None, lifetime: str | None = None, **resour
     Task events are off for plait's actors (`enable_task_events=False`, as Ray Serve does for its own):
     every actor call is otherwise a task event the GCS keeps (up to `task_events_max_num_task_in_gcs`)
     and, past that cap, one more "dropped attempt" record per call in a per-job set (Ray keeps up to a
-    million), so gcs_server grew all through a soak (docs/soak.md); plait never reads them. This holds
-    on a cluster plait joins too, whatever its system config."""
-    opts = dict(resources, enable_task_events=False)
+    million), so gcs_server grew all through a soak (docs/soak.md); plait never reads them. The actor's
+    process starts with MALLOC_ENV (its malloc arenas bounded; Ray merges these variables into a job's own
+    runtime_env). Both hold on a cluster plait joins too, whatever its system config."""
+    opts = dict(resources, enable_task_events=False, runtime_env={"env_vars": dict(MALLOC_ENV)})
     if name is not None:
         opts.update(name=name, namespace=NAMESPACE, get_if_exists=True)
     if lifetime:
@@ -85,27 +86,13 @@ def use_numpy_kernels() -> None:
     kernels.use_compiled(False)
 
 
-MALLOC_ARENAS = 2  # glibc malloc arenas in an actor process (glibc's default: 8 per core)
-
-
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Bound the glibc malloc arenas of this (actor) process; True when set.
-
-    An actor with `max_concurrency` runs its calls on up to that many threads, which Ray starts as calls
-    arrive; glibc gives a thread that allocates under contention an arena of its own (up to 8 per core),
-    and each arena keeps the pages it freed. That is native memory Python's tracemalloc never sees,
-    rising in steps as more threads have run: the Constructor's RSS rose ~25 MiB/hour with a flat traced
-    total (docs/soak.md). Set in the actor's __init__ (mallopt(M_ARENA_MAX), the MALLOC_ARENA_MAX
-    variable's effect, which Ray's worker processes would read only at their start): threads that first
-    allocate after it share the arenas already made. A no-op without glibc."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        return False
-    m_arena_max = -8  # glibc's malloc.h
-    return bool(mallopt(m_arena_max, int(arenas)))
+# glibc malloc arenas per process of plait's actors (and of Ray's own when plait starts Ray). glibc's
+# default is up to 8 per core: each of the many threads of a Ray worker (its gRPC and io threads, an actor's
+# `max_concurrency` call threads) that allocates under contention gets an arena of its own, which keeps
+# the pages it freed and fragments. The Constructor had 13 arenas, each rising 20-270 KiB in 150 s with a
+# flat Python heap (docs/soak.md). Read by glibc when a process starts, so it is set in the environment
+# Ray starts the process with (runtime_env for an actor; the daemons' environment, plait.runtime.ray.instance).
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 # ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------

@@ -31,7 +31,6 @@ from plait.runtime.ray.common import (
     constructor_name,
     dead_errors,
     get,
-    limit_malloc_arenas,
     planner_name,
     process_rss,
     ray_module,
@@ -114,7 +113,6 @@ class ConstructorActor:
 
     def __init__(self, job: str, prefetch: int, threads: int = 2, planner=None):
         use_numpy_kernels()
-        limit_malloc_arenas()  # 64 call threads (max_concurrency) would each keep a malloc arena
         ray = ray_module()
         self.job = job
         # `planner`: the Planner's own process hosts this Constructor (plait.runtime.ray.planner_host)

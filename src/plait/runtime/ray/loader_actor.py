@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.runtime.placement import LoaderLayout, loader_name
-from plait.runtime.ray.common import actor_options, limit_malloc_arenas, process_rss, ray_module, use_numpy_kernels
+from plait.runtime.ray.common import actor_options, process_rss, ray_module, use_numpy_kernels
 from plait.spec import load_spec
 
 
@@ -30,7 +30,6 @@ class LoaderActor:
     def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
                  max_cached_blocks: int):
         use_numpy_kernels()
-        limit_malloc_arenas()
         from plait.roles.source_loader import SourceLoader
         from plait.sources.workers import resolve_workers
 

@@ -26,7 +26,7 @@ from plait.job.consumers import RankProgress
 from plait.job.window import WINDOW, PlanWindow
 from plait.plan import RankPlan, StepPlan
 from plait.runtime.placement import LoaderLayout
-from plait.runtime.ray.common import actor_options, limit_malloc_arenas, planner_name, ray_module
+from plait.runtime.ray.common import actor_options, planner_name, ray_module
 from plait.runtime.ray.job_metrics import JobMetrics
 from plait.runtime.ray.liveness import LIVENESS_GROUP, JobNameTaken  # noqa: F401 - JobNameTaken: this module's API too
 from plait.runtime.ray.loader_actor import LoaderConfig
@@ -59,7 +59,6 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
     def __init__(self, spec_dict: dict, job: str, options: dict):
         from plait.roles.planner import Planner
 
-        limit_malloc_arenas()  # its max_concurrency threads would each keep a malloc arena
         self.lock = threading.RLock()  # every request (planner_call), and the window's waits
         self.spec = load_spec(spec_dict)
         self.job = job

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from plait.runtime.ray.common import limit_malloc_arenas, ray_module, use_numpy_kernels
+from plait.runtime.ray.common import ray_module, use_numpy_kernels
 from plait.runtime.ray.loader_actor import LoaderActor, LoaderConfig, partitions_of
 from plait.spec import load_spec
 
@@ -20,7 +20,6 @@ class ShadowActor(LoaderActor):
     def __init__(self, spec_dict: dict, owned: list[tuple[int, int]], num_partitions: dict[int, int],
                  max_cached_blocks: int, primary: str):
         use_numpy_kernels()
-        limit_malloc_arenas()
         from plait.roles.shadow import ShadowLoader
 
         self.loader = ShadowLoader(load_spec(spec_dict), max_cached_blocks=max_cached_blocks,
