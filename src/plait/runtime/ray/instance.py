@@ -149,7 +149,7 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
     """Join the cluster at `address`, or start a local Ray instance; True when one was started.
 
     A local instance is set up for a long job (long_run_settings: no dashboard unless `dashboard`, bounded
-    task events and logs); `init_options` (ray.init's keyword arguments) override those settings. Ray
+    task events and logs; its processes start with MALLOC_ENV, daemon_env); `init_options` (ray.init's keyword arguments) override those settings. Ray
     (2.59+) protects its servers with token authentication by default. Ray's own gRPC servers still listen
     on every interface (README, Ray)."""
     ray = ray_module()
