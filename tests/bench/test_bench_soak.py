@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from plait.cli.bench.soak_sampler import MIB, actor_role, classify, role_table, slope_per_hour
+from plait.cli.bench.soak_sampler import MIB, actor_role, classify, role_table, slope_per_hour, band_slope_per_hour
 
 
 def test_roles_come_from_what_started_a_process_or_its_ray_title():
@@ -40,6 +41,16 @@ def test_slope_is_least_squares_in_mib_per_hour_and_the_warmup_is_left_out():
     assert d["late_slope_mib_per_hour"] == pytest.approx(60.0, abs=0.01)  # steady growth: the 2nd half too
     assert d["rss_start_mib"] == pytest.approx(202.0) and d["samples"] == 48 and d["fit_from_s"] == 120
     assert d["pss_slope_mib_per_hour"] == pytest.approx(30.0, abs=0.01)
+    assert d["band_slope_mib_per_hour"] == pytest.approx(60.0, rel=0.05)  # steady growth: the band's edges too
+
+
+def test_a_band_with_a_tooth_at_the_end_tilts_the_fit_but_not_the_bands_edges():
+    """A loader's buffers fill and are trimmed: RSS in a 10 MiB band; its last samples at the band's top."""
+    t = np.arange(0.0, 1800.0, 5.0)
+    rss = (400 + 10 * ((t // 100) % 2)) * MIB  # 100 s low, 100 s high, ...
+    rss[-30:] = 410 * MIB  # the last 150 s high
+    assert slope_per_hour(t, rss) > 3  # least squares: a few MiB/hour from one tooth
+    assert band_slope_per_hour(t, rss) == pytest.approx(0.0, abs=0.5)
 
 
 def test_the_fit_starts_a_warmup_after_the_last_role_appeared_and_its_second_half_shows_flattening():

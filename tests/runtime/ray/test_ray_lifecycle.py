@@ -68,16 +68,21 @@ def test_a_failed_join_says_plaits_advice_first_and_keeps_rays_output_in_a_file(
 
 
 def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
-    """Bounded task events in the GCS, no dashboard (nor Ray's metrics export), rotated logs: read back from
-    the instance plait started."""
+    """Bounded task events in the GCS, no dashboard (nor Ray's metrics export), rotated logs, bounded malloc
+    arenas; plait's actors without task events: read back from the instance plait started."""
     from ray._private import ray_constants, worker
     from ray._private.state import state
 
-    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, TASK_EVENTS_IN_GCS
+    import os
+
+    import psutil
+
+    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, MALLOC_ENV, TASK_EVENTS_IN_GCS
 
     assert not ray.is_initialized(), "this test needs no Ray running in the process"
     ds = token_parquet(tmp_path / "a", files=1, docs_per_file=20, row_group_size=5, lo=4, hi=40)
-    loader = plait.Loader(make_spec([ds], seq_len=64, microbatches=2, dp=1), runtime="ray", loaders=1, steps=1)
+    loader = plait.Loader(make_spec([ds], seq_len=64, microbatches=2, dp=1), runtime="ray", loaders=1, steps=1,
+                          job="long-job")
     try:
         config = state.get_system_config()
         assert config["task_events_max_num_task_in_gcs"] == TASK_EVENTS_IN_GCS  # Ray's default: 100,000
@@ -88,6 +93,17 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
         for process in node.all_processes.get(ray_constants.PROCESS_TYPE_DASHBOARD, []):
             assert "--disable-frontend" in process.process.args
         assert len(list(loader)) == 2
+        # plait's actors make no task events (each call would be one more record in the GCS), on any cluster:
+        # read back from the handles the GCS gives out by name
+        for name in ("long-job/planner", "long-job/loader-0"):
+            assert ray.get_actor(name, namespace="plait")._ray_enable_task_events is False, name
+        # their processes and Ray's own start with few malloc arenas (MALLOC_ARENA_MAX, read at a process's start)
+        loader_pid = ray.get(ray.get_actor("long-job/loader-0", namespace="plait").stats.remote())["pid"]
+        gcs_pid = node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process.pid
+        for pid in (loader_pid, gcs_pid):
+            assert psutil.Process(pid).environ().get("MALLOC_ARENA_MAX") == MALLOC_ENV["MALLOC_ARENA_MAX"]
+        assert "MALLOC_ARENA_MAX" not in os.environ  # the trainer's own environment is left as it was
     finally:
         loader.close()
     assert not ray.is_initialized()
+

@@ -13,7 +13,9 @@ generator), then streams it as fast as it can for `--minutes` in the processes t
 Every `--interval-s` it samples the RSS (and PSS, which splits shared pages fairly) of every process of
 the run, summed per role; from `--warmup-s` after the last role appeared (the whole data plane running)
 it fits a least-squares line per role and reports the start, end and slope (MiB/hour, and extrapolated
-to a day), and the slope of the fit's second half (warm-up flattens there; growth does not). After the
+to a day), the slope of the fit's second half (warm-up flattens there; growth does not) and how fast
+the band the RSS moves in drifts (its top and bottom from the first third to the last: the teeth of
+buffers filling and trimmed do not tilt it). After the
 run ends it waits 10 s and lists the run's processes still alive (`left_after_exit`). `--plot PATH`
 draws RSS over time per role. `--tracemalloc DIR` is for finding what grows, not for figures: every
 plait process of the run dumps its top growing allocation sites there (plait.telemetry.MemoryTrace).
@@ -202,17 +204,17 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    load = result["loadavg"]
+    load, nan = result["loadavg"], float("nan")
     table = Table(title=f"soak: runtime {result['runtime']}, {result['minutes']:g} min, slope from "
                         f"{result['warmup_s']:g} s after the last role started (load average {load['start'][0]:.1f} -> max {load['max_1min']:.1f})")
     for col in ("role", "processes", "fit from (s)", "RSS start (MiB)", "RSS end (MiB)", "slope (MiB/hour)",
-                "growth (MiB/day)", "2nd half (MiB/hour)", "PSS start -> end (MiB)"):
+                "growth (MiB/day)", "2nd half (MiB/hour)", "band (MiB/hour)", "PSS start -> end (MiB)"):
         table.add_column(col, justify="left" if col == "role" else "right")
     for r in result["roles"]:
         pss = f"{r['pss_start_mib']:,.1f} -> {r['pss_end_mib']:,.1f}" if "pss_start_mib" in r else "-"
         table.add_row(r["role"], str(r["processes"]), f"{r['fit_from_s']:g}", f"{r['rss_start_mib']:,.1f}",
                       f"{r['rss_end_mib']:,.1f}", f"{r['slope_mib_per_hour']:+,.2f}", f"{r['growth_mib_per_day']:+,.1f}",
-                      f"{r['late_slope_mib_per_hour']:+,.2f}", pss)
+                      f"{r['late_slope_mib_per_hour']:+,.2f}", f"{r.get('band_slope_mib_per_hour', nan):+,.2f}", pss)
     console = Console(width=max(120, Console().width))  # the table is unreadable folded
     console.print(table)
     for proc in result["outcome"]["processes"]:

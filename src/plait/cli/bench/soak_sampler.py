@@ -146,6 +146,20 @@ def slope_per_hour(t: np.ndarray, y: np.ndarray) -> float:
     return float(np.polyfit(t, y, 1)[0]) * 3600 / MIB
 
 
+def band_slope_per_hour(t: np.ndarray, y: np.ndarray) -> float:
+    """How fast the band y moves in, in MiB/hour (nan under six samples): the mean of its top's
+    (maximum) and bottom's (minimum) drift from the first third of t to the last, per hour between them. A
+    process whose buffers fill and are trimmed moves in a band (a sawtooth of +-10 MiB): a tooth at either
+    end of a least-squares fit tilts it by MiB/hour, the band's edges do not move; steady growth moves
+    both edges alike."""
+    if len(t) < 6 or np.ptp(t) <= 0:
+        return float("nan")
+    third = (t[-1] - t[0]) / 3
+    first, last = y[t <= t[0] + third], y[t >= t[-1] - third]
+    drift = ((last.max() - first.max()) + (last.min() - first.min())) / 2
+    return float(drift) / MIB / (2 * third / 3600)
+
+
 def fit_start(samples: list[dict], warmup_s: float) -> float:
     """Where the slopes start: `warmup_s` after the last role first appeared, i.e. after the whole data
     plane runs (Ray's Constructors start with the first build, minutes after the driver on a loaded
@@ -161,8 +175,9 @@ def fit_start(samples: list[dict], warmup_s: float) -> float:
 
 def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
     """Per role: RSS (and PSS) at the first and last sample of the fit (`fit_start`), the slope over it
-    (MiB/hour), that slope over a day, and the slope of its second half alone (`late`: a slope that is
-    warm-up flattens there, growth does not); a role absent from a sample counts 0 there."""
+    (MiB/hour), that slope over a day, the slope of its second half alone (`late`: a slope that is
+    warm-up flattens there, growth does not) and the drift of its band's edges (`band_slope_per_hour`: a
+    band's teeth do not tilt it); a role absent from a sample counts 0 there."""
     names = sorted({r for s in samples for r in s["roles"]}, key=_role_order)
     start = fit_start(samples, warmup_s)
     after = [s for s in samples if s["t"] >= start] or samples[-1:]
@@ -179,6 +194,7 @@ def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
                "rss_max_mib": round(rss.max() / MIB, 1),
                "slope_mib_per_hour": round(slope, 2), "growth_mib_per_day": round(slope * 24, 1),
                "late_slope_mib_per_hour": round(slope_per_hour(t[late], rss[late]), 2),
+               "band_slope_mib_per_hour": round(band_slope_per_hour(t, rss), 2),
                "samples": len(after)}
         if all(v is not None for v in pss_values):
             pss = np.array(pss_values, dtype=np.float64)

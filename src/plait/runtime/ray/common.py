@@ -62,8 +62,14 @@ def process_rss() -> int:
 
 def actor_options(name: str | None = None, lifetime: str | None = None, **resources: Any) -> dict:
     """Options for `ray.remote(cls).options(...)`: a named actor is found again by its name (in
-    NAMESPACE) rather than started twice; `lifetime="detached"` outlives its creator (shared jobs)."""
-    opts = dict(resources)
+    NAMESPACE) rather than started twice; `lifetime="detached"` outlives its creator (shared jobs).
+
+    Task events are off for plait's actors (`enable_task_events=False`, as Ray Serve does for its own):
+    every actor call is otherwise a task event the GCS keeps (up to `task_events_max_num_task_in_gcs`)
+    and, past that cap, one more "dropped attempt" record per call in a per-job set (Ray keeps up to a
+    million), so gcs_server grew all through a soak (docs/soak.md); plait never reads them. This holds
+    on a cluster plait joins too, whatever its system config."""
+    opts = dict(resources, enable_task_events=False)
     if name is not None:
         opts.update(name=name, namespace=NAMESPACE, get_if_exists=True)
     if lifetime:
@@ -77,6 +83,17 @@ def use_numpy_kernels() -> None:
     from plait import kernels
 
     kernels.use_compiled(False)
+
+
+# glibc malloc arenas per process of plait's actors (and of Ray's own when plait starts Ray). glibc's
+# default is up to 8 per core: each of the many threads of a Ray worker (its gRPC and io threads, an actor's
+# `max_concurrency` call threads) that allocates under contention gets an arena of its own, which keeps
+# the pages it freed and fragments. The Constructor had 13 arenas, each rising 20-270 KiB in 150 s with a
+# flat Python heap (docs/soak.md). Read by glibc when a process starts: plait sets it in the environment of
+# the Ray instance it starts (plait.runtime.ray.instance.daemon_env: the raylet passes it to every worker);
+# a cluster plait joins gets it from `ray start`'s environment (docs/ray-long-runs.md). Not a runtime_env
+# of plait's actors: Ray then starts new workers for them and the prestarted ones (~80 MiB each) sit idle.
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 # ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------

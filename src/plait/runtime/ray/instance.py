@@ -7,6 +7,7 @@ every RayRuntime of the process (`LocalInstance`: the last one to close shuts it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -15,7 +16,7 @@ import tempfile
 
 from plait.errors import PlaitError
 from plait.runtime.ray import jobs
-from plait.runtime.ray.common import NAMESPACE, long_run_settings, ray_module
+from plait.runtime.ray.common import MALLOC_ENV, NAMESPACE, long_run_settings, ray_module
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
     """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
@@ -148,7 +149,7 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
     """Join the cluster at `address`, or start a local Ray instance; True when one was started.
 
     A local instance is set up for a long job (long_run_settings: no dashboard unless `dashboard`, bounded
-    task events and logs); `init_options` (ray.init's keyword arguments) override those settings. Ray
+    task events and logs; its processes start with MALLOC_ENV, daemon_env); `init_options` (ray.init's keyword arguments) override those settings. Ray
     (2.59+) protects its servers with token authentication by default. Ray's own gRPC servers still listen
     on every interface (README, Ray)."""
     ray = ray_module()
@@ -165,8 +166,8 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
         kwargs.update(user)
     else:
         kwargs.update(init_options or {})
-    with StderrCapture() as said:  # Ray's core logs the real cause of a failed join to stderr only
-        try:
+    with StderrCapture() as said, daemon_env(MALLOC_ENV if started else {}):
+        try:  # Ray's core logs the real cause of a failed join to stderr only
             ray.init(address=address, namespace=NAMESPACE, **kwargs)
         except (ConnectionError, RuntimeError) as e:
             error = e
@@ -180,6 +181,20 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
         raise PlaitError(explain_join_failure(address, error, said.text) + said.where_said()) from None
     serialization_without_arrow()
     return started
+
+
+@contextlib.contextmanager
+def daemon_env(variables: dict):
+    """`variables` in os.environ while Ray starts its processes (gcs_server, raylet, and the workers the
+    raylet starts inherit them), then as they were: the trainer's process and what it starts later keep
+    their own environment. A variable already set is left as the user set it."""
+    added = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def serialization_without_arrow() -> None:
