@@ -24,7 +24,8 @@ test: $(STAMP)
 
 # Every test as `make test` runs them, in two processes at once: the tests that touch Ray (`-m ray`, in the
 # serial order: the ones with a Ray of their own, then the session's instance) and all the others. The Ray
-# half's report is printed after the other's. Opt-in: not yet measured on a quiet 2-core machine.
+# half's report is printed after the other's. Opt-in: at load 25-70 the Ray half's slow starts became failures
+# (Ray start/join timeouts); `make test` (serial) is what CI runs.
 test-split: $(STAMP)
 	@$(PY) -m pytest -m ray -p no:cacheprovider $(PYTEST_ARGS) > $(VENV)/test-ray.log 2>&1 & ray=$$!; \
 	$(PY) -m pytest -m "not ray" $(PYTEST_ARGS); others=$$?; \

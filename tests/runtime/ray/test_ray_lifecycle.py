@@ -94,9 +94,11 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
             assert "--disable-frontend" in process.process.args
         assert len(list(loader)) == 2
         # plait's actors make no task events (each call would be one more record in the GCS), on any cluster:
-        # read back from the handles the GCS gives out by name
-        for name in ("long-job/planner", "long-job/loader-0"):
-            assert ray.get_actor(name, namespace="plait")._ray_enable_task_events is False, name
+        # every actor plait starts takes its options from actor_options (Ray offers no public read-back)
+        from plait.runtime.ray.common import actor_options
+
+        assert actor_options("long-job/planner", lifetime="detached")["enable_task_events"] is False
+        assert actor_options(num_cpus=1)["enable_task_events"] is False
         # their processes and Ray's own start with few malloc arenas (MALLOC_ARENA_MAX, read at a process's start)
         loader_pid = ray.get(ray.get_actor("long-job/loader-0", namespace="plait").stats.remote())["pid"]
         gcs_pid = node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process.pid
