@@ -25,24 +25,19 @@ import time
 
 import psutil
 
-ROLES = ("LoaderActor", "PlannerActor", "ConstructorActor", "StandbyPlannerActor", "raylet", "gcs_server",
-         "dashboard", "log_monitor", "monitor")
-
+from plait.cli.bench.soak_sampler import ray_process_name
 
 def role(p: psutil.Process, me: int) -> str:
+    """driver, DataLoader worker, a Ray worker still starting, an actor's class (its title) or the
+    program of one of Ray's own processes (plait.cli.bench.soak_sampler.ray_process_name)."""
     if p.pid == me:
         return "driver"
-    try:
-        cmd = " ".join(p.cmdline())
-    except psutil.Error:
-        cmd = p.name()
-    if cmd.startswith("ray::"):
-        return cmd.split()[0].split(".")[0]
-    if "default_worker.py" in cmd:
-        return "ray-worker-starting"
     if p.name().startswith("pt_data_worker"):
         return "DataLoader worker"
-    return next((r for r in ROLES if r in cmd), p.name())
+    name = ray_process_name(p)
+    if name.startswith("ray::"):
+        return name.split(".")[0]
+    return "ray-worker-starting" if name == "default_worker.py" else name.removesuffix(".py")
 
 
 class Sampler:

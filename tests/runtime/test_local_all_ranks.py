@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from mm_data import llava, mm_spec, parquet
@@ -44,26 +45,17 @@ def reference(spec) -> tuple[list[str], int, int]:
 def read_every_rank(rt) -> tuple[list[str], int]:
     """Each rank's stream read on a thread of its own: (digests, images delivered)."""
     start = rt.state_dict()
-    digests = [hashlib.sha256() for _ in range(DP)]
-    images = [0] * DP
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            for _, mb in rt.iter_rank(r, start, 0, STEPS):
-                batch_digest_update(digests[r], mb)
-                images[r] += int(mb.num_images)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+    def rank(r: int) -> tuple[str, int]:
+        digest, images = hashlib.sha256(), 0
+        for _, mb in rt.iter_rank(r, start, 0, STEPS):
+            batch_digest_update(digest, mb)
+            images += int(mb.num_images)
+        return digest.hexdigest(), images
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(DP)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [h.hexdigest() for h in digests], sum(images)
+    with ThreadPoolExecutor(max_workers=DP) as pool:  # every rank at once; map re-raises a rank's error
+        done = list(pool.map(rank, range(DP)))
+    return [d for d, _ in done], sum(n for _, n in done)
 
 
 def test_every_rank_read_in_one_process_is_the_drivers_stream_read_once(spec, monkeypatch):

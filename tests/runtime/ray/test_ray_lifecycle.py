@@ -108,4 +108,3 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
     finally:
         loader.close()
     assert not ray.is_initialized()
-

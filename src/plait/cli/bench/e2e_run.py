@@ -221,15 +221,6 @@ def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
     return row
 
 
-def with_workers(spec, workers: int | str):
-    """`spec` with loading.workers set (threads its SourceLoader decodes images on)."""
-    from plait.spec import load_spec
-
-    d = spec.model_dump(mode="json")
-    d["loading"] = {**(d.get("loading") or {}), "workers": workers}
-    return load_spec(d)
-
-
 def run_plait_local(spec, args, clock: GpuClock) -> dict:
     """plait as one machine runs it without services: the local runtime in this process, reading every
     rank (LocalRuntime all_ranks: each step planned once, every rank's micro-batches built ahead on build
@@ -239,7 +230,7 @@ def run_plait_local(spec, args, clock: GpuClock) -> dict:
     from plait.sources.workers import resolve_workers
 
     workers = getattr(args, "local_workers", None) or args.cpus
-    spec = with_workers(spec, workers)
+    spec = spec.with_overrides(loading={"workers": workers})
     load_before = load_average()
     t0 = time.perf_counter()
     rt = LocalRuntime(spec, all_ranks=True, build_threads=getattr(args, "local_build_threads", None))
