@@ -17,6 +17,7 @@ from typing import Callable
 
 from plait.batch import MicroBatch
 from plait.context_parallel import shard_for_rank
+from plait.heap import HEAP_TRIM
 
 Key = tuple[int, int, int]  # (generation, step, dp_rank)
 Built = tuple[dict | None, list[MicroBatch]]  # (state at the step's start, the rank's micro-batches)
@@ -54,6 +55,7 @@ class BuildWorkers:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 fut.set_exception(e)
+            HEAP_TRIM.maybe()  # a build's freed pages back to the OS, every minute at most (plait.heap)
 
     def shutdown(self) -> None:
         """Cancel what has not started, finish what has."""
