@@ -8,8 +8,9 @@ resident size of a process that builds for weeks creeps up although its live dat
 bench measured +6 MiB/hour in Ray's Constructor, with its Python heap flat). `malloc_trim(0)` walks every
 arena and releases the free pages inside them too (`madvise(MADV_DONTNEED)`), not only the top.
 
-`HeapTrim.maybe()` does that at most once every `PLAIT_HEAP_TRIM_S` seconds (default 60; 0 turns it off),
-called by the build workers after a build (plait.job.builds), off the trainer's path and without the GIL
+`HeapTrim.maybe()` does that at most once every `PLAIT_HEAP_TRIM_S` seconds (default 60; 0 turns every trim off),
+called by the build workers after a build (plait.job.builds); a SourceLoader trims with `now()` each time
+it has dropped 16 MiB of decoded blocks from its bounded buffer (plait.roles.source_loader), off the trainer's path and without the GIL
 (ctypes releases it): a trim costs ~30 ms of CPU when it hands back ~190 MiB, less when little is free. Where the C library is not glibc it does nothing.
 """
 
@@ -64,11 +65,16 @@ class HeapTrim:
         return self.trim is not None
 
     def now(self) -> bool:
-        """Trim now; True when the C library released memory."""
+        """Trim now; True when the C library released memory. Arrow's own allocator (mimalloc or jemalloc)
+        keeps the pages of freed row-group reads resident too: its unused pages go back as well."""
         if self.trim is None:
             return False
         self.trims += 1
-        return bool(self.trim(0))
+        released = bool(self.trim(0))
+        import pyarrow as pa
+
+        pa.default_memory_pool().release_unused()
+        return released
 
     def maybe(self) -> bool:
         """Trim when one is due; True when this call trimmed and memory was released."""

@@ -246,19 +246,25 @@ def test_text_row_groups_read_in_ranges_deliver_every_record_once(tmp_path):
 
 def test_dropped_blocks_trim_the_heap_once_enough_is_freed(big, monkeypatch):
     """glibc keeps freed blocks resident: after TRIM_EVERY bytes of dropped blocks, a step's release
-    gives the heap back (trim_heap), and not on every step."""
+    gives the heap back (plait.heap.HEAP_TRIM.now), and not on every step."""
     import plait.roles.source_loader as loader_module
+    from plait.heap import HeapTrim
 
     calls = []
+
+    class Counting:
+        def now(self):
+            calls.append(1)
+            return True
+
     monkeypatch.setattr(loader_module, "TRIM_EVERY", 100_000)
-    monkeypatch.setattr(loader_module, "trim_heap", lambda: calls.append(1))
+    monkeypatch.setattr(loader_module, "HEAP_TRIM", Counting())
     dropped = []
     _, rt = stream(spec_of(big, buffer_mb=0.25), steps=30, watch=lambda ld: dropped.append(ld.dropped_bytes))
     assert calls  # blocks were dropped and the heap trimmed
     assert len(calls) < 30  # only after enough was freed, not every step
     assert max(dropped) > 0 and rt.loader.dropped_bytes < 100_000  # the count restarts after each trim
-    monkeypatch.undo()  # the real trim runs without error
-    loader_module.trim_heap()
+    HeapTrim(60).now()  # the real trim runs without error
 
 
 def test_open_row_range_readers_are_capped_without_changing_the_stream(big):

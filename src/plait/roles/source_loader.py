@@ -10,18 +10,17 @@ this process, e.g. after a restart) is simply decoded again: reading is determin
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from plait.batch import Payload
 from plait.state.deltas import DeltaTracker
 from plait.kernels import copy_spans
+from plait.heap import HEAP_TRIM
 from plait.sources import BlockKey, DocBlock, Source
 from plait.sources.buffer_budget import FullKey, fit_budgets
 from plait.sources.media_payload import ImageWork, decode_payload
@@ -30,19 +29,8 @@ from plait.sources.workers import WorkerPool, resolve_workers
 from plait.spec import Spec
 
 log = logging.getLogger("plait.data")
-TRIM_EVERY = 16 << 20  # bytes of dropped blocks between two heap trims
-
-
-def trim_heap() -> None:
-    """Give freed heap memory back to the OS. glibc keeps freed blocks of up to 32 MiB in its heap (its
-    mmap threshold grows with the sizes freed), so decoded blocks dropped from a bounded buffer would stay
-    resident: ~20 MiB at 64 sources (in-process probe). A no-op where malloc_trim does not exist."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-    # Arrow's own allocator (mimalloc or jemalloc) keeps the pages of freed row-group reads resident too.
-    pa.default_memory_pool().release_unused()
-
+TRIM_EVERY = 16 << 20  # bytes of dropped blocks between two heap trims (glibc keeps freed blocks of up to
+# 32 MiB in its heap: dropped decoded blocks would stay resident, ~20 MiB at 64 sources in an in-process probe)
 
 
 def loader_budget(spec: Spec, sources, partitions: dict[int, tuple[int, frozenset]]) -> int | None:
@@ -213,7 +201,7 @@ class SourceLoader:
             self.dropped_bytes += self._blocks.pop(k).nbytes
         self._window = set(live)
         if self.dropped_bytes >= TRIM_EVERY:  # once a step at most, outside the read path
-            trim_heap()
+            HEAP_TRIM.now()
             self.dropped_bytes = 0
 
     # ----- internals ---------------------------------------------------------------------------
