@@ -123,15 +123,3 @@ class BuildCache:
 
     def close(self) -> None:
         self.workers.shutdown()
-
-
-class GuardedPayloads:
-    """A payload source (plait.roles.constructor.PayloadSource) whose fetches take `lock`: the SourceLoader
-    is not thread-safe, the rest of a build (packing) runs outside the lock."""
-
-    def __init__(self, payloads, lock):
-        self.payloads, self.lock = payloads, lock
-
-    def fetch(self, items):
-        with self.lock:
-            return self.payloads.fetch(items)

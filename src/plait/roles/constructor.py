@@ -15,6 +15,7 @@ to -100.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Protocol
 
 import numpy as np
@@ -33,10 +34,15 @@ class PayloadSource(Protocol):
 
 
 class LoaderPayloads:
-    """Payloads gathered from SourceLoader objects in this process (one loader per source or shared)."""
+    """Payloads gathered from SourceLoader objects in this process (one loader per source or shared).
 
-    def __init__(self, loader_for: Callable[[int], object]):
+    `lock` (optional): held while a gather touches a loader's block cache, which several build threads
+    share; the media found there are decoded after it is released (SourceLoader.decode_gathered), so the
+    builds of different ranks decode at once and planning is not held up by a decode."""
+
+    def __init__(self, loader_for: Callable[[int], object], lock=None):
         self._loader_for = loader_for
+        self.lock = lock if lock is not None else contextlib.nullcontext()
 
     def fetch(self, items: Items) -> np.ndarray | Payload:
         """Tokens (text), or a Payload with the images when an item holds images."""
@@ -49,17 +55,22 @@ class LoaderPayloads:
             by_loader.setdefault(id(self._loader_for(key[0])), []).append(b)
         images = items.has_images
         if len(by_loader) == 1:
-            loader = self._loader_for(keys[0][0])
-            call = loader.gather_payload if images else loader.gather
-            return call(items.source, keys, block_index, items.position, items.offset, items.length)
+            return self._part(self._loader_for(keys[0][0]), items, keys, block_index, None, images)
         parts = []
         for blocks in by_loader.values():
             sel = np.flatnonzero(np.isin(block_index, blocks))
-            loader = self._loader_for(keys[blocks[0]][0])
-            call = loader.gather_payload if images else loader.gather
-            parts.append((sel, call(items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel],
-                                    items.length[sel])))
+            parts.append((sel, self._part(self._loader_for(keys[blocks[0]][0]), items, keys, block_index, sel, images)))
         return merge_payloads(items.length, parts)
+
+    def _part(self, loader, items: Items, keys, block_index, sel, images: bool):
+        """One loader's part of a fetch (`sel`: the items it owns; None: all of them)."""
+        cols = [items.source, block_index, items.position, items.offset, items.length]
+        source, index, position, offset, length = cols if sel is None else [c[sel] for c in cols]
+        with self.lock:
+            if not images:
+                return loader.gather(source, keys, index, position, offset, length)
+            gathered = loader.gather_media(source, keys, index, position, offset, length)
+        return loader.decode_gathered(gathered)
 
 
 class Constructor:

@@ -11,6 +11,7 @@ this process, e.g. after a restart) is simply decoded again: reading is determin
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,6 +50,15 @@ def partition_of(file_idx: int, num_partitions: int) -> int:
     """The partition owning a file (index in the source's sorted file list): files are dealt out
     round-robin, so every partition gets a similar share of a source's data."""
     return file_idx % num_partitions
+
+
+@dataclass
+class GatheredMedia:
+    """A gather's tokens (`length` per item) and the media still to decode (plait.sources.media_payload)."""
+
+    tokens: np.ndarray
+    work: ImageWork
+    length: np.ndarray
 
 
 @dataclass
@@ -93,6 +103,7 @@ class SourceLoader:
         for source in self.sources.values():
             source.reader.share_open_streams(self.open_streams)
         self.images_decoded = 0  # images decoded for payloads (each delivered image exactly once)
+        self.counts_lock = threading.Lock()  # the counts: media decode outside the caller's lock (decode_gathered)
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
         # Byte budgets (spec: each source's buffer_mb, this loader's share of loading.max_buffer_mb);
@@ -166,9 +177,11 @@ class SourceLoader:
             doc = np.searchsorted(block.positions, position[sel])
             src_start = block.starts[doc] + offset[sel]
             copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
-            count_production(self, full[0], time.perf_counter() - t_copy, tokens=int(length[sel].sum()),
-                             samples=int(np.count_nonzero(np.asarray(offset)[sel] == 0)))
-        self.busy_seconds += time.perf_counter() - t0
+            with self.counts_lock:
+                count_production(self, full[0], time.perf_counter() - t_copy, tokens=int(length[sel].sum()),
+                                 samples=int(np.count_nonzero(np.asarray(offset)[sel] == 0)))
+        with self.counts_lock:
+            self.busy_seconds += time.perf_counter() - t0
         return out
 
     @property
@@ -183,16 +196,33 @@ class SourceLoader:
         (only documents holding images are looked at; a document with images is never cut, so it is
         one span from offset 0). A document with an image that fails to decode (on_error: skip) is
         dropped whole: its tokens and images left out, its index in `Payload.dropped`."""
+        return self.decode_gathered(self.gather_media(source, keys, block_index, position, offset, length))
+
+    def gather_media(
+        self, source: np.ndarray, keys: list[FullKey], block_index: np.ndarray, position: np.ndarray,
+        offset: np.ndarray, length: np.ndarray,
+    ) -> "GatheredMedia":
+        """`gather_payload`'s first half: the tokens and the media to decode, found in the decoded blocks.
+        It touches the block cache (callers that share the loader between threads hold their lock for
+        it); the second half, `decode_gathered`, touches only the pool and the counts, so several threads'
+        gathers decode at once and the pool stays full between them."""
         tokens = self.gather(source, keys, block_index, position, offset, length)
-        t0 = time.perf_counter()
         work = ImageWork.of_gather(self.sources, self.block, keys, block_index, position)
+        return GatheredMedia(tokens, work, np.asarray(length, dtype=np.int64))
+
+    def decode_gathered(self, gathered: "GatheredMedia") -> Payload:
+        """The payload of a `gather_media`: its media decoded on the pool (thread-safe: the blocks it
+        reads are held by `gathered`, even once the cache has dropped them)."""
+        work = gathered.work
         if not work.tasks:
-            return Payload(tokens, None)
-        payload, done = decode_payload(work, tokens, length, self.pool)
-        for (_, source_idx, *_), (seconds, _) in zip(work.tasks, done):
-            count_production(self, source_idx, seconds, images=1)
-        self.images_decoded += len(work.tasks)
-        self.busy_seconds += max(time.perf_counter() - t0, float(sum(seconds for seconds, _ in done)))
+            return Payload(gathered.tokens, None)
+        t0 = time.perf_counter()
+        payload, done = decode_payload(work, gathered.tokens, gathered.length, self.pool)
+        with self.counts_lock:
+            for (_, source_idx, *_), (seconds, _) in zip(work.tasks, done):
+                count_production(self, source_idx, seconds, images=1)
+            self.images_decoded += len(work.tasks)
+            self.busy_seconds += max(time.perf_counter() - t0, float(sum(seconds for seconds, _ in done)))
         return payload
 
     def retain(self, live: set[FullKey]) -> None:
@@ -227,8 +257,9 @@ class SourceLoader:
                 raise ValueError(f"block {full} belongs to a partition this loader does not own")
             t0 = time.perf_counter()
             block = self.sources[source].read_block(tuple(key))
-            self.busy_seconds += time.perf_counter() - t0
-            count_production(self, source, time.perf_counter() - t0)
+            with self.counts_lock:
+                self.busy_seconds += time.perf_counter() - t0
+                count_production(self, source, time.perf_counter() - t0)
             self.blocks_read += 1
             self._blocks[full] = block
             self._window.add(full)

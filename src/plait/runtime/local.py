@@ -14,7 +14,6 @@ import threading
 from typing import Iterator
 
 from plait.batch import MicroBatch
-from plait.job.builds import GuardedPayloads
 from plait.job.service import JobService
 from plait.job.stream import asked, read_rank
 from plait.plan import StepPlan
@@ -37,9 +36,10 @@ class LocalRoles:
         self.loader = SourceLoader(spec)
         self.planner = Planner(spec, self.loader, dp=dp)
         # set_weights / report come from the trainer's thread while builds run on the job service's threads,
-        # and a shared job builds several ranks at once: the loader is touched under this lock only
+        # and a shared job builds several ranks at once: the loader's blocks are touched under this lock
+        # only (a gather's media decode after it is released: LoaderPayloads)
         self._lock = threading.Lock()
-        self.constructor = Constructor(GuardedPayloads(LoaderPayloads(lambda source: self.loader), self._lock))
+        self.constructor = Constructor(LoaderPayloads(lambda source: self.loader, lock=self._lock))
         self.telemetry = Telemetry(spec.source_names)
         self.telemetry.watch_loader(self.loader.telemetry)
         port = metrics_port if metrics_port is not None else spec.metrics.port

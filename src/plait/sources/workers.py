@@ -55,12 +55,14 @@ class WorkerPool:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
         self.closed = False
+        self.starting = threading.Lock()  # several builds may map at once (their gathers decode concurrently)
 
     def _start(self) -> None:
-        while len(self.threads) < self.workers:
-            t = threading.Thread(target=self._work, name=f"plait-preprocess-{len(self.threads)}", daemon=True)
-            t.start()
-            self.threads.append(t)
+        with self.starting:
+            while len(self.threads) < self.workers:
+                t = threading.Thread(target=self._work, name=f"plait-preprocess-{len(self.threads)}", daemon=True)
+                t.start()
+                self.threads.append(t)
 
     def _work(self) -> None:
         while True:
