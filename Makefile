@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-split venv bench docs clean
+.PHONY: demo test venv bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,18 +19,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
+# Two pytest workers (pytest-xdist): the tests on the session's Ray instance in one, those with a Ray of
+# their own in the other (tests/conftest.py), the rest spread over both. TEST_WORKERS=0 runs them serially.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
-
-# Every test as `make test` runs them, in two processes at once: the tests that touch Ray (`-m ray`, in the
-# serial order: the ones with a Ray of their own, then the session's instance) and all the others. The Ray
-# half's report is printed after the other's. Opt-in: at load 25-70 the Ray half's slow starts became failures
-# (Ray start/join timeouts); `make test` (serial) is what CI runs.
-test-split: $(STAMP)
-	@$(PY) -m pytest -m ray -p no:cacheprovider $(PYTEST_ARGS) > $(VENV)/test-ray.log 2>&1 & ray=$$!; \
-	$(PY) -m pytest -m "not ray" $(PYTEST_ARGS); others=$$?; \
-	wait $$ray; ray_rc=$$?; echo "----- the tests that touch Ray (-m ray):"; cat $(VENV)/test-ray.log; \
-	for rc in $$others $$ray_rc; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/plait bench throughput

@@ -59,3 +59,14 @@ def pytest_collection_modifyitems(config, items):
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
     items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]
+    # Under pytest-xdist (`make test`: two workers, --dist loadgroup) the tests on the session's instance form
+    # one group and those that start or join a Ray of their own another: the two largest groups, so xdist
+    # hands them to different workers first (largest scopes first), and neither worker runs a test that
+    # needs no Ray in its process after the session's instance started there. Two local instances side by
+    # side are separate clusters (a `ray start` head of a test lives in its own temp dir: never found by
+    # another process's ray.init()). The other tests fill both workers as they come.
+    for item in items:
+        if item.path in shared:
+            item.add_marker(pytest.mark.xdist_group("ray-session"))
+        elif item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray-own"))

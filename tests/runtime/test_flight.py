@@ -128,13 +128,28 @@ def served(spec, tmp_path_factory):
         assert (tmp / "token").read_text().strip() == printed["PLAIT_TOKEN"]
         assert oct((tmp / "token").stat().st_mode & 0o777) == "0o600"
         yield {"address": printed["PLAIT_ADDRESS"], "token": printed["PLAIT_TOKEN"], "spec_path": spec_path,
-               "ray_address": f"127.0.0.1:{port}", "env": env}
+               "ray_address": f"127.0.0.1:{port}", "env": env, "head_pid": head.pid}
         assert stop(server) == 0, server.stderr.read()[-3000:]  # Ctrl-C ends the job cleanly
     finally:
         if server is not None:
             stop(server)
         stop(head)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def actor_processes(served, actor: str) -> list:
+    """The module's job's processes of one actor class: descendants of its `ray start --head` (the raylet's
+    workers), never another cluster's on the same machine (tests run in two workers side by side)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(served["head_pid"]).children(recursive=True):
+        try:
+            if f"ray::{actor}" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
 
 
 def local_streams(spec) -> dict[int, list[MicroBatch]]:
@@ -253,7 +268,7 @@ def test_a_thin_client_survives_its_constructors_death(served, spec):
                       read_ahead=0) as loader:
         it = iter(loader)
         got += [next(it).sample_ids.tolist() for _ in range(4)]  # steps 0 and 1
-        victims = [p for p in psutil.process_iter(["cmdline"]) if "ray::ConstructorActor" in " ".join(p.info["cmdline"] or [])]
+        victims = actor_processes(served, "ConstructorActor")
         assert victims, "no Constructor process found"
         for p in victims:
             p.kill()
@@ -275,7 +290,7 @@ def test_a_thin_client_survives_the_planners_death(served, spec):
                       read_ahead=0) as loader:
         it = iter(loader)
         got = [next(it).sample_ids.tolist() for _ in range(2)]  # step 0
-        victims = [p for p in psutil.process_iter(["cmdline"]) if "ray::PlannerActor" in " ".join(p.info["cmdline"] or [])]
+        victims = actor_processes(served, "PlannerActor")
         assert len(victims) == 1
         victims[0].kill()
         psutil.wait_procs(victims, timeout=30)
