@@ -32,6 +32,20 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
                "configure_logging": False}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers
+def pytest_sessionstart(session):
+    """numba's kernels compiled once, into its on-disk cache, before any test process needs them: on a fresh
+    clone each xdist worker (and each trainer subprocess started before the cache exists) would otherwise
+    compile them itself, ~25 s of CPU each. A worker finds the cache its controller wrote."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from plait.balance.warmup import warmup
+    from plait.kernels import warm_up
+
+    warmup()
+    warm_up()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray")

@@ -71,6 +71,34 @@ def test_node_images_runs_torchrun_style_processes_both_ways(tmp_path):
 
 
 @pytest.mark.subprocess
+def test_cpu_pool_serves_plaits_local_data_plane_from_the_pool_over_flight(tmp_path):
+    """cpu-pool without Ray: per-rank pinned to the trainers' core; plait's `plait serve --runtime local` pinned
+    to the other cores, the rank threads reading over Flight; the same steps, the ratio names its runtime."""
+    import os
+
+    from plait.cli import main
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("cpu-pool needs 2 cores")
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--workloads", "cpu-pool", "--cpu-pool-runtimes", "serve", "--dp", "2", "--cpus", "2",
+            "--steps", "3", "--warmup", "1", "--images", "24", "--cache", str(tmp_path / "data"), "--quiet",
+            "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "cpu-pool" for r in rows.values())
+    served = rows["plait"]
+    assert served["runtime"] == "serve" and served["server_cores"] == cores[1:] and served["pool_cores"] == cores[1:]
+    assert served["steps"] == rows["per-rank"]["steps"] == 3 and served["images_delivered"] > 0
+    assert sorted(os.sched_getaffinity(0)) == cores  # this process's cores are given back
+    [q] = result["ratios"]
+    assert q["workload"] == "cpu-pool" and q["runtime"] == "serve"
+    assert q["steps_per_s_ratio"] == pytest.approx(served["steps_per_s"] / rows["per-rank"]["steps_per_s"])
+
+
+@pytest.mark.subprocess
 def test_data_bound_runs_plait_on_the_local_runtime_with_the_per_rank_budget(tmp_path):
     """data-bound without Ray: plait in this process (LocalRuntime all_ranks) decoding on --cpus threads,
     per-rank with --cpus worker processes; each image decoded once per delivery; the ratio names its runtime."""

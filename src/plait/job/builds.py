@@ -24,8 +24,9 @@ Built = tuple[dict | None, list[MicroBatch]]  # (state at the step's start, the 
 
 
 def default_threads() -> int:
-    """A few: the gathers are serialised on the loader, the packing and serialisation overlap."""
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    """A few, at least 2: a build's gather holds the loader's lock only while it reads blocks; its media
+    decode (on the loader's pool), packing and serialisation overlap with another rank's build."""
+    return max(2, min(4, (os.cpu_count() or 2) // 2))
 
 
 class BuildWorkers:

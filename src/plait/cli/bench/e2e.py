@@ -82,6 +82,9 @@ def add_arguments(p) -> None:
     p.add_argument("--data-bound-runtimes", default="local,ray",
                    help="data-bound: plait's runtimes, one plait row each (local: in this process, no services, "
                         "loading.workers = --cpus threads; ray: the ray runtime in a Ray instance of --cpus CPUs)")
+    p.add_argument("--cpu-pool-runtimes", default="serve,ray",
+                   help="cpu-pool: plait's runtimes, one plait row each (serve: `plait serve --runtime local` on the "
+                        "pool's cores, trainers over Flight; ray: loaders on two Ray nodes, the trainers' and the pool's)")
     p.add_argument("--local-workers", type=int, default=None,
                    help="data-bound, local runtime: loading.workers (default: --cpus, per-rank's worker processes)")
     p.add_argument("--local-build-threads", type=int, default=None,
@@ -188,6 +191,9 @@ def parse(args) -> list[int]:
     args.runtime_list = [s.strip() for s in args.data_bound_runtimes.split(",") if s.strip()]
     if not args.runtime_list or set(args.runtime_list) - {"local", "ray"}:
         raise PlaitError(f"--data-bound-runtimes: choose from local, ray; got {args.data_bound_runtimes!r}")
+    args.pool_runtime_list = [s.strip() for s in args.cpu_pool_runtimes.split(",") if s.strip()]
+    if not args.pool_runtime_list or set(args.pool_runtime_list) - {"serve", "ray"}:
+        raise PlaitError(f"--cpu-pool-runtimes: choose from serve, ray; got {args.cpu_pool_runtimes!r}")
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workload_list or set(args.workload_list) - set(WORKLOADS):
         raise PlaitError(f"--workloads: choose from {', '.join(WORKLOADS)}; got {args.workloads!r}")
@@ -311,7 +317,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         rate = "images_per_s" if key[0] == "node-images" else "steps_per_s"
         q = {"workload": key[0], "dp": key[1], "seq_len": key[2], "steps_per_s_ratio": a[rate] / max(b[rate], 1e-12)}
-        if key in several or (key[0] == "data-bound" and a.get("runtime")):
+        if key in several or (key[0] in ("data-bound", "cpu-pool") and a.get("runtime")):
             q["runtime"] = a.get("runtime")
         if a.get("tokens_per_s") and b.get("tokens_per_s"):
             q["tokens_per_s_ratio"] = a["tokens_per_s"] / max(b["tokens_per_s"], 1e-12)
@@ -351,7 +357,8 @@ def table(result: dict) -> None:
                  else f"{r['loaders_at_start']}->{r['loaders_at_end']} actors" if "loaders_at_start" in r
                  else f"{r.get('workers', '-')} threads" if "workers" in r else "local")
         t.add_row(r["workload"] + (" (disaggregation)" if r["workload"] == "cpu-pool" else ""),
-                  r["strategy"] + (f" ({r['runtime']})" if r.get("runtime") and r["workload"] == "data-bound" else ""),
+                  r["strategy"] + (f" ({r['runtime']})" if r.get("runtime") and r["workload"] in ("data-bound", "cpu-pool")
+                                   else ""),
                   str(r["dp"]), str(r["seq_len"]), fmt(r["steps_per_s"], ".3f"), fmt(r.get("images_per_s"), ".1f"),
                   fmt(r["wait_fraction"], ".1%"), fmt(r["balance_loss"], ".3f"), fmt(r["tokens_per_s"], ",.0f"), procs,
                   "->".join(f"{x:.1f}" for x in r.get("load_average") or []) or "-")
@@ -368,5 +375,5 @@ def table(result: dict) -> None:
     for f in result.get("failures") or []:
         out.print(f"[red]{f['workload']}: no rows ({f['error']})[/]")
     out.print("long-context runs on a simulated clock (data read ahead: it measures balance); cpu-pool is "
-              "disaggregation: plait's loaders use a second node's core that per-rank loaders cannot. "
+              "disaggregation: plait's data plane uses a CPU pool (the other cores) that per-rank loaders cannot. "
               "MegaScale-Data reports 4.5x end to end.")

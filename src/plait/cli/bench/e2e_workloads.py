@@ -8,10 +8,12 @@
                 pre-tokenized and read ahead, so this row measures what balance buys (the seconds each
                 strategy spent producing a step on this machine are reported beside, not charged).
   cpu-pool      the image mixture with the GPU fast enough that delivery sets the pace, where the trainers'
-                side is limited to one core (CPU affinity): per-rank DataLoaders must run there, while
-                plait's SourceLoaders (the same CPU budget) run on the trainers' node and on a second Ray
-                node pinned to the other core. This is disaggregation (a CPU pool beside the trainer
-                nodes), which per-rank loaders cannot use.
+                side is limited to one core (CPU affinity): per-rank DataLoaders must run there. plait's data
+                plane may also use the CPU pool (the other cores), which per-rank loaders cannot: this is
+                disaggregation. Two plait rows (`--cpu-pool-runtimes`): `serve`, plait's local data plane in
+                one `plait serve --runtime local` process pinned to the pool, the trainers reading over
+                Arrow Flight (no Ray); `ray`, SourceLoaders on the trainers' Ray node and on a second Ray node
+                pinned to the pool.
   node-images   the local runtime as torchrun starts it: DP processes with LOCAL_RANK / LOCAL_WORLD_SIZE,
                 LOCAL_RANK 0 hosting the node's data plane (plait.runtime.node_share), images/s against
                 per-rank DataLoaders with as many worker processes as plait's SourceLoader has threads.
@@ -190,9 +192,9 @@ def start_cluster(err, tries: int = 3):
 
 def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
     """The trainers' side pinned to the first core this process may use: per-rank DataLoaders run there.
-    plait gets the same CPU budget (`--cpus` loaders at most) split over two Ray nodes: half on a node
-    pinned to the trainers' core, half on a second node pinned to the others (the CPU pool; a raylet and
-    its workers inherit the affinity they were started with). Per-rank loaders cannot use the pool."""
+    plait gets the same budget (`--cpus` decode threads or loaders) with the other cores as its CPU pool,
+    once per runtime of `args.pool_runtime_list` (serve: plait_served_from_pool; ray: plait_on_two_nodes).
+    Per-rank loaders cannot use the pool."""
     from plait.cli.bench.e2e_run import run_per_rank
 
     saved = os.sched_getaffinity(0)
@@ -212,15 +214,61 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
             rows.append({**base, "strategy": "per-rank", **run_per_rank(spec, args, clock)})
         if "plait" not in wanted:
             return rows
-        try:
-            row = plait_on_two_nodes(args, spec, clock, autoscale, err, trainer, pool)
-        except Exception as e:  # Ray did not start (a loaded machine): per-rank's row is still reported
-            e.rows = rows
-            raise
-        rows.append({**base, "strategy": "plait", **row})
+        for runtime in getattr(args, "pool_runtime_list", ["serve", "ray"]):
+            try:
+                row = (plait_served_from_pool(args, spec, clock, err, pool) if runtime == "serve"
+                       else {"runtime": "ray", **plait_on_two_nodes(args, spec, clock, autoscale, err, trainer, pool)})
+            except Exception as e:  # Ray did not start (a loaded machine): the rows so far are still reported
+                e.rows = rows
+                raise
+            rows.append({**base, "strategy": "plait", **row})
     finally:
         os.sched_setaffinity(0, saved)
     return rows
+
+
+def plait_served_from_pool(args, spec, clock, err, pool: set[int]) -> dict:
+    """plait's cpu-pool row on its local data plane served over Flight: one `plait serve --runtime local`
+    process pinned to the pool's cores (it plans, reads and decodes on loading.workers = --cpus threads,
+    the budget per-rank spends on worker processes, and builds every rank's micro-batches) and the trainers
+    (rank threads here, on the trainers' core) reading their micro-batches over Arrow Flight: on the
+    trainers' core plait spends only the receiving. No Ray."""
+    import tempfile
+
+    import plait
+    from plait.cli.bench.e2e_run import load_average, plait_shape, run_synchronous, summarize
+    from plait.cli.bench.memory_realistic import start_serve, stop_serve
+
+    served = spec.with_overrides(loading={"workers": args.cpus}).model_dump(mode="json")
+    job = f"bench-e2e-pool-{os.getpid()}-{time.time_ns()}"
+    trainer = os.sched_getaffinity(0)
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="plait-e2e-pool-") as tmp:
+        path = Path(tmp) / "spec.yaml"
+        path.write_text(json.dumps(served))  # JSON is YAML
+        err.print(f"[bold]e2e[/] cpu-pool plait: `plait serve --runtime local` on cores {sorted(pool)}, "
+                  f"trainers over Flight on core {min(trainer)} ...")
+        t0 = time.perf_counter()
+        os.sched_setaffinity(0, pool)  # the server inherits the pool's cores
+        try:
+            proc, address, token = start_serve(path, job, None, None, dict(os.environ))
+        finally:
+            os.sched_setaffinity(0, trainer)
+        server_cores = sorted(os.sched_getaffinity(proc.pid))
+        loaders = []
+        try:
+            loaders = [plait.Loader(served, dp_rank=r, runtime="flight", job=job, address=address, token=token)
+                       for r in range(spec.topology.dp)]
+            trace = run_synchronous(loaders, args.steps, args.microbatches, clock, plait_shape)
+            trace.start = t0
+        finally:
+            for loader in loaders:
+                loader.close()
+            stop_serve(proc)
+    row = summarize(trace, args.warmup)
+    row.update(runtime="serve", workers=args.cpus, server_cores=server_cores, images_delivered=int(trace.images.sum()),
+               load_average=[load_before, load_average()])
+    return row
 
 
 def plait_on_two_nodes(args, spec, clock, autoscale: bool, err, trainer: set[int], pool: set[int]) -> dict:
