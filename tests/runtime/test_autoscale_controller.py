@@ -257,6 +257,7 @@ def test_min_loaders_is_kept():
     ({"patience": 0}, "patience"), ({"patience": 1.5}, "patience"), ({"min_loaders": True}, "min_loaders"),
     ({"max_loader_cpus": 0.5}, "max_loader_cpus"), ({"max_loader_cpus": 2, "min_loaders": 3}, "min_loaders"),
     ({"cooldown_s": "6"}, "cooldown_s"), ({"smoothing": 0}, "smoothing"), ({"bogus": 1}, "bogus"),
+    ({"restart_gain": -0.1}, "restart_gain"),
     ("yes", "autoscale"), (3, "autoscale"),
 ])
 def test_options_validation_names_the_field(value, field):
@@ -337,3 +338,28 @@ def test_an_interval_in_which_the_ranks_waited_throughout_does_not_demand_millio
     ctrl.observe(stall, layout, 8.0)
     assert ctrl.step_rate <= 1 / (MIN_WORKING * INTERVAL) + 20.0
     assert sum(ctrl.demand()) < 2 * steady
+
+
+def test_a_change_must_pay_for_the_loaders_it_restarts():
+    """At the budget, the best plan re-deals every loader for a 15% lower peak: taken without a restart
+    cost (restart_gain 0), held by the default (it asks 30% when every loader restarts), and the demand
+    the held layout cannot meet is still reported."""
+    from plait.runtime.placement import unchanged_loaders
+
+    start = LoaderLayout({0: 1, 1: 2}, [[(0, 0)], [(1, 0)], [(1, 1)]])  # image needs 3.3 cores at 40 steps/s
+    dem = demand(rate=40.0)
+    _, eager = run(controller(max_loader_cpus=3, restart_gain=0.0), start, 8, COST, TPS, 40.0)
+    ups = [d for _, d in eager if d.kind == "up"]
+    assert len(ups) == 1 and ups[0].layout.loaders == start.loaders  # a re-split within the budget
+    resplit = ups[0].layout
+    gain = max(projected_busy(start, dem)) / max(projected_busy(resplit, dem)) - 1
+    restarted = resplit.loaders - len(unchanged_loaders(start, resplit))
+    assert restarted == 3 and 0.1 < gain < 0.3
+    ctrl = controller(max_loader_cpus=3)
+    assert not ctrl.pays_for_restarts(start, resplit, dem)
+    assert ctrl.pays_for_restarts(start, start, dem)  # nothing restarts: nothing to pay
+    layout, held = run(ctrl, start, 8, COST, TPS, 40.0)
+    assert layout is start and [d.kind for _, d in held] and all(d.kind == "unmet" for _, d in held)
+    assert "image" in held[0][1].reason and "budget 3" in held[0][1].reason
+    generous = controller(max_loader_cpus=3, restart_gain=gain * 0.9)  # asks a little less than it gains
+    assert [d.kind for _, d in run(generous, start, 8, COST, TPS, 40.0)[1]][0] == "up"

@@ -14,7 +14,7 @@ from fixtures import mixed_spec as make_spec  # noqa: E402
 from plait.metrics import batch_digest_update  # noqa: E402
 from plait.runtime.local import LocalRuntime  # noqa: E402
 from plait.runtime.placement import LoaderLayout  # noqa: E402
-from plait.runtime.ray.recovery import unchanged_loaders  # noqa: E402
+from plait.runtime.placement import unchanged_loaders  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 9

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from plait.errors import PlaitError
-from plait.runtime.placement import LoaderLayout, plan_layout
+from plait.runtime.placement import LoaderLayout, plan_layout, unchanged_loaders
 
 WAITED = 0.02  # ranks "waited" in an interval when they waited more than this fraction of it
 EPS_S = 1e-6
@@ -56,13 +56,18 @@ class AutoscaleOptions:
     max_loader_cpus: float | None = None  # budget (loaders, 1 CPU each); None: the cluster's CPUs
     min_loaders: int = 1
     smoothing: float = 0.5  # EWMA weight of the newest interval in the estimates (1: no smoothing)
+    # A change restarts the loaders whose partitions change (the others are handed over running). It is
+    # taken only when the busiest loader's projected busy fraction falls by at least restart_gain x the
+    # share of the new layout's loaders that restart: re-dealing every loader for a few percent (a noisy
+    # estimate, a budget-bound re-split) costs more in restarts and refilled buffers than it gains.
+    restart_gain: float = 0.3
 
     def __post_init__(self):
         def bad(name: str, reason: str):
             raise PlaitError(f"autoscale.{name}: {reason} (got {getattr(self, name)!r})")
 
         for name in ("interval_s", "cooldown_s", "scale_up_at", "scale_down_at", "target_utilisation",
-                     "smoothing"):
+                     "smoothing", "restart_gain"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(name, "must be a finite number")
@@ -83,6 +88,8 @@ class AutoscaleOptions:
                                       f"scale_up_at ({self.scale_up_at}), or every change would undo itself")
         if not 0 < self.smoothing <= 1:
             bad("smoothing", "must be in (0, 1]")
+        if self.restart_gain < 0:
+            bad("restart_gain", "must be >= 0")
         cap = self.max_loader_cpus
         if cap is not None:
             if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1:
@@ -261,6 +268,8 @@ class Controller:
         cap = self.budget(layout, obs.free_cpus)
         if short:
             target = self._up_target(demand, cap, layout, busy)
+            if target is not None and not self.pays_for_restarts(layout, target, demand):
+                target = None  # its gain does not pay for the loaders it would restart: as if none were better
             if target is None:  # nothing better within the budget
                 still_short = self._short_in(layout, demand)
                 bound = layout.loaders >= cap or any(layout.num_partitions[s] >= self.num_files[s] for s in still_short)
@@ -284,6 +293,17 @@ class Controller:
                       f"for demand {self._demand_text(demand)}")
             return self._change("down", target, demand, now, reason)
         return None
+
+    def pays_for_restarts(self, layout: LoaderLayout, target: LoaderLayout, demand: Sequence[float]) -> bool:
+        """Whether `target` gains enough over `layout` for the loaders it restarts (restart_gain): the
+        relative fall of the busiest loader's projected busy fraction against restart_gain x the share of
+        target's loaders that are not handed over running (plait.runtime.placement.unchanged_loaders)."""
+        restarts = target.loaders - len(unchanged_loaders(layout, target))
+        if restarts <= 0:
+            return True
+        before, after = max(projected_busy(layout, demand)), max(projected_busy(target, demand))
+        gain = before / max(after, EPS_S) - 1.0
+        return gain >= self.options.restart_gain * restarts / target.loaders
 
     def _settled(self) -> float:
         """The busiest a loader may be projected after a merge: halfway from target_utilisation to scale_up_at."""

@@ -175,6 +175,18 @@ def demand_of(spec: Spec, cost: Sequence[float], step_time: float, dp: int | Non
 
 
 # ----- using a layout ------------------------------------------------------------------------------
+def unchanged_loaders(old: LoaderLayout, new: LoaderLayout) -> dict[int, int]:
+    """{new loader index: old loader index} for the loaders of `new` that own exactly the partitions of a
+    loader of `old`, their sources cut into as many partitions in both (the same blocks, the same buffer):
+    a rescale hands those over instead of starting them again."""
+    def key(layout: LoaderLayout, k: int) -> tuple:
+        pairs = tuple(sorted((int(s), int(p)) for s, p in layout.owned[k]))
+        return pairs, tuple(sorted({(s, int(layout.num_partitions[s])) for s, _ in pairs}))
+
+    old_of = {key(old, j): j for j in range(old.loaders)}
+    return {k: old_of[key(new, k)] for k in range(new.loaders) if key(new, k) in old_of}
+
+
 def loader_name(job: str, k: int, generation: int = 0) -> str:
     """Loader k's actor name; a replacement (generation >= 1) gets a new name, the dead one's may linger."""
     return f"{job}/loader-{k}" + (f"~{generation}" if generation else "")

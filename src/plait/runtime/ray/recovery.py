@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable
 
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
-from plait.runtime.placement import LoaderLayout
+from plait.runtime.placement import LoaderLayout, unchanged_loaders
 from plait.runtime.ray.loader_actor import LoaderConfig
 from plait.runtime.ray.shadow_actor import start_shadow
 from plait.spec import Spec
@@ -281,18 +281,6 @@ class ShadowUpkeep:
 
     def on_request(self, request) -> None:
         """Requests do not move the loaders' checkpoints."""
-
-
-def unchanged_loaders(old: LoaderLayout, new: LoaderLayout) -> dict[int, int]:
-    """{new loader index: old loader index} for the loaders of `new` that own exactly the partitions of a
-    loader of `old`, their sources cut into as many partitions in both (the same blocks, the same buffer):
-    a rescale hands those over instead of starting them again."""
-    def key(layout: LoaderLayout, k: int) -> tuple:
-        pairs = tuple(sorted((int(s), int(p)) for s, p in layout.owned[k]))
-        return pairs, tuple(sorted({(s, int(layout.num_partitions[s])) for s, _ in pairs}))
-
-    old_of = {key(old, j): j for j in range(old.loaders)}
-    return {k: old_of[key(new, k)] for k in range(new.loaders) if key(new, k) in old_of}
 
 
 # ----- driver side: the Planner and the Constructors -----------------------------------------------
