@@ -181,3 +181,4 @@ def test_loader_payloads_route_blocks_to_their_loaders(real):
     assert own[0].blocks_read > 0 and own[1].blocks_read > 0
     for loader in (shared, *own.values()):
         loader.close()
+

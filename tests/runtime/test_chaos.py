@@ -143,8 +143,10 @@ def test_a_dead_shadow_is_noticed_and_replaced(ray_session, data, reference):
             for r in range(plan.ranks):
                 ids.extend(mb.sample_ids for mb in rt.build(plan, r))
         events = rt.recovery_events()
+        threads = [c["build_threads"] for c in rt.stats()["constructors"].values()]
     finally:
         rt.close()
+    assert threads == [4]  # the node's Constructor builds its 4 DP ranks at once
     assert compare_streams(reference, ids)["same_order"]
     roles = [e["role"] for e in events]
     assert roles[:2] == ["shadow", "shadow-start"], roles

@@ -82,6 +82,8 @@ def test_clients_share_one_planned_stream(ray_session, spec):
         stats = loaders[0].runtime.stats()
         assert stats["planned"] == spec.steps  # planned once for all 8 clients
         assert len(stats["loaders"]) == 2
+        # the node's one Constructor builds its 2 DP ranks (and a rank's next step) at once
+        assert [c["build_threads"] for c in stats["constructors"].values()] == [2]
 
         # Resume mid-step from a checkpoint taken by a local client: same continuation.
         it = iter(plait.Loader(spec, dp_rank=1, cp_rank=1, prefetch=0))
@@ -139,3 +141,11 @@ def test_an_elastic_resume_is_replanned_by_the_jobs_planner(ray_session, spec, m
         ray_ld.load_state_dict(saved)
         got = [mb.sample_ids.tolist() for mb in ray_ld]
     assert got == want and len(got) > 0
+
+
+def test_a_constructor_builds_each_of_its_ranks_on_a_thread_of_its_own():
+    """A node's Constructor serves every DP rank of the node: one build thread per rank (2 at least: a rank's
+    next step beside its current one; 16 at most), so its ranks' gathers are in flight together."""
+    from plait.runtime.ray.constructor_actor import MAX_BUILD_THREADS, build_threads
+
+    assert [build_threads(n) for n in (1, 2, 8, 64)] == [2, 2, 8, MAX_BUILD_THREADS]

@@ -108,8 +108,20 @@ class RayPayloads:
         return None  # every part answered on a second look (a transient error): ask again
 
 
+MAX_BUILD_THREADS = 16
+
+
+def build_threads(ranks: int) -> int:
+    """Build threads of a Constructor serving `ranks` DP ranks: one per rank (at least 2: a rank's next step
+    builds beside its current one; at most MAX_BUILD_THREADS). A build mostly waits for its loaders'
+    gathers (remote calls, no GIL held), so with fewer threads than ranks a node's 8 ranks would keep only
+    a few gathers in flight and leave most loaders idle: the pipeline is then bound by latency, not CPU."""
+    return max(2, min(int(ranks), MAX_BUILD_THREADS))
+
+
 class ConstructorActor:
-    """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead."""
+    """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead, on `threads`
+    build threads (build_threads of the ranks it serves)."""
 
     def __init__(self, job: str, prefetch: int, threads: int = 2, planner=None):
         use_numpy_kernels()
@@ -220,7 +232,7 @@ class ConstructorActor:
         return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.cache.builds),
                 "rss": process_rss(), "consumed": dict(self.consumed), "wait_s": dict(self.wait_seconds),
                 "window_waits": self.window_waits,
-                "routing_version": self.route.version}
+                "routing_version": self.route.version, "build_threads": len(self.cache.workers.threads)}
 
     def telemetry(self) -> dict:
         """Per-source tokens, samples and images built so far, and build times (Telemetry.delivery_counts)."""
@@ -286,7 +298,8 @@ class ConstructorPool:
             here = NodeAffinitySchedulingStrategy(self.node_of(dp_rank), soft=False)
             opts = actor_options(self.name(key), self.lifetime, num_cpus=0, max_concurrency=64,
                                  scheduling_strategy=here)
-            handle = ray.remote(ConstructorActor).options(**opts).remote(self.job, self.prefetch)
+            ranks = 1 if self.mode == "replica" else self.dp  # a node's Constructor may serve every rank
+            handle = ray.remote(ConstructorActor).options(**opts).remote(self.job, self.prefetch, build_threads(ranks))
             planner.register_constructor.remote(self.name(key))
             self.handles[key] = handle
         return handle

@@ -17,7 +17,7 @@ node. Off by default.
 from __future__ import annotations
 
 from plait.runtime.ray.common import planner_name, ray_module
-from plait.runtime.ray.constructor_actor import ConstructorActor
+from plait.runtime.ray.constructor_actor import ConstructorActor, build_threads
 from plait.runtime.ray.planner_actor import PlannerActor
 
 
@@ -48,7 +48,7 @@ class PlannerHostActor(PlannerActor):
     def __init__(self, spec_dict: dict, job: str, options: dict):
         super().__init__(spec_dict, job, options)
         prefetch = int(options.get("prefetch", 2))
-        self.builder = ConstructorActor(job, prefetch, planner=InProcess(self))
+        self.builder = ConstructorActor(job, prefetch, build_threads(self.planner.ranks), planner=InProcess(self))
         # The job's /metrics asks the Constructors for what they built: this actor is the one.
         names = self.metrics.constructor_names
         self.metrics.constructor_names = lambda: list(names()) + [planner_name(job)]
