@@ -5,14 +5,25 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench docs clean
+.PHONY: demo test venv lock bench docs clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build).
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# A current pip first: it resolves against the constraints in seconds where pip 23 takes most of a minute.
+	$(PIP) install -q -c constraints-dev.txt --upgrade pip
+	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build). --no-compile: the
+	# bytecode of the few modules a run imports is written when they are first imported (torch's whole tree
+	# alone is ~20 s of compiling at install). setuptools from the constraints builds plait's editable install
+	# without an isolated build environment of its own.
+	$(PIP) install -q --no-compile -c constraints-dev.txt torch==2.13.0 setuptools wheel
+	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'
 	touch $(STAMP)
+
+# constraints-dev.txt anew from the current venv: after a change to pyproject.toml's dependencies.
+lock: $(STAMP)
+	$(PIP) install -q -e '.[dev]'
+	{ sed -n '1,4p' constraints-dev.txt; $(PIP) freeze --all --exclude-editable | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > constraints-dev.txt.new
+	mv constraints-dev.txt.new constraints-dev.txt
 
 venv: $(STAMP)
 
