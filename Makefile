@@ -11,12 +11,14 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	# A current pip first: it resolves against the constraints in seconds where pip 23 takes most of a minute.
 	$(PIP) install -q -c constraints-dev.txt --upgrade pip
-	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build). --no-compile: the
-	# bytecode of the few modules a run imports is written when they are first imported (torch's whole tree
-	# alone is ~20 s of compiling at install). setuptools from the constraints builds plait's editable install
-	# without an isolated build environment of its own.
-	$(PIP) install -q --no-compile -c constraints-dev.txt torch==2.13.0 setuptools wheel
-	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'
+	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build). setuptools from the
+	# constraints builds plait's editable install without an isolated build env of its own.
+	$(PIP) install -q -c constraints-dev.txt torch==2.13.0 setuptools wheel
+	$(PIP) install -q --no-build-isolation -c constraints-dev.txt -e '.[dev]'
+	# plait's own bytecode too (pip compiles what it installs, not an editable source tree): where
+	# PYTHONDONTWRITEBYTECODE is set, every process (each Ray actor, each trainer) would compile plait's
+	# modules again as it imports them, 0.17 s of CPU each.
+	$(PY) -m compileall -q src
 	touch $(STAMP)
 
 # constraints-dev.txt anew from the current venv: after a change to pyproject.toml's dependencies.

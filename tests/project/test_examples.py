@@ -25,13 +25,13 @@ def _free_port() -> int:
 @pytest.mark.timeout(120)
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_torchrun_gpt_example_learns(tmp_path):
+def test_torchrun_gpt_example_learns(tmp_path, demo_spec_path):  # the session's demo corpus, written once
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "local", "--steps", "30",
-           "--data", str(tmp_path / "data"), "--json", str(out)]
+           "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -46,14 +46,14 @@ def test_torchrun_gpt_example_learns(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_torchrun_vlm_example_learns(tmp_path):
+def test_torchrun_vlm_example_learns(tmp_path, demo_spec_path):
     """examples/vlm_torchrun.py: a tiny ViT + GPT on the demo's image-text source, 2 ranks, local runtime."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(ROOT / "examples" / "vlm_torchrun.py"), "--runtime", "local", "--steps", "15",
-           "--data", str(tmp_path / "data"), "--json", str(out)]
+           "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -68,12 +68,12 @@ def test_torchrun_vlm_example_learns(tmp_path):
 @pytest.mark.timeout(90)
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_calibrate_vlm_quick(tmp_path):
+def test_calibrate_vlm_quick(tmp_path, demo_spec_path):
     """examples/calibrate_vlm.py --quick: rows in `plait fit-cost`'s format that the CLI fits, a held-out
     error, and naive vs plait placements of the same step's documents, each simulated rank timed."""
     out, rows_csv = tmp_path / "calib.json", tmp_path / "rows.csv"
     cmd = [sys.executable, str(ROOT / "examples" / "calibrate_vlm.py"), "--quick", "--device", "cpu",
-           "--data", str(tmp_path / "data"), "--csv", str(rows_csv), "--json", str(out)]
+           "--data", str(demo_spec_path.parent), "--csv", str(rows_csv), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
