@@ -30,7 +30,7 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
     out = tmp_path / "e2e.json"
     # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
     argv = ["bench", "e2e", "--quick", "--workloads", "gpu-bound,long-context", "--dp", "4", "--steps", "4",
-            "--warmup", "1", "--gpu-tflops", "4000", "--long-seq", "4096", "--long-dp", "4", "--long-steps", "2",
+            "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--long-seq", "4096", "--long-dp", "4", "--long-steps", "2",
             "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
@@ -41,7 +41,8 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
         ("long-context", s, 4, 4096) for s in ("per-rank", "plait")}
     per_rank, plait = rows["gpu-bound", "per-rank", 4, 8192], rows["gpu-bound", "plait", 4, 8192]
     assert per_rank["steps"] == plait["steps"] == 4 and per_rank["measured_steps"] == plait["measured_steps"] == 3
-    assert per_rank["processes"] == 4 and per_rank["workers_per_rank"] == 1  # the same 4-CPU budget
+    # a budget of 2 CPUs: per-rank still has one worker process a rank (at least one), plait 2 loaders at most
+    assert per_rank["processes"] == 4 and per_rank["workers_per_rank"] == 1 and plait["loaders_at_start"] <= 2
     assert plait["balance_loss"] <= per_rank["balance_loss"]
     capacity = 4 * 2 * 8192  # dp x micro-batches x seq_len
     for r in (per_rank, plait):

@@ -76,12 +76,12 @@ def test_the_fit_starts_a_warmup_after_the_last_role_appeared_and_its_second_hal
 def test_a_brief_local_soak_reports_every_role_with_samples(tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([str(Path(sys.executable).parent / "plait"), "bench", "soak", "--minutes", "0.2",
+    proc = subprocess.run([str(Path(sys.executable).parent / "plait"), "bench", "soak", "--minutes", "0.1", "--interval-s", "0.5",
                            "--runtime", "local", "--sources", "4", "--json", str(out), "--plot",
                            str(tmp_path / "soak.png")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())
-    assert got["runtime"] == "local" and got["minutes"] == pytest.approx(0.2)
+    assert got["runtime"] == "local" and got["minutes"] == pytest.approx(0.1)
     assert [r["role"] for r in got["roles"]] == ["driver"]
     row = got["roles"][0]
     for key in ("rss_start_mib", "rss_end_mib", "slope_mib_per_hour", "growth_mib_per_day"):
