@@ -5,7 +5,11 @@ tests of the measurement suite can import `benchmarks`, and the session's one Ra
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+import time
+import warnings
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,18 +36,52 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
                "configure_logging": False}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers
+# numba's kernels compiled into its on-disk cache once per test session, before any test needs them: on a
+# fresh clone each xdist worker (and each trainer subprocess started before the cache exists) would otherwise
+# compile them itself, ~25 s of CPU each. Under xdist the controller compiles them in a process of its own
+# while the workers start and collect (~12 s of CPU each, on the other core), and each worker's first test
+# waits for it (numba_compiled); without xdist the session compiles them before its first test.
+NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file that process writes when done ("ok" or why not)
+COMPILING: list[subprocess.Popen] = []  # that process, held until the session ends
+COMPILE = """import sys
+try:
+    from plait.balance.warmup import warmup
+    from plait.kernels import warm_up
+    warmup()
+    warm_up()
+    outcome = "ok"
+except BaseException as e:  # the tests then compile what they need themselves
+    outcome = f"failed: {e!r}"
+open(sys.argv[1], "w").write(outcome)
+"""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers (they inherit the environment)
 def pytest_sessionstart(session):
-    """numba's kernels compiled once, into its on-disk cache, before any test process needs them: on a fresh
-    clone each xdist worker (and each trainer subprocess started before the cache exists) would otherwise
-    compile them itself, ~25 s of CPU each. A worker finds the cache its controller wrote."""
     if hasattr(session.config, "workerinput"):
+        return
+    if getattr(session.config.option, "numprocesses", None):
+        ready = os.path.join(tempfile.mkdtemp(prefix="plait-numba-"), "ready")
+        COMPILING.append(subprocess.Popen([sys.executable, "-c", COMPILE, ready]))
+        os.environ[NUMBA_READY] = ready
         return
     from plait.balance.warmup import warmup
     from plait.kernels import warm_up
 
     warmup()
     warm_up()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def numba_compiled():
+    """Under xdist: wait for the session's numba compile (pytest_sessionstart) before this worker's first test."""
+    ready = os.environ.get(NUMBA_READY)
+    deadline = time.monotonic() + 600
+    while ready and not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if ready and os.path.exists(ready) and open(ready).read() != "ok":
+        warnings.warn(f"numba's compile before the tests {open(ready).read()}: each worker compiles its own")
+    yield
 
 
 @pytest.fixture(scope="session")
