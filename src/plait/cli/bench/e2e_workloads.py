@@ -173,17 +173,37 @@ def run_long_context(args, err) -> list[dict]:
 
 
 # ----- cpu-pool: the trainers' core for per-rank loaders, plus a second Ray node's core for plait's ----
-def start_cluster(err, tries: int = 3):
-    """ray.cluster_utils.Cluster with a head of no CPUs yet, tried again when a node does not register
-    within Ray's fixed 30 s (on a loaded machine)."""
+CLUSTER_NODES = 3  # the head (the driver's node: the Constructor, the Planner), the trainers', the pool's
+STORE_SHARE = 0.3  # ray.init's default object store: this share of the available memory, for one machine
+MIN_NODE_STORE = 1 << 30
+MAX_NODE_STORE = 4 << 30
+
+
+def node_object_store() -> int:
+    """Bytes of object store for each node of the cpu-pool cluster: what ray.init gives one machine (the
+    data-bound Ray row's instance) shared by the cluster's nodes, 1 to 4 GiB each. ray.cluster_utils'
+    default, 150 MiB a node, held a fraction of a step's image batches: the head's store (the Constructor
+    runs there, beside the driver: its builds and the gathers it pulls from the loaders, ~9 MiB each)
+    filled, spilled to disk, and each new object waited Ray's 2 s grace before falling back to a file
+    ("Shared memory store full, falling back to allocating from filesystem", restores at 1-10 MiB/s): the
+    row measured 0.08x per-rank with every process mostly idle."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(MAX_NODE_STORE, max(MIN_NODE_STORE, STORE_SHARE * available / CLUSTER_NODES)))
+
+
+def start_cluster(err, tries: int = 3, object_store_memory: int | None = None):
+    """ray.cluster_utils.Cluster with a head of no CPUs yet and `object_store_memory` bytes of object store
+    (default node_object_store()), tried again when a node does not register within Ray's fixed 30 s (on a
+    loaded machine)."""
     from ray.cluster_utils import Cluster
 
     from plait.cli.bench.e2e_run import patient_agents
 
     patient_agents()
+    store = object_store_memory or node_object_store()
     for attempt in range(tries):
         try:
-            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
             if "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
@@ -279,16 +299,17 @@ def plait_on_two_nodes(args, spec, clock, autoscale: bool, err, trainer: set[int
     from plait.cli.bench.e2e_run import run_plait, start_ray
 
     here = max(1, args.cpus // 2)
-    cluster = start_cluster(err)
+    store = node_object_store()  # not ray.cluster_utils' 150 MiB a node: see node_object_store
+    cluster = start_cluster(err, object_store_memory=store)
     try:
-        cluster.add_node(num_cpus=here)  # the trainers' node: loaders may run beside the trainers
+        cluster.add_node(num_cpus=here, object_store_memory=store)  # the trainers' node: loaders beside the trainers
         os.sched_setaffinity(0, pool)
-        cluster.add_node(num_cpus=max(1, args.cpus - here))  # the CPU pool
+        cluster.add_node(num_cpus=max(1, args.cpus - here), object_store_memory=store)  # the CPU pool
         os.sched_setaffinity(0, trainer)
         start_ray(address=cluster.address)
         err.print(f"[bold]e2e[/] cpu-pool plait: trainers on core {min(trainer)}, SourceLoaders on "
                   f"{min(trainer)} and {sorted(pool)} ...")
-        return {"loader_cpus_per_node": [here, max(1, args.cpus - here)],
+        return {"loader_cpus_per_node": [here, max(1, args.cpus - here)], "object_store_mib_per_node": store >> 20,
                 **run_plait(spec, args, clock, autoscale, loader_cpus=1)}
     finally:
         ray.shutdown()
