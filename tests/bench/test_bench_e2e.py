@@ -323,3 +323,11 @@ def test_a_workload_whose_plait_side_fails_keeps_the_rows_that_ran(tmp_path, mon
     result = json.loads(out.read_text())
     assert [(r["workload"], r["strategy"]) for r in result["rows"]] == [("cpu-pool", "per-rank")]
     assert [f["workload"] for f in result["failures"]] == ["cpu-pool"]
+
+
+def test_cpu_pool_ray_nodes_get_more_object_store_than_ray_cluster_utils_150_mib():
+    """ray.cluster_utils gives each node 150 MiB: the cpu-pool Ray row's head spilled a step's image batches
+    to disk and stalled (0.1 steps/s). Each node now gets 1-4 GiB (e2e_workloads.node_object_store)."""
+    from plait.cli.bench.e2e_workloads import MAX_NODE_STORE, MIN_NODE_STORE, node_object_store
+
+    assert MIN_NODE_STORE <= node_object_store() <= MAX_NODE_STORE and MIN_NODE_STORE >= 1 << 30
