@@ -32,8 +32,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
-# Two pytest workers (pytest-xdist): the tests on the session's Ray instance in one, those with a Ray of
-# their own in the other (tests/conftest.py), the rest spread over both. TEST_WORKERS=0 runs them serially.
+# Two pytest workers (pytest-xdist): the tests on the session's Ray instance in one, those that start a Ray
+# of their own in the other (tests/conftest.py: with more workers, more groups), the rest spread over both.
+# More workers do not help on 2 cores: the suite is CPU-bound (3 workers: 505 s, as 2). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)

@@ -111,14 +111,42 @@ def pytest_collection_modifyitems(config, items):
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
     items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]
-    # Under pytest-xdist (`make test`: two workers, --dist loadgroup) the tests on the session's instance form
-    # one group and those that start or join a Ray of their own another: the two largest groups, so xdist
-    # hands them to different workers first (largest scopes first), and neither worker runs a test that
-    # needs no Ray in its process after the session's instance started there. Two local instances side by
-    # side are separate clusters (a `ray start` head of a test lives in its own temp dir: never found by
-    # another process's ray.init()). The other tests fill both workers as they come.
+    # Under pytest-xdist (`make test`, --dist loadgroup) the Ray tests form groups, each run by one worker: the
+    # modules on the session's instance (one instance per worker that runs them) and those that start or
+    # join a Ray of their own. As many groups as workers, the largest scopes, so xdist hands each worker one
+    # group first and no worker runs a group of the other kind after (a test that needs no Ray in its process
+    # never meets a session instance started there). Two local instances side by side are separate clusters
+    # (a `ray start` head of a test lives in its own temp dir: never found by another process's ray.init()).
+    # The other tests fill the workers as they come.
+    workers = worker_count(config)
+    if workers < 2:
+        return
+    own = {item.path for item in items if item.path not in shared and item.get_closest_marker("ray") is not None}
+    group_of = {**spread(items, shared, "ray-session", (workers + 1) // 2), **spread(items, own, "ray-own", workers // 2)}
     for item in items:
-        if item.path in shared:
-            item.add_marker(pytest.mark.xdist_group("ray-session"))
-        elif item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray-own"))
+        if item.path in group_of:
+            item.add_marker(pytest.mark.xdist_group(group_of[item.path]))
+
+
+def worker_count(config) -> int:
+    """pytest-xdist's workers: in a worker, how many there are; in the controller, `-n`."""
+    if hasattr(config, "workerinput"):
+        return int(config.workerinput["workercount"])
+    return int(getattr(config.option, "numprocesses", 0) or 0)
+
+
+def spread(items, modules: set, name: str, groups: int) -> dict:
+    """Whole modules (a module's Ray head or job is module-scoped) into `groups` groups of about equal weight,
+    the weight of a module being its Ray tests (they take ~90% of a Ray module's time); the same on every
+    worker, as xdist requires."""
+    weight = {path: 0 for path in modules}
+    for item in items:
+        if item.path in weight and item.get_closest_marker("ray") is not None:
+            weight[item.path] += 1
+    load = [0] * groups
+    group_of = {}
+    for path in sorted(weight, key=lambda p: (-weight[p], str(p))):
+        g = load.index(min(load))
+        load[g] += weight[path]
+        group_of[path] = name if groups == 1 else f"{name}-{g}"
+    return group_of
