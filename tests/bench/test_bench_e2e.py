@@ -24,9 +24,7 @@ ROW_KEYS = {"workload", "dp", "seq_len", "strategy", "steps_per_s", "tokens_per_
 
 
 @pytest.mark.ray
-def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_better(tmp_path, ray_session):
-    """plait's gpu-bound row on the session's Ray instance (2 CPUs, the budget below): the bench uses a caller's
-    instance as it is."""
+def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_better(tmp_path):
     from plait.cli import main
 
     out = tmp_path / "e2e.json"
