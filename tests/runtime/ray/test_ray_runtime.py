@@ -109,7 +109,10 @@ def test_auto_layout_follows_measured_cost(ray_session, tmp_path):
 
     tok = train_tokenizer(tmp_path / "tokenizer.json")
     text = text_source(tmp_path / "txt", fmt="jsonl", files=4, docs_per_file=200, lo=100, hi=300, tokenizer=tok)
-    ids = [token_parquet(tmp_path / f"ids{i}", name=f"ids{i}", files=2, docs_per_file=200, row_group_size=100,
+    # Row groups of ~200k tokens: the probe times blocks on the wall clock, and a read of a 20k-token row
+    # group (~1 ms) preempted for a time slice on a loaded machine measured as dear as tokenizing (CI failed
+    # so once); a time slice is small beside a 200k-token read.
+    ids = [token_parquet(tmp_path / f"ids{i}", name=f"ids{i}", files=2, docs_per_file=1000, row_group_size=1000,
                          lo=100, hi=300, seed=i) for i in range(2)]
     auto = plait.load_spec(make_spec([text, *ids], seq_len=256, microbatches=2, dp=2)).with_overrides(steps=6)
     rows = []
