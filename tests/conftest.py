@@ -79,8 +79,9 @@ def numba_compiled():
     deadline = time.monotonic() + 600
     while ready and not os.path.exists(ready) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if ready and os.path.exists(ready) and open(ready).read() != "ok":
-        warnings.warn(f"numba's compile before the tests {open(ready).read()}: each worker compiles its own")
+    outcome = open(ready).read() if ready and os.path.exists(ready) else "ok"
+    if outcome != "ok":
+        warnings.warn(f"numba's compile before the tests {outcome}: each worker compiles its own")
     yield
 
 

@@ -325,9 +325,16 @@ def test_a_workload_whose_plait_side_fails_keeps_the_rows_that_ran(tmp_path, mon
     assert [f["workload"] for f in result["failures"]] == ["cpu-pool"]
 
 
-def test_cpu_pool_ray_nodes_get_more_object_store_than_ray_cluster_utils_150_mib():
+def test_cpu_pool_ray_nodes_get_more_object_store_than_ray_cluster_utils_150_mib(monkeypatch):
     """ray.cluster_utils gives each node 150 MiB: the cpu-pool Ray row's head spilled a step's image batches
-    to disk and stalled (0.1 steps/s). Each node now gets 1-4 GiB (e2e_workloads.node_object_store)."""
+    to disk and stalled (0.1 steps/s). Each node now gets 30% of the available memory over the cluster's
+    3 nodes, 1-4 GiB (e2e_workloads.node_object_store)."""
+    from plait.cli.bench import e2e_workloads
     from plait.cli.bench.e2e_workloads import MAX_NODE_STORE, MIN_NODE_STORE, node_object_store
 
     assert MIN_NODE_STORE <= node_object_store() <= MAX_NODE_STORE and MIN_NODE_STORE >= 1 << 30
+    gib, page = 1 << 30, 4096
+    for available, per_node in ((2 * gib, MIN_NODE_STORE), (20 * gib, 2 * gib), (100 * gib, MAX_NODE_STORE)):
+        monkeypatch.setattr(e2e_workloads.os, "sysconf",
+                            lambda name, a=available: a // page if name == "SC_AVPHYS_PAGES" else page)
+        assert node_object_store() == pytest.approx(per_node, abs=1), available

@@ -192,19 +192,17 @@ def node_object_store() -> int:
     return int(min(MAX_NODE_STORE, max(MIN_NODE_STORE, STORE_SHARE * available / CLUSTER_NODES)))
 
 
-def start_cluster(err, tries: int = 3, object_store_memory: int | None = None):
-    """ray.cluster_utils.Cluster with a head of no CPUs yet and `object_store_memory` bytes of object store
-    (default node_object_store()), tried again when a node does not register within Ray's fixed 30 s (on a
-    loaded machine)."""
+def start_cluster(err, object_store_memory: int, tries: int = 3):
+    """ray.cluster_utils.Cluster with a head of no CPUs yet and `object_store_memory` bytes of object store,
+    tried again when a node does not register within Ray's fixed 30 s (on a loaded machine)."""
     from ray.cluster_utils import Cluster
 
     from plait.cli.bench.e2e_run import patient_agents
 
     patient_agents()
-    store = object_store_memory or node_object_store()
     for attempt in range(tries):
         try:
-            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
+            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": object_store_memory})
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
             if "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
@@ -297,13 +295,10 @@ def plait_on_two_nodes(args, spec, clock, autoscale: bool, err, trainer: set[int
     a node pinned to the pool's (a raylet and its workers inherit the affinity they start with).
 
     The head node (no CPUs) is pinned to the pool too. It is the driver's node, so it holds what needs no
-    CPU resource: Ray's control plane (GCS, dashboard, the head raylet), the Planner and its standby (num_cpus=0)
-    and the Constructor (hard affinity to the driver's node), as `plait serve` in the serve row plans and
-    builds on the pool. Started with the trainers' affinity, these took 40-45% of the trainers' core
-    (Constructor 21%, Planner 7%, the head raylet, GCS and dashboard ~15%, measured with psutil), which the
-    trainers' core then lacked (91% busy, the pool's core 42%). With the head on the pool: 52% and 95%, and
-    plait 0.770 and 0.655 steps/s in two runs against 0.618 before (per-rank 0.81 and 1.06 against 0.95 in
-    the same runs, a shared 2-core machine: a gain in the ratio within its noise)."""
+    CPU resource: Ray's control plane (GCS, dashboard, the head raylet), the Planner and its standby
+    (num_cpus=0) and the Constructor (hard affinity to the driver's node), as `plait serve` in the serve row
+    plans and builds on the pool. Started with the trainers' affinity they took 40-45% of the trainers' core
+    (measured: docs/e2e.md, "Fifth session")."""
     import ray
 
     from plait.cli.bench.e2e_run import run_plait, start_ray
@@ -312,7 +307,7 @@ def plait_on_two_nodes(args, spec, clock, autoscale: bool, err, trainer: set[int
     store = node_object_store()  # not ray.cluster_utils' 150 MiB a node: see node_object_store
     os.sched_setaffinity(0, pool)  # the head on the pool: see this function's docstring
     try:
-        cluster = start_cluster(err, object_store_memory=store)
+        cluster = start_cluster(err, store)
     finally:
         os.sched_setaffinity(0, trainer)
     try:
