@@ -7,18 +7,21 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test venv lock bench docs clean
 
+# Bytecode is written as each module is first imported (Python's default), also where the environment sets
+# PYTHONDONTWRITEBYTECODE (this machine does): without it every process (each Ray actor, each trainer) would
+# compile torch's and plait's modules again as it imports them (`import torch`: 4.7 s instead of 1.8). pip
+# installs without compiling: it would compile every file of every package (torch's test suites too), ~45 s
+# of a fresh install for modules that are never imported; the first import compiles what is used, ~4 s.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	# A current pip first: it resolves against the constraints in seconds where pip 23 takes most of a minute.
 	$(PIP) install -q -c constraints-dev.txt --upgrade pip
 	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build). setuptools from the
 	# constraints builds plait's editable install without an isolated build env of its own.
-	$(PIP) install -q -c constraints-dev.txt torch==2.13.0 setuptools wheel
-	$(PIP) install -q --no-build-isolation -c constraints-dev.txt -e '.[dev]'
-	# plait's own bytecode too (pip compiles what it installs, not an editable source tree): where
-	# PYTHONDONTWRITEBYTECODE is set, every process (each Ray actor, each trainer) would compile plait's
-	# modules again as it imports them, 0.17 s of CPU each.
-	$(PY) -m compileall -q src
+	$(PIP) install -q --no-compile -c constraints-dev.txt torch==2.13.0 setuptools wheel
+	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'
 	touch $(STAMP)
 
 # constraints-dev.txt anew from the current venv: after a change to pyproject.toml's dependencies.
