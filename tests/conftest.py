@@ -151,3 +151,33 @@ def spread(items, modules: set, name: str, groups: int) -> dict:
         load[g] += weight[path]
         group_of[path] = name if groups == 1 else f"{name}-{g}"
     return group_of
+
+
+
+UNGROUPED = pytest.StashKey[str]()  # why pytest-xdist did not group this worker's tests, if it did not
+
+
+def pytest_collection_finish(session):
+    """Notice when pytest-xdist's loadgroup did not group. It sends a group's tests to one worker by the
+    `@group` its own collection hook appends to their ids; from pytest 9.2 that append no longer takes
+    (pytest-dev/pytest-xdist#1386: pytest's ids became structured) and every test goes to whichever worker
+    is free, silently: each Ray module's instance and module fixtures then start on both workers."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid.rsplit("]", 1)[-1]]
+    if lost:
+        config.stash[UNGROUPED] = (
+            f"pytest-xdist did not group {len(lost)} tests marked xdist_group (e.g. {lost[0]}): this pytest "
+            f"({pytest.__version__}) and pytest-xdist do not work together for --dist loadgroup "
+            f"(pytest-dev/pytest-xdist#1386); install the versions in constraints-dev.txt (make venv)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xdist_grouped(request):
+    """Every test of a worker whose tests were not grouped errors with the reason (an error raised during a
+    worker's collection reaches the user as an INTERNALERROR without it)."""
+    why = request.config.stash.get(UNGROUPED, None)
+    if why:
+        pytest.fail(why, pytrace=False)
