@@ -170,7 +170,7 @@ def test_a_trainer_that_exits_without_close_releases_its_job(head, spec):
 
 
 @pytest.mark.timeout(200)
-def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path):
+def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path, demo_spec_path):
     """examples/gpt_torchrun.py, 2 processes on the ray runtime: rank 0 creates the job, rank 1 joins
     it (attach=True); when torchrun returns, no actor of the job is left on the cluster."""
     pytest.importorskip("torch")
@@ -178,11 +178,11 @@ def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path):
     assert torchrun, "torchrun not found"
     job = "jobs-torchrun"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "ray", "--steps", "10", "--job", job,
-           "--address", head["address"], "--data", str(tmp_path / "data"), "--json", str(tmp_path / "out.json")]
+           str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "ray", "--steps", "5", "--job", job,
+           "--address", head["address"], "--data", str(demo_spec_path.parent), "--json", str(tmp_path / "out.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=head["env"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert len(json.loads((tmp_path / "out.json").read_text())["losses"]) == 10
+    assert len(json.loads((tmp_path / "out.json").read_text())["losses"]) == 5
     wait_gone(job, timeout=20)
 
 
