@@ -105,30 +105,27 @@ def demo_spec_path(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # the ray mark is added before `-m ray` / `-m "not ray"` selects on it
 def pytest_collection_modifyitems(config, items):
-    """Whole modules that use the session's Ray instance go last, in their order; their tests that take it
-    get the `ray` mark (`-m ray` / `-m "not ray"` select on it)."""
+    """Whole modules that use the session's Ray instance go last, in their order; each gets the `ray` mark.
+    `make test-split` runs `-m ray` and `-m "not ray"` as two processes at once: only the first starts Ray."""
     shared = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
     for item in items:
         if item.path in shared and "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
     items[:] = [i for i in items if i.path not in shared] + [i for i in items if i.path in shared]
-    # Under pytest-xdist (`make test`, --dist loadgroup) the Ray tests form groups, each run by one worker:
-    # those on the session's instance (one instance per worker that runs them) and those of the modules that
-    # start or join a Ray of their own, whole modules (their Ray heads and jobs are module fixtures), a third
-    # of the workers for each kind (at least one). The groups are the largest scopes, and xdist hands out the
-    # largest first, so each worker gets at most one group and no worker runs groups of both kinds (a test
-    # that needs no Ray in its process never meets a session instance started there). Two local instances
-    # side by side are separate clusters (a `ray start` head of a test lives in its own temp dir: never found
-    # by another process's ray.init()). The tests without the ray mark, in those modules too, fill the
-    # workers as they come.
+    # Under pytest-xdist (`make test`, --dist loadgroup) the Ray tests form groups, each run by one worker: the
+    # modules on the session's instance (one instance per worker that runs them) and those that start or
+    # join a Ray of their own. As many groups as workers, the largest scopes, so xdist hands each worker one
+    # group first and no worker runs a group of the other kind after (a test that needs no Ray in its process
+    # never meets a session instance started there). Two local instances side by side are separate clusters
+    # (a `ray start` head of a test lives in its own temp dir: never found by another process's ray.init()).
+    # The other tests fill the workers as they come.
     workers = worker_count(config)
     if workers < 2:
         return
     own = {item.path for item in items if item.path not in shared and item.get_closest_marker("ray") is not None}
-    groups = max(1, workers // 3)  # a third of the workers each (at least one): the others run the rest
-    group_of = {**spread(items, shared, "ray-session", groups), **spread(items, own, "ray-own", groups)}
-    for item in items:  # a module's tests without the ray mark need no Ray in their process: any worker
-        if item.path in group_of and item.get_closest_marker("ray") is not None:
+    group_of = {**spread(items, shared, "ray-session", (workers + 1) // 2), **spread(items, own, "ray-own", workers // 2)}
+    for item in items:
+        if item.path in group_of:
             item.add_marker(pytest.mark.xdist_group(group_of[item.path]))
 
 
