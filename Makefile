@@ -37,8 +37,8 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist): the Ray tests on the session's instance in one, those that start a Ray
 # of their own in the other (tests/conftest.py: with more workers, more groups), the rest spread over both.
-# More workers do not help on 2 cores: three took 489-516 s of tests against 460-482 s with two (2026-12-03,
-# the Ray groups working). TEST_WORKERS=0: serial.
+# More workers do not help on 2 cores: three (one Ray group of each kind) took 489-516 s of tests against
+# 460-482 s with two (2026-12-03, the Ray groups working). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)

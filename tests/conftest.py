@@ -153,7 +153,6 @@ def spread(items, modules: set, name: str, groups: int) -> dict:
     return group_of
 
 
-
 UNGROUPED = pytest.StashKey[str]()  # why pytest-xdist did not group this worker's tests, if it did not
 
 
