@@ -283,11 +283,15 @@ def test_a_restart_under_the_same_name_resumes_from_its_state(head, spec, tmp_pa
     try:
         restarted.load_state_dict(state)
         got = [mb.sample_ids.tolist() for mb in itertools.islice(restarted, 3)]
+        # The old job's loaders were gone before the new Planner started its own: it adopted none of them
+        # by name, so none died under it and was replaced (such a replacement once outlived its job).
+        replaced = restarted.runtime.ask_planner("recovery_events")
     finally:
         restarted.close()
     reference = plait.Loader(spec, steps=50)
     reference.load_state_dict(state)
     assert got == [mb.sample_ids.tolist() for mb in itertools.islice(reference, 3)]
+    assert replaced == []
     wait_gone("jobs-restart", timeout=20)
 
 

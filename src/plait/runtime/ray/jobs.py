@@ -27,6 +27,7 @@ from plait.runtime.ray.common import NAMESPACE, dead_errors, get, job_of, planne
 from plait.runtime.ray.liveness import LIVENESS_GROUP, JobNameTaken
 
 ATTACH_WAIT_S = 30.0  # how long attach=True waits for the job's Planner to appear (ranks start unevenly)
+LEFTOVER_WAIT_S = 60.0  # how long a new job waits for an ended job of its name to lose its last actors
 
 
 def find_planner(job: str, wait: float = ATTACH_WAIT_S):
@@ -150,6 +151,8 @@ def join(recipe, dp: int, creator: str, attach: bool, member: Membership, run: i
     deadline = None
     while True:
         try:
+            if not attach:
+                wait_for_leftovers(recipe.job)
             planner = find_planner(recipe.job) if attach else recipe.start()
             get(planner.attach.remote(recipe.fingerprint, dp, creator, attach, member.token, run))
             return planner
@@ -162,6 +165,22 @@ def join(recipe, dp: int, creator: str, attach: bool, member: Membership, run: i
             if time.monotonic() >= deadline:
                 raise PlaitError(f"job {recipe.job!r} kept ending while this trainer attached; try again") from None
         time.sleep(0.2)
+
+
+def wait_for_leftovers(job: str, timeout: float = LEFTOVER_WAIT_S) -> None:
+    """Before creating job `job`: wait until no actor of an earlier job of that name is left without its
+    Planner (an ended job's loaders and Constructors are killed asynchronously, after its Planner's name may
+    already be free). A new Planner would otherwise find such a dying loader by its name, adopt it, and
+    replace it a moment later. A live job (its Planner among the names) is left to the Planner's `attach`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        names = actor_names_by_job().get(job, [])
+        if not names or planner_name(job) in names:
+            return
+        if time.monotonic() >= deadline:
+            raise PlaitError(f"job {job!r} ended but {len(names)} of its actors are still alive after {timeout:.0f} s "
+                             f"({', '.join(sorted(names)[:4])}): `plait jobs stop {job}` ends them")
+        time.sleep(0.1)
 
 
 # ----- torchrun: one job name, rank 0 creates it, the others attach -----------------------------------

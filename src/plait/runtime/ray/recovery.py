@@ -24,9 +24,11 @@ an event dict (`role`, `step`, `at`, `recovery_s`, ...), listed by `RayRuntime.r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
+from plait.errors import PlaitError
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.placement import LoaderLayout, unchanged_loaders
 from plait.runtime.ray.loader_actor import LoaderConfig
@@ -98,6 +100,10 @@ class LoaderFleet:
         self._last_delta_step = -1
         self._respawn: list[tuple[int, int]] = []  # (loader index, step at which a new shadow starts)
         self._follows: dict[int, list] = {}  # loader index -> [(shadow, ref of one of its follow calls)]
+        # Closed or retired: a loader found dead then is not replaced (the replacement would outlive the job).
+        # `lock` orders the two: a replacement under way when the fleet ends is finished, then ended too.
+        self.ended = False
+        self.lock = threading.RLock()
 
     def start_shadows(self, after_step: int | None = None) -> None:
         """Each loader's standbys: as many as the most demanding of its sources asks for (`shadows`).
@@ -130,8 +136,11 @@ class LoaderFleet:
     def replace_if_current(self, k: int, dead) -> None:
         """Loader k's handle `dead` failed: replace it, unless someone already did (handles compare equal
         exactly when they name the same actor)."""
-        if self.handles[k] == dead:
-            self._replace(k)
+        with self.lock:
+            if self.ended:
+                raise PlaitError(f"SourceLoader {self.names[k]} is gone: its layout was retired or the job ended")
+            if self.handles[k] == dead:
+                self._replace(k)
 
     def _replace(self, k: int) -> None:
         """Promote a shadow of loader k (or start a fresh loader) and give it loader k's partitions."""
@@ -171,6 +180,8 @@ class LoaderFleet:
         due, and every `checkpoint_interval` steps send each loader's delta to its shadows (object store,
         loader to shadow; only the reference passes here), so the shadows decode the blocks the new steps
         need while the Constructors fetch them."""
+        if self.ended:  # a shadow started now would outlive the fleet
+            return
         self._check_shadows()
         due = [(k, at) for k, at in self._respawn if step >= at]
         self._respawn = [r for r in self._respawn if r not in due]
@@ -228,9 +239,15 @@ class LoaderFleet:
     def shadow_stats(self) -> list[list[dict]]:
         return [get([sh.shadow_stats.remote() for sh in group]) for group in self.shadows]
 
+    def end(self) -> None:
+        """No loader is replaced from now on (after a replacement under way, if any)."""
+        with self.lock:
+            self.ended = True
+
     def close(self) -> None:
         """Close every loader (best effort), then end every loader and shadow actor."""
         ray = ray_module()
+        self.end()
         try:
             get([ld.close.remote() for ld in self.handles], timeout=30)
         except Exception:  # noqa: BLE001 - closing is best effort
@@ -243,6 +260,7 @@ class LoaderFleet:
         `close`: a gather still queued there must fail as "actor dead" (and be repeated on the new owner),
         not run on closed readers."""
         ray = ray_module()
+        self.end()
         self._respawn = []
         # A loader handed over to a newer layout's fleet (or adopted from an older one still retiring) keeps
         # running: only those no other fleet holds end here.
