@@ -126,7 +126,7 @@ def test_resume_from_a_trainer_checkpoint(spec_path, tmp_path):
 
     full = tmp_path / "full.json"
     assert cli.main(["run", str(spec_path), "--steps", "5", "--quiet", "--save-state", str(full)]) == 0
-    loader = plait.Loader(str(spec_path), dp_rank=0, steps=5, prefetch=0)
+    loader = plait.Loader(str(spec_path), dp_rank=0, steps=5, read_ahead=0)
     it = iter(loader)
     for _ in range(2 * 2):  # two whole steps of 2 micro-batches
         next(it)

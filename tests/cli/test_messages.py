@@ -56,10 +56,10 @@ def test_a_node_hosts_failures_are_said_in_torchrun_terms(spec):
     loaded = plait.load_spec(spec)
     with LocalJobServer(loaded, "node-job") as server:
         with pytest.raises(PlaitError) as refused:
-            node_client(loaded, address=server.address, token="not-the-token", job="node-job")
+            node_client(loaded, job_address=server.address, token="not-the-token", job="node-job")
         with pytest.raises(PlaitError, match="the token `plait serve` printed"):
-            FlightRuntime(loaded, address=server.address, token="not-the-token", job="node-job")
-        client = node_client(loaded, address=server.address, token=server.token, job="node-job")
+            FlightRuntime(loaded, job_address=server.address, token="not-the-token", job="node-job")
+        client = node_client(loaded, job_address=server.address, token=server.token, job="node-job")
     assert "rendezvous file" in str(refused.value) and "plait serve" not in str(refused.value)
     try:
         with pytest.raises(PlaitError) as gone:

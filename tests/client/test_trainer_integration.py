@@ -105,7 +105,7 @@ def test_torch_distributed_checkpoint_round_trip(spec, tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     from torch.distributed.checkpoint.stateful import Stateful
 
-    loader = plait.Loader(spec, steps=6, prefetch=0)
+    loader = plait.Loader(spec, steps=6, read_ahead=0)
     it = iter(loader)
     consumed = [next(it) for _ in range(3)]
     it.close()
@@ -113,11 +113,11 @@ def test_torch_distributed_checkpoint_round_trip(spec, tmp_path):
     assert isinstance(saved, Stateful)
     with pytest.warns(UserWarning):  # no process group: DCP runs in its single-process mode
         dcp.save({"data": saved}, checkpoint_id=str(tmp_path / "ckpt"))
-    fresh = plait.Loader(spec, steps=6, prefetch=0)
+    fresh = plait.Loader(spec, steps=6, read_ahead=0)
     with pytest.warns(UserWarning):
         dcp.load({"data": plait.DistributedCheckpoint(fresh)}, checkpoint_id=str(tmp_path / "ckpt"))
     rest = [(b.step, b.microbatch) for b in fresh]
-    full = [(b.step, b.microbatch) for b in plait.Loader(spec, steps=6, prefetch=0)]
+    full = [(b.step, b.microbatch) for b in plait.Loader(spec, steps=6, read_ahead=0)]
     assert [(b.step, b.microbatch) for b in consumed] + rest == full
 
 

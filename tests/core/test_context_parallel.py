@@ -88,7 +88,7 @@ def test_loader_hands_each_cp_rank_its_shard(demo_spec_path):
 
     rt = LocalRuntime(spec)
     full = [mb for _ in range(spec.steps) for mb in rt.build(rt.plan(), 1)]
-    per_rank = [list(plait.Loader(spec, dp_rank=1, cp_rank=r, prefetch=0)) for r in range(2)]
+    per_rank = [list(plait.Loader(spec, dp_rank=1, cp_rank=r, read_ahead=0)) for r in range(2)]
     for i, mb in enumerate(full):
         _same(unshard([per_rank[0][i], per_rank[1][i]]), mb)
 
@@ -104,7 +104,7 @@ def test_local_runtime_and_cp_work_without_ray(demo_spec_path):
         "import sys; sys.modules['ray'] = None\n"
         "import plait\n"
         f"spec = plait.load_spec({str(spec_path)!r}).with_overrides(topology={{'dp': 2, 'cp': 2}}, steps=1)\n"
-        "batches = list(plait.Loader(spec, dp_rank=1, cp_rank=1, prefetch=0))\n"
+        "batches = list(plait.Loader(spec, dp_rank=1, cp_rank=1, read_ahead=0))\n"
         "assert batches and all(b.stats['cp']['rank'] == 1 for b in batches)\n"
         "try:\n"
         "    plait.Loader(spec, runtime='ray')\n"

@@ -35,7 +35,7 @@ def test_label_horizon_in_the_spec_fills_mtp_labels(tmp_path):
     ds = token_parquet(tmp_path / "a", files=1, docs_per_file=30, row_group_size=10, lo=3, hi=40)
     spec = make_spec([ds], seq_len=64, microbatches=2)
     spec["packing"]["label_horizon"] = 3
-    batches = list(plait.Loader(spec, steps=2, prefetch=0))
+    batches = list(plait.Loader(spec, steps=2, read_ahead=0))
     assert batches
     for mb in batches:
         assert mb.mtp_labels.shape == (3, mb.num_tokens)
@@ -44,4 +44,4 @@ def test_label_horizon_in_the_spec_fills_mtp_labels(tmp_path):
         ends = mb.cu_seqlens[1:] - 1  # the last two positions of a document have no target 2 or 3 ahead
         assert (mb.mtp_labels[1][ends] == -100).all() and (mb.mtp_labels[2][ends] == -100).all()
     spec["packing"]["label_horizon"] = 1
-    assert next(iter(plait.Loader(spec, steps=1, prefetch=0))).mtp_labels is None
+    assert next(iter(plait.Loader(spec, steps=1, read_ahead=0))).mtp_labels is None

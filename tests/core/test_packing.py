@@ -146,7 +146,7 @@ def test_no_padding_and_fill(tmp_path):
 def test_to_torch(tmp_path):
     torch = pytest.importorskip("torch")
     ds = token_parquet(tmp_path, files=1, docs_per_file=10, row_group_size=5)
-    mb = next(iter(plait.Loader(make_spec([ds], seq_len=64), steps=1, prefetch=0)))
+    mb = next(iter(plait.Loader(make_spec([ds], seq_len=64), steps=1, read_ahead=0)))
     t = mb.to_torch()
     assert t["input_ids"].dtype == torch.long and t["cu_seqlens"].dtype == torch.int32
     assert t["input_ids"].tolist() == mb.input_ids.tolist()

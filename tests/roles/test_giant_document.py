@@ -101,7 +101,7 @@ def sample_ids(batches) -> list[tuple]:
 def test_resume_mid_document_exactly(sources):
     spec = spec_of(sources, dp=1)
     steps, M = 14, 2
-    loader = plait.Loader(spec, steps=steps, prefetch=0)
+    loader = plait.Loader(spec, steps=steps, read_ahead=0)
     reference = list(loader)
     loader.close()
     giant = [r for r in sample_ids(reference) if r[0] == 0]
@@ -117,14 +117,14 @@ def test_resume_mid_document_exactly(sources):
                 np.testing.assert_array_equal(mb.input_ids[a:b], doc[off : off + (b - a)])
 
     for n in (3, 7, 11, 16):  # mid-step and step boundaries, all inside the document
-        first = plait.Loader(spec, steps=steps, prefetch=0)
+        first = plait.Loader(spec, steps=steps, read_ahead=0)
         it = iter(first)
         head = [next(it) for _ in range(n)]
         state = json.loads(json.dumps(first.state_dict()))
         it.close()
         first.close()
         assert 0 < state["data"]["sources"]["giant"]["cursor"][4] < GIANT, "state taken mid-document"
-        resumed = plait.Loader(spec, steps=steps, prefetch=0)
+        resumed = plait.Loader(spec, steps=steps, read_ahead=0)
         resumed.load_state_dict(state)
         tail = list(resumed)
         resumed.close()

@@ -108,8 +108,8 @@ def test_a_training_client_survives_loader_and_constructor_deaths(ray_session, d
     import plait
 
     spec = make_spec(data, dp=2, shadows=1)
-    expected = [mb.sample_ids for mb in plait.Loader(spec, dp_rank=1, steps=8, prefetch=0)]
-    loader = plait.Loader(spec, dp_rank=1, steps=8, prefetch=0, runtime="ray", loaders=LOADERS)
+    expected = [mb.sample_ids for mb in plait.Loader(spec, dp_rank=1, steps=8, read_ahead=0)]
+    loader = plait.Loader(spec, dp_rank=1, steps=8, read_ahead=0, runtime="ray", loaders=LOADERS)
     got = []
     try:
         for i, mb in enumerate(loader):

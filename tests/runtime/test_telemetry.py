@@ -56,7 +56,7 @@ def test_counters_move_with_what_was_delivered(spec):
 
 def test_a_loader_reports_its_waits_and_plait_top_reads_the_endpoint(spec, capsys):
     spec["metrics"] = {"port": 0}
-    loader = plait.Loader(spec, 1, steps=3, prefetch=0)
+    loader = plait.Loader(spec, 1, steps=3, read_ahead=0)
     batches = list(loader)
     port = loader.runtime.metrics_port
     waited = scrape(port)[("plait_rank_wait_seconds_total", (("rank", "1"),))]

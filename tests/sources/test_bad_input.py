@@ -28,9 +28,9 @@ from helpers import (
 SEQ = 4096  # every document fits: one chunk each
 
 
-def stream_epoch0(ds: Dataset, steps: int = 4, prefetch: int = 0, seq_len: int = SEQ) -> tuple[dict, dict]:
+def stream_epoch0(ds: Dataset, steps: int = 4, read_ahead: int = 0, seq_len: int = SEQ) -> tuple[dict, dict]:
     """(shard, row) -> tokens of every epoch-0 document delivered, and the error report."""
-    loader = plait.Loader(make_spec([ds], seq_len=seq_len, microbatches=1), steps=steps, prefetch=prefetch)
+    loader = plait.Loader(make_spec([ds], seq_len=seq_len, microbatches=1), steps=steps, read_ahead=read_ahead)
     got = {}
     for mb in loader:
         for (source, epoch, shard, row, chunk), toks in docs_in_batch(mb):
@@ -49,9 +49,9 @@ def assert_streams_the_rest(ds: Dataset, got: dict) -> None:
         np.testing.assert_array_equal(got[k], v)
 
 
-def raises_source_error(ds: Dataset, steps: int = 4, prefetch: int = 0) -> SourceError:
+def raises_source_error(ds: Dataset, steps: int = 4, read_ahead: int = 0) -> SourceError:
     with pytest.raises(SourceError) as info:
-        loader = plait.Loader(make_spec([ds], seq_len=SEQ, microbatches=1), steps=steps, prefetch=prefetch)
+        loader = plait.Loader(make_spec([ds], seq_len=SEQ, microbatches=1), steps=steps, read_ahead=read_ahead)
         list(loader)
     return info.value
 
@@ -67,7 +67,7 @@ def garbage_parquet(tmp_path) -> Dataset:
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_corrupt_parquet_raises_naming_source_and_shard(garbage_parquet, prefetch):
-    err = raises_source_error(garbage_parquet, prefetch=prefetch)
+    err = raises_source_error(garbage_parquet, read_ahead=prefetch)
     assert err.source == "tok"
     assert err.shard == garbage_parquet.files[1]
     assert "cannot open" in err.reason and "tok" in str(err) and "part-001.parquet" in str(err)
@@ -148,7 +148,7 @@ def test_malformed_json_line_raises_naming_the_record(messy_jsonl):
 
 
 def test_bad_records_skipped_counted_and_the_rest_streams(messy_jsonl):
-    got, report = stream_epoch0(messy_jsonl.with_options(on_error="skip"), prefetch=2)
+    got, report = stream_epoch0(messy_jsonl.with_options(on_error="skip"), read_ahead=2)
     assert_streams_the_rest(messy_jsonl, got)
     rep = report["chat"]
     assert rep["skipped"] == 4, "each bad record once, however many epochs re-read it"
@@ -206,7 +206,7 @@ def test_source_with_only_empty_documents(tmp_path):
 def test_one_bad_source_does_not_stop_the_others(messy_jsonl, tmp_path):
     good = token_parquet(tmp_path / "good", files=1, docs_per_file=6, row_group_size=3)
     spec = make_spec([good, messy_jsonl.with_options(on_error="skip")], seq_len=128)
-    loader = plait.Loader(spec, steps=6, prefetch=0)
+    loader = plait.Loader(spec, steps=6, read_ahead=0)
     sources = {int(s) for mb in loader for s in mb.source_ids}
     assert sources == {0, 1}
     assert loader.error_report() == {"tok": {"skipped": 0, "messages": []},

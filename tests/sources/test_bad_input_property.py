@@ -176,7 +176,7 @@ def _reported(messages: list[str]) -> tuple[set[str], set[tuple[str, int]]]:
 def stream(case: Case):
     """(deliveries of epoch 0 as {(shard,row): [tokens, ...]}, error report)."""
     src = {"name": NAME, "path": case.paths, "tokens_field": "ids", "format": case.fmt, "on_error": case.on_error}
-    loader = plait.Loader(make_spec([src], seq_len=SEQ, microbatches=1, seed=case.seed), steps=STEPS, prefetch=0)
+    loader = plait.Loader(make_spec([src], seq_len=SEQ, microbatches=1, seed=case.seed), steps=STEPS, read_ahead=0)
     got: dict[tuple[int, int], list] = {}
     try:
         for mb in loader:

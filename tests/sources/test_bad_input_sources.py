@@ -28,7 +28,7 @@ SOURCES_DIR = Path(plait.__file__).parent / "sources"
 
 def run(ds: Dataset, steps: int = 4, seq_len: int = SEQ, seed: int = 0):
     """Stream `steps` steps: (epoch-0 docs delivered {(shard,row): tokens}, error report)."""
-    loader = plait.Loader(make_spec([ds], seq_len=seq_len, microbatches=1, seed=seed), steps=steps, prefetch=0)
+    loader = plait.Loader(make_spec([ds], seq_len=seq_len, microbatches=1, seed=seed), steps=steps, read_ahead=0)
     got = {}
     try:
         for mb in loader:
@@ -190,7 +190,7 @@ def test_skip_keeps_going_across_epochs_with_one_bad_file(tmp_path, kind, seed):
     bad = _bad_parquet(tmp_path, kind)
     files = sorted([good.files[0], str(bad)])
     ds = Dataset({"name": "tok", "path": files, "tokens_field": "input_ids", "on_error": "skip"}, files)
-    loader = plait.Loader(make_spec([ds], seq_len=32, microbatches=1, seed=seed), steps=80, prefetch=0)
+    loader = plait.Loader(make_spec([ds], seq_len=32, microbatches=1, seed=seed), steps=80, read_ahead=0)
     epochs = set()
     for mb in loader:
         epochs.update(int(e) for e in mb.sample_ids[:, 1])

@@ -161,15 +161,15 @@ def test_resume_continues_with_the_same_samples(tmp_path, kind):
     ds = SOURCES[kind](tmp_path / kind)
     spec = plait.load_spec(make_spec([ds.with_options(eos=3)], seq_len=48, microbatches=M, dp=DP))
     for rank in range(DP):
-        reference = list(plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=0))
+        reference = list(plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=0))
         for n in (1, M + 1, 2 * M + 1):
-            first = plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=0)
+            first = plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=0)
             it = iter(first)
             head = list(islice(it, n))
             it.close()
             state = json.loads(json.dumps(first.state_dict()))
             first.close()
-            resumed = plait.Loader(spec, dp_rank=rank, steps=STEPS, prefetch=0)
+            resumed = plait.Loader(spec, dp_rank=rank, steps=STEPS, read_ahead=0)
             resumed.load_state_dict(state)
             tail = list(resumed)
             resumed.close()

@@ -91,8 +91,8 @@ def test_s3_stream_equals_local_stream(s3):
     layout = {"seq_len": 96, "microbatches": 2, "dp": 2, "seed": 3}
     remote_all = []
     for rank in range(2):
-        a = list(plait.Loader(make_spec(local, **layout), dp_rank=rank, steps=6, prefetch=0))
-        b = list(plait.Loader(make_spec(remote, **layout), dp_rank=rank, steps=6, prefetch=2))
+        a = list(plait.Loader(make_spec(local, **layout), dp_rank=rank, steps=6, read_ahead=0))
+        b = list(plait.Loader(make_spec(remote, **layout), dp_rank=rank, steps=6, read_ahead=2))
         assert_batches_equal(a, b)
         assert len({int(s) for mb in b for s in mb.source_ids}) == 5, "every source must be exercised"
         remote_all += b
@@ -101,14 +101,14 @@ def test_s3_stream_equals_local_stream(s3):
 
 def test_s3_resume(s3):
     spec = make_spec([to_s3(s3, s3["datasets"]["tok"]), to_s3(s3, s3["datasets"]["chat"])], seq_len=64)
-    full = list(plait.Loader(spec, steps=4, prefetch=0))
-    first = plait.Loader(spec, steps=4, prefetch=0)
+    full = list(plait.Loader(spec, steps=4, read_ahead=0))
+    first = plait.Loader(spec, steps=4, read_ahead=0)
     it = iter(first)
     head = [next(it) for _ in range(3)]
     it.close()
     state = json.loads(json.dumps(first.state_dict()))
     assert "storage_options" not in json.dumps(state) and SECRET not in json.dumps(state)
-    resumed = plait.Loader(spec, steps=4, prefetch=0)
+    resumed = plait.Loader(spec, steps=4, read_ahead=0)
     resumed.load_state_dict(state)
     assert_batches_equal(head + list(resumed), full)
 
@@ -124,7 +124,7 @@ def test_s3_corrupt_object_skipped(s3):
     s3["fs"].pipe(f"{BUCKET}/bad/part-000.parquet", b"garbage" * 50)
     s3["fs"].put(s3["datasets"]["tok"].files[0], f"{BUCKET}/bad/part-001.parquet")
     src = {**to_s3(s3, s3["datasets"]["tok"]), "path": f"s3://{BUCKET}/bad/*.parquet", "on_error": "skip"}
-    loader = plait.Loader(make_spec([src], seq_len=64), steps=4, prefetch=0)
+    loader = plait.Loader(make_spec([src], seq_len=64), steps=4, read_ahead=0)
     shards = np.concatenate([mb.sample_ids[:, 2] for mb in loader])
     assert set(shards.tolist()) == {1}
     report = loader.error_report()["tok"]

@@ -161,7 +161,7 @@ def test_source_order_depends_on_its_index(tmp_path):
 
 def test_cursor_is_small_and_serialisable(tmp_path):
     ds = token_parquet(tmp_path, files=2, docs_per_file=10, row_group_size=5)
-    loader = plait.Loader(make_spec([ds], seq_len=32), steps=3, prefetch=0)
+    loader = plait.Loader(make_spec([ds], seq_len=32), steps=3, read_ahead=0)
     list(loader)
     state = loader.state_dict()
     cursor = state["data"]["sources"]["tok"]["cursor"]

@@ -31,7 +31,7 @@ def spec(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(spec) -> dict:
     """Rank 0's state after three whole steps (a step boundary), as a file holds it."""
-    with plait.Loader(spec, 0, steps=10, prefetch=0) as loader:
+    with plait.Loader(spec, 0, steps=10, read_ahead=0) as loader:
         it = iter(loader)
         for _ in range(6):
             next(it)

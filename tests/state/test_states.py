@@ -24,7 +24,7 @@ def spec(tmp_path):
 
 
 def saved_state(spec, consumed: int) -> dict:
-    loader = plait.Loader(spec, 0, steps=10, prefetch=0)
+    loader = plait.Loader(spec, 0, steps=10, read_ahead=0)
     it = iter(loader)
     for _ in range(consumed):
         next(it)
@@ -56,7 +56,7 @@ def test_tampered_states_are_refused_with_a_reason(spec, mutate, message):
 def test_a_state_is_identical_on_all_ranks_at_a_step_boundary(spec):
     states = []
     for rank in range(2):
-        loader = plait.Loader(spec, rank, steps=10, prefetch=0)
+        loader = plait.Loader(spec, rank, steps=10, read_ahead=0)
         it = iter(loader)
         for _ in range(4):  # two whole steps of two micro-batches
             next(it)
@@ -70,7 +70,7 @@ def test_a_state_is_identical_on_all_ranks_at_a_step_boundary(spec):
 
 def test_tokens_and_samples_seen_count_the_whole_job(spec):
     seen_tokens = seen_samples = 0
-    loader = plait.Loader(spec, 0, steps=6, prefetch=0)
+    loader = plait.Loader(spec, 0, steps=6, read_ahead=0)
     assert loader.state_dict()["tokens_seen"] == 0
     for mb in loader:
         if mb.microbatch + 1 == mb.num_microbatches:

@@ -95,7 +95,7 @@ def test_text_source_delivers_tokenized_docs_with_bos_eos(tmp_path, tokenizer_pa
     expected = expected_tokens(ds)
     spec = make_spec([ds], seq_len=4096, microbatches=1)
     seen = 0
-    for mb in collect(plait.Loader(spec, steps=2, prefetch=0)):
+    for mb in collect(plait.Loader(spec, steps=2, read_ahead=0)):
         for sid, toks in docs_in_batch(mb):
             full = expected[(sid[2], sid[3])]
             assert toks[0] == opts["bos"] and toks[-1] == opts["eos"]

@@ -64,7 +64,7 @@ def test_clients_share_one_planned_stream(ray_session, spec):
     """Trainer ranks attach to one job by name; each step is planned once; TP/CP ranks share builds
     (each CP rank gets its shard); a resumed client continues bit for bit."""
     spec = spec.with_overrides(topology={"dp": 2, "tp": 2, "cp": 2})
-    local = {(r, c): list(plait.Loader(spec, dp_rank=r, cp_rank=c, prefetch=0)) for r in range(2) for c in range(2)}
+    local = {(r, c): list(plait.Loader(spec, dp_rank=r, cp_rank=c, read_ahead=0)) for r in range(2) for c in range(2)}
     loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, cp_rank=c, runtime="ray", job="test-job", loaders=2,
                             attach=(r, t, c) != (0, 0, 0))  # the first creates the job, the others join it
                for r in range(2) for t in range(2) for c in range(2)]
@@ -86,7 +86,7 @@ def test_clients_share_one_planned_stream(ray_session, spec):
         assert [c["build_threads"] for c in stats["constructors"].values()] == [2]
 
         # Resume mid-step from a checkpoint taken by a local client: same continuation.
-        it = iter(plait.Loader(spec, dp_rank=1, cp_rank=1, prefetch=0))
+        it = iter(plait.Loader(spec, dp_rank=1, cp_rank=1, read_ahead=0))
         for _ in range(5):
             next(it)
         state = it.gi_frame.f_locals["self"].state_dict()

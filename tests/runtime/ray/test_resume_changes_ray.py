@@ -28,7 +28,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved(data, ray_instance):
-    with plait.Loader(spec_before(data), 0, prefetch=0, runtime="ray", job="resume-before", loaders=1) as loader:
+    with plait.Loader(spec_before(data), 0, read_ahead=0, runtime="ray", job="resume-before", loaders=1) as loader:
         return boundary_state(loader)
 
 
@@ -36,10 +36,10 @@ def saved(data, ray_instance):
 # (the whole matrix runs on the other runtimes in tests/state/test_resume_changes.py).
 @pytest.mark.parametrize("change, dp", [(CHANGES[0], DPS[1]), (CHANGES[1], DPS[0]), (CHANGES[2], DPS[1])])
 def test_ray_boundary_state_resumes_under_a_spec_change(data, saved, change, dp):
-    with plait.Loader(spec_before(data), 0, prefetch=0, share="process") as loader:
+    with plait.Loader(spec_before(data), 0, read_ahead=0, share="process") as loader:
         local = boundary_state(loader)
     assert saved["data"] == local["data"] and saved["next"] == local["next"]
     spec_b = spec_after(data, change, dp)
-    with plait.Loader(spec_b, 0, prefetch=0, runtime="ray", job=f"resume-{change}-{dp}", loaders=1) as loader:
+    with plait.Loader(spec_b, 0, read_ahead=0, runtime="ray", job=f"resume-{change}-{dp}", loaders=1) as loader:
         tail = resume(loader, saved)
     check_tail(tail, local_tail(spec_b, saved), change)

@@ -276,7 +276,7 @@ def plait_served_from_pool(args, spec, clock, err, pool: set[int]) -> dict:
         server_cores = sorted(os.sched_getaffinity(proc.pid))
         loaders = []
         try:
-            loaders = [plait.Loader(served, dp_rank=r, runtime="flight", job=job, address=address, token=token)
+            loaders = [plait.Loader(served, dp_rank=r, runtime="flight", job=job, job_address=address, token=token)
                        for r in range(spec.topology.dp)]
             trace = run_synchronous(loaders, args.steps, args.microbatches, clock, plait_shape)
             trace.start = t0

@@ -143,7 +143,7 @@ def _trainer() -> None:
         loader = plait.Loader(spec, dp_rank=cfg["rank"], steps=cfg["steps"])
         n = sum(1 for _ in loader)
     elif cfg["mode"] == "flight":
-        loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="flight", job=cfg["job"], address=cfg["address"],
+        loader = plait.Loader(spec, dp_rank=cfg["rank"], runtime="flight", job=cfg["job"], job_address=cfg["address"],
                               token=cfg["token"], steps=cfg["steps"])
         n = sum(1 for _ in loader)
     else:

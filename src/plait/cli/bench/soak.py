@@ -154,7 +154,7 @@ class Run:
         if self.runtime == "flight":
             self.serve, address, token = start_serve(self.spec_path, "soak", None, None, self.env)
             self.roles[self.serve.pid] = "server"
-            cfg.update(runtime="flight", job="soak", address=address, token=token)
+            cfg.update(runtime="flight", job="soak", job_address=address, token=token)
         run_id = f"soak-{os.getpid()}"
         for r in range(self.dp):
             env = self.env
@@ -255,7 +255,7 @@ def _trainer() -> None:
     import plait
 
     cfg = json.loads(sys.argv[2])
-    options = {k: cfg[k] for k in ("runtime", "job", "address", "token") if k in cfg}
+    options = {k: cfg[k] for k in ("runtime", "job", "address", "job_address", "token") if k in cfg}
     batches = 0
     lockstep = Lockstep(Path(cfg["lockstep"]), cfg["rank"], cfg["ranks"], cfg["deadline_wall"])
     with plait.Loader(cfg["spec"], dp_rank=cfg["rank"], steps=10**9, **options) as loader:
