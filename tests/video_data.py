@@ -141,3 +141,18 @@ def video_spec(sources: list[dict], *, seq_len: int = 512, microbatches: int = 2
             "topology": {"dp": dp}, "cost": {"linear": 1.0, "quadratic": 0.001, "encoder": {"linear": 2.0, "quadratic": 0.01}}}
     spec.update(extra)
     return spec
+
+
+def audio_only() -> bytes:
+    """A Matroska file with one audio stream and no video stream."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:
+        s = out.add_stream("mp2", rate=16000)
+        for i in range(10):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1152), np.int16), format="s16", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = 16000, i * 1152, Fraction(1, 16000)
+            for p in s.encode(frame):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    return buf.getvalue()

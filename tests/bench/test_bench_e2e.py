@@ -73,8 +73,9 @@ def test_node_images_runs_torchrun_style_processes_both_ways(tmp_path):
 
 @pytest.mark.subprocess
 def test_cpu_pool_serves_plaits_local_data_plane_from_the_pool_over_flight(tmp_path):
-    """cpu-pool without Ray: per-rank pinned to the trainers' core; plait's `plait serve --runtime local` pinned
-    to the other cores, the rank threads reading over Flight; the same steps, the ratio names its runtime."""
+    """cpu-pool without Ray: per-rank pinned to the trainers' core; plait's `plait serve --runtime local` on the
+    pool's cores and the trainers' (as the Ray row's loaders), the rank threads reading over Flight; the same
+    steps, the ratio names its runtime."""
     import os
 
     from plait.cli import main
@@ -91,7 +92,7 @@ def test_cpu_pool_serves_plaits_local_data_plane_from_the_pool_over_flight(tmp_p
     rows = {r["strategy"]: r for r in result["rows"]}
     assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "cpu-pool" for r in rows.values())
     served = rows["plait"]
-    assert served["runtime"] == "serve" and served["server_cores"] == cores[1:] and served["pool_cores"] == cores[1:]
+    assert served["runtime"] == "serve" and served["server_cores"] == cores and served["pool_cores"] == cores[1:]
     assert served["steps"] == rows["per-rank"]["steps"] == 3 and served["images_delivered"] > 0
     assert sorted(os.sched_getaffinity(0)) == cores  # this process's cores are given back
     [q] = result["ratios"]

@@ -16,6 +16,7 @@ from video_data import (
     TOKEN_ID,
     VIDEO_TOKEN_ID,
     VIDEOS,
+    audio_only,
     llava_video,
     parquet_video,
     video_spec,
@@ -189,8 +190,6 @@ def run_all(spec_dict, steps=2):
 
 @pytest.mark.parametrize("what", ["corrupt", "truncated", "cut webm", "missing", "no video stream"])
 def test_bad_video_headers_follow_on_error(tmp_path, what):
-    from test_video import audio_only
-
     src = llava_video(tmp_path, n=4, with_images=False)
     path = tmp_path / json.loads((tmp_path / "data.json").read_text())[2]["video"]
     data = path.read_bytes()

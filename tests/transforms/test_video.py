@@ -5,13 +5,12 @@ and the spec's `videos` section."""
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from video_data import KINDS, VIDEOS, encode, frame_pixels
+from video_data import KINDS, VIDEOS, audio_only, encode, frame_pixels
 
 import plait
 from plait.errors import SpecError
@@ -204,22 +203,6 @@ def test_decode_video_rows_match_the_plan(videos):
 
 
 # ----- bad videos (one line each) ----------------------------------------------------------------------
-def audio_only() -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as out:
-        s = out.add_stream("mp2", rate=16000)
-        for i in range(10):
-            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1152), np.int16), format="s16", layout="mono")
-            frame.sample_rate, frame.pts, frame.time_base = 16000, i * 1152, Fraction(1, 16000)
-            for p in s.encode(frame):
-                out.mux(p)
-        for p in s.encode():
-            out.mux(p)
-    return buf.getvalue()
-
-
 def test_bad_videos_are_named(videos, monkeypatch):
     data = videos[KINDS[0]]
     with pytest.raises(BadVideo, match="not a readable video container"):

@@ -130,7 +130,7 @@ class FormatReader:
         WebDataset overrides it (a reference there is a member of the shard)."""
         if isinstance(ref, bytes):
             return ref, True
-        with fsspec.open(ref, "rb", **self.spec.storage_options) as f:
+        with self._open_image(ref) as f:
             head = f.read(n)
         return head, len(head) < n
 
@@ -138,8 +138,17 @@ class FormatReader:
         """All of an image's bytes (to decode at gather time)."""
         if isinstance(ref, bytes):
             return ref
-        with fsspec.open(ref, "rb", **self.spec.storage_options) as f:
+        with self._open_image(ref) as f:
             return f.read()
+
+    def _open_image(self, ref: str):
+        """An image file, for reading bytes: a local path (no URL scheme, no storage options) with Python's
+        `open`, anything else through fsspec. fsspec's open of a local file is Python: 42 us against open's
+        10 us (a 60 KB JPEG, measured), on the decode pool's threads where every stretch of Python holds the
+        GIL that the other threads' Pillow calls wait to take back."""
+        if "://" not in ref and not self.spec.storage_options:
+            return open(ref, "rb")
+        return fsspec.open(ref, "rb", **self.spec.storage_options)
 
     def video_input(self, path: str, ref):
         """What FFmpeg opens for a video: a local path as is (a probe then reads only its headers), else

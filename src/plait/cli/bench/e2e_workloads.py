@@ -248,10 +248,12 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
 
 def plait_served_from_pool(args, spec, clock, err, pool: set[int]) -> dict:
     """plait's cpu-pool row on its local data plane served over Flight: one `plait serve --runtime local`
-    process pinned to the pool's cores (it plans, reads and decodes on loading.workers = --cpus threads,
-    the budget per-rank spends on worker processes, and builds every rank's micro-batches) and the trainers
-    (rank threads here, on the trainers' core) reading their micro-batches over Arrow Flight: on the
-    trainers' core plait spends only the receiving. No Ray."""
+    process on the pool's cores and the trainers' (it plans, reads and decodes on loading.workers = --cpus
+    threads, the budget per-rank spends on worker processes, and builds every rank's micro-batches) and the
+    trainers (rank threads here, on the trainers' core) reading their micro-batches over Arrow Flight. The
+    server may use the trainers' core as the Ray row's SourceLoaders do (half of them run on a node there):
+    what the row measures is the pool that per-rank loaders cannot use. Until 2026-12-03 the server was
+    pinned to the pool alone, which bounded the row near per-rank's one core (1.0-1.5x). No Ray."""
     import tempfile
 
     import plait
@@ -268,7 +270,7 @@ def plait_served_from_pool(args, spec, clock, err, pool: set[int]) -> dict:
         err.print(f"[bold]e2e[/] cpu-pool plait: `plait serve --runtime local` on cores {sorted(pool)}, "
                   f"trainers over Flight on core {min(trainer)} ...")
         t0 = time.perf_counter()
-        os.sched_setaffinity(0, pool)  # the server inherits the pool's cores
+        os.sched_setaffinity(0, pool | trainer)  # the server inherits them: the pool's and the trainers' cores
         try:
             proc, address, token = start_serve(path, job, None, None, dict(os.environ))
         finally:
