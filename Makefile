@@ -14,6 +14,8 @@ STAMP := $(VENV)/.installed
 # of a fresh install for modules that are never imported; the first import compiles what is used, ~4 s.
 unexport PYTHONDONTWRITEBYTECODE
 
+export NUMBA_WARMUP = from plait.balance.warmup import warmup; from plait.kernels import warm_up; warmup(); warm_up()
+
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	# A current pip first: it resolves against the constraints in seconds where pip 23 takes most of a minute.
@@ -21,7 +23,14 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	# torch first, pinned: the CPU build (a looser pin would pull a multi-GB CUDA build). setuptools from the
 	# constraints builds plait's editable install without an isolated build env of its own.
 	$(PIP) install -q --no-compile -c constraints-dev.txt torch==2.13.0 setuptools wheel
-	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'
+	# plait with its own dependencies first; numba's kernels then compile into their on-disk cache (~30 s of
+	# CPU: plait.balance.warmup) in the background while pip installs the rest, mostly waiting on I/O. The
+	# tests' session compile (tests/conftest.py) finds them there. Best effort: a failed warm-up only costs
+	# that compile later.
+	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e .
+	$(PY) -c "$$NUMBA_WARMUP" > $(VENV)/numba-warmup.log 2>&1 & \
+	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'; \
+	status=$$?; wait; exit $$status
 	touch $(STAMP)
 
 # constraints-dev.txt anew from the current venv: after a change to pyproject.toml's dependencies.

@@ -171,6 +171,7 @@ def test_summary_rates_leave_warmup_out():
     assert s["compute_bound_steps_per_s"] == pytest.approx(2 / 3.0)  # max per step: 1 + 2
     assert s["tokens_per_s"] == pytest.approx(400 / 3.5)
     assert s["startup_s"] == pytest.approx(6.0)
+    assert s["step_seconds"] == pytest.approx([1.5, 2.0])  # each measured step's wall time
 
 
 def test_step_clock_runs_every_rank_for_every_step_and_charges_the_cost_model():

@@ -134,6 +134,8 @@ def summarize(trace: Trace, warmup: int) -> dict:
         "tokens_per_s": float(trace.tokens[w:].sum() / wall),
         "tokens_per_step": float(trace.tokens.sum() / steps),
         "startup_s": float(trace.step_ends[w - 1] - trace.start) if w > 0 else 0.0,
+        # each measured step's wall time: a pipeline that drains every few steps shows as a periodic spike
+        "step_seconds": np.diff(np.concatenate([[t0], trace.step_ends[w:]])).round(4).tolist(),
     }
 
 

@@ -194,15 +194,23 @@ def node_object_store() -> int:
 
 def start_cluster(err, object_store_memory: int, tries: int = 3):
     """ray.cluster_utils.Cluster with a head of no CPUs yet and `object_store_memory` bytes of object store,
-    tried again when a node does not register within Ray's fixed 30 s (on a loaded machine)."""
+    tried again when a node does not register within Ray's fixed 30 s (on a loaded machine). Set up as plait
+    sets up a Ray instance it starts (plait.runtime.ray.common.long_run_settings): no dashboard, no metrics
+    export, bounded task events (the helper's default started the dashboard's seven processes)."""
     from ray.cluster_utils import Cluster
 
     from plait.cli.bench.e2e_run import patient_agents
+    from plait.runtime.ray.common import long_run_settings
 
     patient_agents()
+    settings, env = long_run_settings()
+    for name, value in env.items():
+        os.environ.setdefault(name, value)
+    head = {"num_cpus": 0, "object_store_memory": object_store_memory, "include_dashboard": False,
+            "_system_config": settings["_system_config"]}
     for attempt in range(tries):
         try:
-            return Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": object_store_memory})
+            return Cluster(initialize_head=True, head_node_args=head)
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
             if "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
