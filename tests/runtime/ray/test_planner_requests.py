@@ -142,3 +142,35 @@ def test_routing_upkeep_forgets_orders_that_cannot_finish():
         w.reset()  # generation 1
     upkeep.on_request(STATE)
     assert routes.orders == {}
+
+
+class FleetConfig:
+    """A LoaderConfig stand-in: one loader, handles are strings (LoaderFleet compares them by equality)."""
+
+    layout = type("Layout", (), {"loaders": 1, "owned": [[(0, 0)]]})()
+
+    def __init__(self):
+        self.started: list[str] = []
+
+    def name(self, k: int, generation: int = 0) -> str:
+        return f"job/loader-{k}" + (f"~{generation}" if generation else "")
+
+    def start(self, k: int, generation: int = 0, name: str | None = None) -> str:
+        self.started.append(name or self.name(k, generation))
+        return self.started[-1]
+
+
+def test_an_ended_fleet_replaces_no_loader():
+    """A loader found dead after its fleet was closed or retired is not replaced: the replacement would be
+    a new actor that outlives the job (it once did, started while the job closed)."""
+    from plait.errors import PlaitError
+    from plait.runtime.ray.recovery import LoaderFleet
+
+    config = FleetConfig()
+    fleet = LoaderFleet(config, spec=None, options={}, now=lambda: 0, on_replaced=lambda: None)
+    assert config.started == ["job/loader-0"]
+    fleet.end()
+    with pytest.raises(PlaitError, match="job/loader-0 is gone: its layout was retired or the job ended"):
+        fleet.replace_if_current(0, "job/loader-0")
+    fleet.after_planning(5)  # no shadow is started either
+    assert config.started == ["job/loader-0"] and fleet.handles == ["job/loader-0"]

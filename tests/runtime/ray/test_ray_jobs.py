@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -293,6 +294,30 @@ def test_a_restart_under_the_same_name_resumes_from_its_state(head, spec, tmp_pa
     assert got == [mb.sample_ids.tolist() for mb in itertools.islice(reference, 3)]
     assert replaced == []
     wait_gone("jobs-restart", timeout=20)
+
+
+def test_a_new_job_waits_for_an_ended_job_of_its_name_to_lose_its_last_actors(head):
+    """Actors of a job whose Planner is gone (killed asynchronously after its name was freed) hold a new
+    job of that name back until they end, so its Planner does not adopt a dying one by name; one that never
+    ends is named in the error, with the command that ends it."""
+    from plait.errors import PlaitError
+    from plait.runtime.ray.jobs import wait_for_leftovers
+
+    @ray.remote(num_cpus=0)
+    class Leftover:
+        def ping(self) -> int:
+            return 1
+
+    actor = Leftover.options(name="jobs-left/loader-0", namespace="plait").remote()
+    ray.get(actor.ping.remote())
+    with pytest.raises(PlaitError, match=r"jobs-left/loader-0\).*plait jobs stop jobs-left"):
+        wait_for_leftovers("jobs-left", timeout=0.5)
+    ender = threading.Timer(1.0, ray.kill, args=(actor,))
+    ender.start()
+    t0 = time.monotonic()
+    wait_for_leftovers("jobs-left", timeout=60)
+    assert time.monotonic() - t0 >= 0.9 and not job_actors("jobs-left")
+    ender.join()
 
 
 RANK = """
