@@ -55,9 +55,13 @@ class LoaderActor:
             return self.loader.gather(source, keys, block_index, position, offset, length)
 
     def gather_payload(self, source, keys, block_index, position, offset, length):
-        """Tokens and the requested documents' images, decoded here, once (plait.batch.Payload)."""
+        """Tokens and the requested documents' images, decoded here, once (plait.batch.Payload). Only the
+        first half (tokens, and the media found in the blocks) holds the lock; the decode runs after it on
+        the loader's pool, so the actor's other calls (up to max_concurrency gathers) read their blocks while
+        it decodes and the pool stays busy between gathers, as in the local runtime."""
         with self.lock:
-            return self.loader.gather_payload(source, keys, block_index, position, offset, length)
+            gathered = self.loader.gather_media(source, keys, block_index, position, offset, length)
+        return self.loader.decode_gathered(gathered)
 
     def retain(self, live) -> None:
         with self.lock:
