@@ -97,7 +97,10 @@ def test_killing_the_planner_changes_nothing(ray_session, data, reference, caplo
     ids, events = run_with_kills(make_spec(data, dp=4), {}, kill_planner_at=6)
     assert compare_streams(reference, ids)["same_order"]
     planner = [e for e in events if e["role"] == "planner"]
-    assert len(planner) == 1 and planner[0]["from_step"] <= 6
+    # Rebuilt from the last data state this driver saw: step 6's (its plan came before the kill) or a later
+    # one when the plans and builds asked ahead (ray.kill is asynchronous) still answered; never past the
+    # step where the death was found, never from an earlier state.
+    assert len(planner) == 1 and 6 <= planner[0]["from_step"] <= planner[0]["step"]
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("failure: Planner") for m in messages)
     assert any(m.startswith("recovery: Planner") for m in messages)
