@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
 
+LEAF_CONCURRENCY = 4  # the leaf answers every forwarding actor's calls, as a SourceLoader does (max_concurrency=4)
+
+
 class Bare:
     """An actor that only answers: its process is Ray's core worker and the Python it needs. With a `leaf`
     it asks the leaf for every answer (a nested call, as a Constructor asks its SourceLoaders: it then owns
@@ -65,29 +68,58 @@ class Bare:
         return bytes(nbytes)
 
 
-def call_loop(actor, args, stop: threading.Event, calls: list[int]) -> None:
-    """One caller thread: `args.rate / args.callers` calls a second until `stop`."""
-    import ray
+class Callers:
+    """`args.callers` threads per actor, each calling it `args.rate / args.callers` times a second until
+    stopped; `counts[i]` holds actor i's calls, one counter per thread (no shared increment)."""
 
-    period = args.callers / args.rate
-    nbytes = args.reply_kib * 1024
-    next_at = time.monotonic()
-    while not stop.is_set():
-        ray.get(actor.reply.remote(nbytes))
-        calls[0] += 1
-        next_at += period
-        stop.wait(max(0.0, next_at - time.monotonic()))
+    def __init__(self, actors: list, args):
+        self.stop = threading.Event()
+        self.period, self.nbytes = args.callers / args.rate, args.reply_kib * 1024
+        self.counts = [[[0] for _ in range(args.callers)] for _ in actors]
+        self.threads = [threading.Thread(target=self.loop, args=(a, self.counts[i][k]), daemon=True)
+                        for i, a in enumerate(actors) for k in range(args.callers)]
+        for t in self.threads:
+            t.start()
+
+    def loop(self, actor, count: list[int]) -> None:
+        import ray
+
+        next_at = time.monotonic()
+        while not self.stop.is_set():
+            ray.get(actor.reply.remote(self.nbytes))
+            count[0] += 1
+            next_at += self.period
+            self.stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def calls(self, i: int) -> int:
+        return sum(n[0] for n in self.counts[i])
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def sample_rss(procs: list, args) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, RSS in bytes per process: one row per sample) every `args.interval_s` for `args.minutes`."""
+    t0, times, rss = time.monotonic(), [], []
+    deadline = t0 + args.minutes * 60
+    while True:
+        times.append(time.monotonic() - t0)
+        rss.append([p.memory_info().rss for p in procs])
+        if time.monotonic() >= deadline:
+            return np.array(times), np.array(rss, dtype=np.float64)
+        time.sleep(min(args.interval_s, max(0.0, deadline - time.monotonic())))
 
 
 def run(args) -> int:
     import psutil
     import ray
 
-    from plait.cli.bench.soak_sampler import MIB, band_slope_per_hour, slope_per_hour
+    from plait.cli.bench.soak_sampler import MIB, fit_figures
+    from plait.errors import PlaitError
     from plait.runtime.ray.common import actor_options
     from plait.runtime.ray.instance import start_ray
-
-    from plait.errors import PlaitError
 
     if not 0 <= args.warmup_s < args.minutes * 60 - 2 * args.interval_s:
         raise PlaitError(f"--warmup-s {args.warmup_s:g} leaves too little of a {args.minutes:g}-minute run to fit")
@@ -97,61 +129,39 @@ def run(args) -> int:
     if own:  # a temp dir of its own: a soak beside it does not count its processes
         os.environ["RAY_TMPDIR"] = root
         start_ray(None)
-    stop = threading.Event()
-    actors, threads, leaf = [], [], None
+    bare = ray.remote(Bare)
+    leaves = [bare.options(**actor_options(num_cpus=0, max_concurrency=LEAF_CONCURRENCY)).remote()] \
+        if args.forward else []
+    actors = [bare.options(**actor_options(num_cpus=0, max_concurrency=c)).remote(*leaves) for c in concurrencies]
+    callers = None
     try:
-        bare = ray.remote(Bare)
-        leaf = bare.options(**actor_options(num_cpus=0, max_concurrency=4)).remote() if args.forward else None
-        actors = [bare.options(**actor_options(num_cpus=0, max_concurrency=c)).remote(leaf) for c in concurrencies]
-        procs = [psutil.Process(ray.get(a.pid.remote())) for a in actors]
-        if leaf is not None:  # sampled last, as one more row
-            procs.append(psutil.Process(ray.get(leaf.pid.remote())))
-        calls = [[[0] for _ in range(args.callers)] for _ in actors]  # a counter per caller thread
-        threads = [threading.Thread(target=call_loop, args=(a, args, stop, calls[i][k]), daemon=True)
-                   for i, a in enumerate(actors) for k in range(args.callers)]
-        for t in threads:
-            t.start()
-        t0, samples = time.monotonic(), []
-        deadline = t0 + args.minutes * 60
-        while time.monotonic() < deadline:
-            samples.append((time.monotonic() - t0, [p.memory_info().rss for p in procs]))
-            time.sleep(min(args.interval_s, max(0.0, deadline - time.monotonic())))
-        samples.append((time.monotonic() - t0, [p.memory_info().rss for p in procs]))
-        elapsed = time.monotonic() - t0
+        procs = [psutil.Process(ray.get(a.pid.remote())) for a in [*actors, *leaves]]  # the leaf last
+        callers = Callers(actors, args)
+        t, rss = sample_rss(procs, args)
+        calls = [callers.calls(i) for i in range(len(actors))]
     finally:
-        stop.set()
-        for t in threads:
-            if t.is_alive():
-                t.join()
-        for a in [*actors, *([leaf] if leaf is not None else [])]:
+        if callers is not None:
+            callers.close()
+        for a in [*actors, *leaves]:
             ray.kill(a)
         if own:
             ray.shutdown()
             shutil.rmtree(root, ignore_errors=True)
-    t = np.array([s[0] for s in samples])
     fit = t >= args.warmup_s
-    late = t >= t[fit][0] + (t[-1] - t[fit][0]) / 2
-    rows = []
-    kinds = [("forwarding" if args.forward else "answering", c) for c in concurrencies]
-    if args.forward:
-        kinds.append(("leaf", 4))
-    for i, (kind, c) in enumerate(kinds):
-        rss = np.array([s[1][i] for s in samples], dtype=np.float64)
-        called = sum(n[0] for k in range(len(concurrencies)) for n in calls[k]) if kind == "leaf" else \
-            sum(n[0] for n in calls[i])
-        rows.append({"actor": kind, "max_concurrency": c, "calls_per_s": round(called / elapsed, 1),
-                     "rss_start_mib": round(rss[fit][0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
-                     "slope_mib_per_hour": round(slope_per_hour(t[fit], rss[fit]), 2),
-                     "late_slope_mib_per_hour": round(slope_per_hour(t[late], rss[late]), 2),
-                     "band_slope_mib_per_hour": round(band_slope_per_hour(t[fit], rss[fit]), 2),
-                     "rss_mib": [round(v / MIB, 2) for v in rss]})
+    kinds = [("forwarding" if args.forward else "answering", c, n) for c, n in zip(concurrencies, calls)]
+    kinds += [("leaf", LEAF_CONCURRENCY, sum(calls))] if args.forward else []
+    rows = [{"actor": kind, "max_concurrency": c, "calls_per_s": round(n / t[-1], 1),
+             "rss_start_mib": round(rss[fit, i][0] / MIB, 1), "rss_end_mib": round(rss[-1, i] / MIB, 1),
+             **fit_figures(t[fit], rss[fit, i]), "rss_mib": [round(v / MIB, 2) for v in rss[:, i]]}
+            for i, (kind, c, n) in enumerate(kinds)]
     print(f"bare Ray actors, {args.minutes:g} min, fit from {args.warmup_s:g} s, reply {args.reply_kib} KiB:")
     for r in rows:
         print(f"  {r['actor']}, max_concurrency {r['max_concurrency']:>3}: {r['calls_per_s']:.0f} calls/s, RSS "
               f"{r['rss_start_mib']:.1f} -> {r['rss_end_mib']:.1f} MiB, slope {r['slope_mib_per_hour']:+.2f} "
               f"MiB/hour (2nd half {r['late_slope_mib_per_hour']:+.2f}, band {r['band_slope_mib_per_hour']:+.2f})")
-    write_result(args.json, {"minutes": args.minutes, "warmup_s": args.warmup_s, "rate": args.rate, "forward": args.forward,
-                             "reply_kib": args.reply_kib, "sample_t": [round(x, 1) for x in t], "actors": rows})
+    write_result(args.json, {"minutes": args.minutes, "warmup_s": args.warmup_s, "rate": args.rate,
+                             "forward": args.forward, "reply_kib": args.reply_kib,
+                             "sample_t": [round(x, 1) for x in t], "actors": rows})
     return 0
 
 

@@ -33,6 +33,6 @@ def test_bare_actors_are_called_and_their_rss_fitted(tmp_path, ray_session):
         assert math.isfinite(actor["slope_mib_per_hour"]) and math.isfinite(actor["band_slope_mib_per_hour"])
 
 
-def test_a_warmup_longer_than_the_run_is_refused(ray_session, capsys):
+def test_a_warmup_longer_than_the_run_is_refused(capsys):
     assert bench_main(ray_actor_baseline, ["--minutes", "0.05", "--warmup-s", "10"]) == 2
     assert "--warmup-s 10" in capsys.readouterr().err

@@ -160,6 +160,17 @@ def band_slope_per_hour(t: np.ndarray, y: np.ndarray) -> float:
     return float(drift) / MIB / (2 * third / 3600)
 
 
+def fit_figures(t: np.ndarray, y: np.ndarray) -> dict:
+    """The figures a soak reads from one RSS series y (bytes) over t (seconds, the fit only), in MiB/hour:
+    the least-squares slope, that slope over a day, its second half's slope alone (warm-up flattens
+    there, growth does not) and the drift of its band's edges (`band_slope_per_hour`)."""
+    late = t >= t[0] + (t[-1] - t[0]) / 2
+    slope = slope_per_hour(t, y)
+    return {"slope_mib_per_hour": round(slope, 2), "growth_mib_per_day": round(slope * 24, 1),
+            "late_slope_mib_per_hour": round(slope_per_hour(t[late], y[late]), 2),
+            "band_slope_mib_per_hour": round(band_slope_per_hour(t, y), 2)}
+
+
 def fit_start(samples: list[dict], warmup_s: float) -> float:
     """Where the slopes start: `warmup_s` after the last role first appeared, i.e. after the whole data
     plane runs (Ray's Constructors start with the first build, minutes after the driver on a loaded
@@ -174,28 +185,20 @@ def fit_start(samples: list[dict], warmup_s: float) -> float:
 
 
 def role_table(samples: list[dict], warmup_s: float) -> list[dict]:
-    """Per role: RSS (and PSS) at the first and last sample of the fit (`fit_start`), the slope over it
-    (MiB/hour), that slope over a day, the slope of its second half alone (`late`: a slope that is
-    warm-up flattens there, growth does not) and the drift of its band's edges (`band_slope_per_hour`: a
-    band's teeth do not tilt it); a role absent from a sample counts 0 there."""
+    """Per role: RSS (and PSS) at the first and last sample of the fit (`fit_start`) and the
+    `fit_figures` of its RSS over the fit; a role absent from a sample counts 0 there."""
     names = sorted({r for s in samples for r in s["roles"]}, key=_role_order)
     start = fit_start(samples, warmup_s)
     after = [s for s in samples if s["t"] >= start] or samples[-1:]
     t = np.array([s["t"] for s in after])
-    late = t >= t[0] + (t[-1] - t[0]) / 2
     out = []
     for name in names:
         rss = np.array([s["roles"].get(name, {}).get("rss", 0) for s in after], dtype=np.float64)
         pss_values = [s["roles"].get(name, {}).get("pss") for s in after]
-        slope = slope_per_hour(t, rss)
         row = {"role": name, "processes": max(s["roles"].get(name, {}).get("n", 0) for s in after),
                "fit_from_s": round(float(t[0]), 1),
                "rss_start_mib": round(rss[0] / MIB, 1), "rss_end_mib": round(rss[-1] / MIB, 1),
-               "rss_max_mib": round(rss.max() / MIB, 1),
-               "slope_mib_per_hour": round(slope, 2), "growth_mib_per_day": round(slope * 24, 1),
-               "late_slope_mib_per_hour": round(slope_per_hour(t[late], rss[late]), 2),
-               "band_slope_mib_per_hour": round(band_slope_per_hour(t, rss), 2),
-               "samples": len(after)}
+               "rss_max_mib": round(rss.max() / MIB, 1), **fit_figures(t, rss), "samples": len(after)}
         if all(v is not None for v in pss_values):
             pss = np.array(pss_values, dtype=np.float64)
             row.update(pss_start_mib=round(pss[0] / MIB, 1), pss_end_mib=round(pss[-1] / MIB, 1),
