@@ -88,8 +88,8 @@ class RayPayloads:
     @staticmethod
     def _gather(handle, items, keys, block_index, sel, images: bool = False):
         call = handle.gather_payload if images else handle.gather
-        return call.remote(items.source[sel], keys, block_index[sel], items.position[sel],
-                           items.offset[sel], items.length[sel])
+        return call.remote((items.source[sel], keys, block_index[sel], items.position[sel],  # one argument:
+                            items.offset[sel], items.length[sel]))  # LoaderActor.gather says why
 
     def _collect(self, refs, owners, version: int) -> list | None:
         """Each loader's part; None after a loader was found dead (the Planner replaced it, or it belonged
