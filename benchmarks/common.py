@@ -11,11 +11,14 @@ judged against how busy the machine was. `benchmarks/results/*.json` are the run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,3 +75,25 @@ def main(module, argv: list[str] | None = None) -> int:
     except PlaitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def own_ray_instance(prefix: str):
+    """Ray for a benchmark: a caller's instance (the tests') is used as it is; otherwise one started as
+    plait starts it (plait.runtime.ray.instance.start_ray) in a temp dir of its own, so that a soak
+    running beside it does not count its processes, and shut down and removed afterwards."""
+    import ray
+
+    from plait.runtime.ray.instance import start_ray
+
+    if ray.is_initialized():
+        yield
+        return
+    root = tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("TMPDIR") or "/tmp")
+    os.environ["RAY_TMPDIR"] = root
+    start_ray(None)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)

@@ -19,15 +19,13 @@ soak's actor slopes against what Ray alone adds in the same minutes on the same 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
 import numpy as np
 
-from benchmarks.common import main, write_result
+from benchmarks.common import main, own_ray_instance, write_result
 
 HELP = "RSS slope of bare Ray actors that are only called (plait's Ray settings): the soak's Ray baseline"
 DESCRIPTION = __doc__
@@ -119,34 +117,26 @@ def run(args) -> int:
     from plait.cli.bench.soak_sampler import MIB, fit_figures
     from plait.errors import PlaitError
     from plait.runtime.ray.common import actor_options
-    from plait.runtime.ray.instance import start_ray
 
     if not 0 <= args.warmup_s < args.minutes * 60 - 2 * args.interval_s:
         raise PlaitError(f"--warmup-s {args.warmup_s:g} leaves too little of a {args.minutes:g}-minute run to fit")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    own = not ray.is_initialized()  # a caller's instance (the tests') is used as it is
-    root = tempfile.mkdtemp(prefix="raybase-", dir=os.environ.get("TMPDIR") or "/tmp") if own else None
-    if own:  # a temp dir of its own: a soak beside it does not count its processes
-        os.environ["RAY_TMPDIR"] = root
-        start_ray(None)
-    bare = ray.remote(Bare)
-    leaves = [bare.options(**actor_options(num_cpus=0, max_concurrency=LEAF_CONCURRENCY)).remote()] \
-        if args.forward else []
-    actors = [bare.options(**actor_options(num_cpus=0, max_concurrency=c)).remote(*leaves) for c in concurrencies]
-    callers = None
-    try:
-        procs = [psutil.Process(ray.get(a.pid.remote())) for a in [*actors, *leaves]]  # the leaf last
-        callers = Callers(actors, args)
-        t, rss = sample_rss(procs, args)
-        calls = [callers.calls(i) for i in range(len(actors))]
-    finally:
-        if callers is not None:
-            callers.close()
-        for a in [*actors, *leaves]:
-            ray.kill(a)
-        if own:
-            ray.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
+    with own_ray_instance("raybase-"):
+        bare = ray.remote(Bare)
+        leaves = [bare.options(**actor_options(num_cpus=0, max_concurrency=LEAF_CONCURRENCY)).remote()] \
+            if args.forward else []
+        actors = [bare.options(**actor_options(num_cpus=0, max_concurrency=c)).remote(*leaves) for c in concurrencies]
+        callers = None
+        try:
+            procs = [psutil.Process(ray.get(a.pid.remote())) for a in [*actors, *leaves]]  # the leaf last
+            callers = Callers(actors, args)
+            t, rss = sample_rss(procs, args)
+            calls = [callers.calls(i) for i in range(len(actors))]
+        finally:
+            if callers is not None:
+                callers.close()
+            for a in [*actors, *leaves]:
+                ray.kill(a)
     fit = t >= args.warmup_s
     kinds = [("forwarding" if args.forward else "answering", c, n) for c, n in zip(concurrencies, calls)]
     kinds += [("leaf", LEAF_CONCURRENCY, sum(calls))] if args.forward else []

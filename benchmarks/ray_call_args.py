@@ -18,20 +18,19 @@ the actor's CPU and the wall time, and each ratio six / one.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
 import numpy as np
 
-from benchmarks.common import main, write_result
+from benchmarks.common import main, own_ray_instance, write_result
 
 HELP = "per-call CPU of a Ray actor call with a gather's request as six arguments vs one tuple"
 DESCRIPTION = __doc__
 
 FORMS = ("six", "one")
+FIGURES = ("caller_cpu", "actor_cpu", "wall")  # seconds spent, per form
 
 
 def add_arguments(p) -> None:
@@ -87,14 +86,14 @@ def measure(actor, proc, args) -> dict[str, dict[str, float]]:
     req = request(args)
     call_round(actor, "six", req, args)  # warm both paths (imports, first serializations)
     call_round(actor, "one", req, args)
-    spent = {f: {"caller_cpu_s": 0.0, "actor_cpu_s": 0.0, "wall_s": 0.0} for f in FORMS}
+    spent = {f: dict.fromkeys(FIGURES, 0.0) for f in FORMS}
     for r in range(args.rounds):
         for form in (FORMS if r % 2 == 0 else FORMS[::-1]):  # alternate which goes first
             c0, a0, w0 = time.process_time(), sum(proc.cpu_times()[:2]), time.perf_counter()
             call_round(actor, form, req, args)
-            spent[form]["caller_cpu_s"] += time.process_time() - c0
-            spent[form]["actor_cpu_s"] += sum(proc.cpu_times()[:2]) - a0
-            spent[form]["wall_s"] += time.perf_counter() - w0
+            spent[form]["caller_cpu"] += time.process_time() - c0
+            spent[form]["actor_cpu"] += sum(proc.cpu_times()[:2]) - a0
+            spent[form]["wall"] += time.perf_counter() - w0
     return spent
 
 
@@ -103,26 +102,16 @@ def run(args) -> int:
     import ray
 
     from plait.runtime.ray.common import actor_options
-    from plait.runtime.ray.instance import start_ray
 
-    own = not ray.is_initialized()  # a caller's instance (the tests') is used as it is
-    root = tempfile.mkdtemp(prefix="raycall-", dir=os.environ.get("TMPDIR") or "/tmp") if own else None
-    if own:
-        os.environ["RAY_TMPDIR"] = root
-        start_ray(None)
-    actor = ray.remote(Answering).options(**actor_options(num_cpus=0, max_concurrency=args.callers)).remote()
-    try:
-        spent = measure(actor, psutil.Process(ray.get(actor.pid.remote())), args)
-    finally:
-        ray.kill(actor)
-        if own:
-            ray.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
+    with own_ray_instance("raycall-"):
+        actor = ray.remote(Answering).options(**actor_options(num_cpus=0, max_concurrency=args.callers)).remote()
+        try:
+            spent = measure(actor, psutil.Process(ray.get(actor.pid.remote())), args)
+        finally:
+            ray.kill(actor)
     calls = args.calls * args.rounds
-    per_call = {f: {k.replace("_s", "_us_per_call"): round(v / calls * 1e6, 1) for k, v in spent[f].items()}
-                for f in FORMS}
-    ratios = {k.replace("_us_per_call", ""): round(per_call["six"][k] / per_call["one"][k], 2)
-              for k in per_call["one"] if per_call["one"][k] > 0}
+    per_call = {f: {f"{k}_us_per_call": round(v / calls * 1e6, 1) for k, v in spent[f].items()} for f in FORMS}
+    ratios = {k: round(spent["six"][k] / spent["one"][k], 2) for k in FIGURES if spent["one"][k] > 0}
     print(f"a gather's request ({args.items} spans, {args.blocks} keys), {calls} calls of each form, "
           f"{args.callers} callers:")
     print(f"  {'form':<6}{'caller CPU (us/call)':>22}{'actor CPU (us/call)':>21}{'wall (us/call)':>16}")
