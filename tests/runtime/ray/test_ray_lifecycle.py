@@ -77,7 +77,7 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
 
     import psutil
 
-    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, MALLOC_ENV, TASK_EVENTS_IN_GCS
+    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, TASK_EVENTS_IN_GCS
 
     assert not ray.is_initialized(), "this test needs no Ray running in the process"
     ds = token_parquet(tmp_path / "a", files=1, docs_per_file=20, row_group_size=5, lo=4, hi=40)
@@ -100,11 +100,28 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
         assert actor_options("long-job/planner", lifetime="detached")["enable_task_events"] is False
         assert actor_options(num_cpus=1)["enable_task_events"] is False
         # their processes and Ray's own start with few malloc arenas (MALLOC_ARENA_MAX, read at a process's start)
+        # and with Ray's jemalloc, which Ray alone would preload into its gcs_server and raylet only
         loader_pid = ray.get(ray.get_actor("long-job/loader-0", namespace="plait").stats.remote())["pid"]
         gcs_pid = node.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process.pid
         for pid in (loader_pid, gcs_pid):
-            assert psutil.Process(pid).environ().get("MALLOC_ARENA_MAX") == MALLOC_ENV["MALLOC_ARENA_MAX"]
+            assert psutil.Process(pid).environ().get("MALLOC_ARENA_MAX") == "2"
+            mapped = {m.path for m in psutil.Process(pid).memory_maps()}
+            assert any(path.endswith("ray/core/libjemalloc.so") for path in mapped), pid
         assert "MALLOC_ARENA_MAX" not in os.environ  # the trainer's own environment is left as it was
+        assert "RAY_LD_PRELOAD_ON_WORKERS" not in os.environ
     finally:
         loader.close()
     assert not ray.is_initialized()
+
+
+def test_the_allocator_of_rays_processes_is_rays_jemalloc_unless_the_user_says_glibc(monkeypatch):
+    from plait.errors import PlaitError
+    from plait.runtime.ray.common import ALLOCATOR_VARIABLE, malloc_env
+
+    monkeypatch.delenv(ALLOCATOR_VARIABLE, raising=False)
+    assert malloc_env() == {"MALLOC_ARENA_MAX": "2", "RAY_LD_PRELOAD_ON_WORKERS": "1"}
+    monkeypatch.setenv(ALLOCATOR_VARIABLE, "glibc")  # Ray's default: jemalloc in gcs_server and raylet only
+    assert malloc_env() == {"MALLOC_ARENA_MAX": "2"}
+    monkeypatch.setenv(ALLOCATOR_VARIABLE, "tcmalloc")
+    with pytest.raises(PlaitError, match="PLAIT_RAY_ALLOCATOR='tcmalloc': expected one of jemalloc, glibc"):
+        malloc_env()

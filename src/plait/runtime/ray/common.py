@@ -6,6 +6,7 @@ Ray is imported lazily (plait[ray] is an optional extra): `ray_module()` is the 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from plait.errors import PlaitError
@@ -85,16 +86,33 @@ def use_numpy_kernels() -> None:
     kernels.use_compiled(False)
 
 
-# glibc malloc arenas per process of plait's actors (and of Ray's own when plait starts Ray). glibc's
-# default is up to 8 per core: each of the many threads of a Ray worker (its gRPC and io threads, an actor's
-# `max_concurrency` call threads) that allocates under contention gets an arena of its own, which keeps
-# the pages it freed and fragments. The Constructor had 13 arenas, each rising 20-270 KiB in 150 s with a
-# flat Python heap (docs/soak.md). Read by glibc when a process starts: plait sets it in the environment of
-# the Ray instance it starts (plait.runtime.ray.instance.daemon_env: the raylet passes it to every worker);
-# a cluster plait joins gets it from `ray start`'s environment (docs/ray-long-runs.md). Not a runtime_env
-# of plait's actors: Ray then starts new workers for them and the prestarted ones (~80 MiB each) sit idle.
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
+# The allocator of plait's actors (and of Ray's own processes when plait starts Ray). Ray's wheel ships
+# jemalloc (ray/core/libjemalloc.so) and preloads it into its gcs_server and raylet, but takes it out of
+# its workers (RAY_LD_PRELOAD_ON_WORKERS=0) unless told otherwise. In a worker, glibc's malloc fragments
+# under Ray's call traffic (~200,000 malloc calls a second in the Constructor, a 256 KiB msgpack buffer per
+# call argument): heaptrack saw nothing held, yet the Constructor's glibc heaps rose ~2.5 MiB/hour over an
+# hour and had not gone flat (docs/soak.md). RAY_LD_PRELOAD_ON_WORKERS=1 is Ray's own switch to give the
+# workers the same jemalloc; PLAIT_RAY_ALLOCATOR=glibc leaves Ray's default (a user's own LD_PRELOAD also
+# replaces Ray's jemalloc everywhere: Ray then preloads nothing). MALLOC_ARENA_MAX=2 bounds glibc's arenas
+# where glibc's malloc still runs (with glibc: the Constructor had 13 arenas, each rising with a flat Python
+# heap; glibc's default is up to 8 per core). Read by a process as it starts: plait sets them in the
+# environment of the Ray instance it starts (plait.runtime.ray.instance.daemon_env: the raylet passes them
+# to every worker); a cluster plait joins gets them from `ray start`'s environment (docs/ray-long-runs.md).
+# Not a runtime_env of plait's actors: Ray then starts new workers for them and the prestarted ones
+# (~80 MiB each) sit idle.
+ALLOCATOR_VARIABLE = "PLAIT_RAY_ALLOCATOR"
+ALLOCATORS = ("jemalloc", "glibc")
 
+
+def malloc_env() -> dict[str, str]:
+    """The allocator variables for the processes of a Ray instance plait starts (above)."""
+    allocator = os.environ.get(ALLOCATOR_VARIABLE, "jemalloc")
+    if allocator not in ALLOCATORS:
+        raise PlaitError(f"{ALLOCATOR_VARIABLE}={allocator!r}: expected one of {', '.join(ALLOCATORS)}")
+    env = {"MALLOC_ARENA_MAX": "2"}
+    if allocator == "jemalloc":
+        env["RAY_LD_PRELOAD_ON_WORKERS"] = "1"
+    return env
 
 # ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------
 TASK_EVENTS_IN_GCS = 10_000  # Ray's default keeps 100,000 task events in the GCS (every actor call is one)

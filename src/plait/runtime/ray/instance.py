@@ -16,7 +16,7 @@ import tempfile
 
 from plait.errors import PlaitError
 from plait.runtime.ray import jobs
-from plait.runtime.ray.common import MALLOC_ENV, NAMESPACE, long_run_settings, ray_module
+from plait.runtime.ray.common import NAMESPACE, long_run_settings, malloc_env, ray_module
 
 def check_reachable(address: str | None, timeout: float = 3.0) -> None:
     """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
@@ -149,7 +149,7 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
     """Join the cluster at `address`, or start a local Ray instance; True when one was started.
 
     A local instance is set up for a long job (long_run_settings: no dashboard unless `dashboard`, bounded
-    task events and logs; its processes start with MALLOC_ENV, daemon_env); `init_options` (ray.init's keyword arguments) override those settings. Ray
+    task events and logs; its processes start with malloc_env(), daemon_env); `init_options` (ray.init's keyword arguments) override those settings. Ray
     (2.59+) protects its servers with token authentication by default. Ray's own gRPC servers still listen
     on every interface (README, Ray)."""
     ray = ray_module()
@@ -166,7 +166,7 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
         kwargs.update(user)
     else:
         kwargs.update(init_options or {})
-    with StderrCapture() as said, daemon_env(MALLOC_ENV if started else {}):
+    with StderrCapture() as said, daemon_env(malloc_env() if started else {}):
         try:  # Ray's core logs the real cause of a failed join to stderr only
             ray.init(address=address, namespace=NAMESPACE, **kwargs)
         except (ConnectionError, RuntimeError) as e:
