@@ -81,7 +81,8 @@ def main(module, argv: list[str] | None = None) -> int:
 def own_ray_instance(prefix: str):
     """Ray for a benchmark: a caller's instance (the tests') is used as it is; otherwise one started as
     plait starts it (plait.runtime.ray.instance.start_ray) in a temp dir of its own, so that a soak
-    running beside it does not count its processes, and shut down and removed afterwards."""
+    running beside it does not count its processes, and shut down and removed afterwards (RAY_TMPDIR is
+    then as it was: a later instance in the same process does not land in a removed directory)."""
     import ray
 
     from plait.runtime.ray.instance import start_ray
@@ -90,10 +91,15 @@ def own_ray_instance(prefix: str):
         yield
         return
     root = tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("TMPDIR") or "/tmp")
+    previous = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = root
-    start_ray(None)
     try:
+        start_ray(None)
         yield
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = previous
