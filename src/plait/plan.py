@@ -4,6 +4,12 @@
 lives in its source's deterministic order (source, epoch, file_pos, block_pos, position) and in the data
 (shard, row), which chunk of the document it is (chunk, offset, length). A StepPlan adds the assignment
 (rank, micro) and the balance certificate.
+
+Dynamic context parallelism (spec `context_parallel.mode: dynamic`, docs/long-context.md): the step runs
+in waves over a pool of P = dp x cp ranks. `CPGroups` has one row per group micro-batch: its wave, its
+first pool rank and its size k (members first..first+k-1). Every (pool rank, wave) is covered by exactly
+one group, groups of size 1 included (also when empty). An item's `rank` is its group's first rank, its
+`micro` the group's wave; `item_group` names the group.
 """
 
 from __future__ import annotations
@@ -108,6 +114,24 @@ class Items:
 
 
 @dataclass
+class CPGroups:
+    """The group micro-batches of a dynamic-CP step, one row each (see the module docstring)."""
+
+    wave: np.ndarray  # [G] int32, 0..waves-1
+    first: np.ndarray  # [G] int32, first pool rank of the group
+    size: np.ndarray  # [G] int32, k (1 for a whole-document rank micro-batch)
+    comm: np.ndarray | None = None  # [G] float64: CP communication cost each member carries
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    def covering(self, rank: int) -> np.ndarray:
+        """Ids of the groups pool rank `rank` belongs to, in wave order (one per wave)."""
+        ids = np.flatnonzero((self.first <= rank) & (rank < self.first + self.size))
+        return ids[np.argsort(self.wave[ids], kind="stable")]
+
+
+@dataclass
 class StepPlan:
     step: int
     ranks: int
@@ -140,6 +164,9 @@ class StepPlan:
     # image steps (spec `images` set): micro_patches [R, M], encoder_cost and cost (summed over the placed
     # items, per CP rank), masked_labels (labels set to -100 over the placed items' image placeholders)
     images: dict | None = None
+    # dynamic CP (module docstring): ranks is the pool, microbatches the waves, capacity a rank's slot B
+    cp_groups: CPGroups | None = None
+    item_group: np.ndarray | None = None  # [n items] group id of each placed item
 
     @property
     def tokens(self) -> int:
@@ -184,9 +211,23 @@ class StepPlan:
         return self.tokens / self.slots if self.slots else 0.0
 
     def for_rank(self, dp_rank: int) -> "RankPlan":
+        if self.cp_groups is not None:
+            return self._for_pool_rank(dp_rank)
         sel = np.flatnonzero(self.rank == dp_rank)
         count = self.microbatches if self.rank_microbatches is None else int(self.rank_microbatches[dp_rank])
         return RankPlan(self.step, dp_rank, count, self.items.take(sel), self.micro[sel], self.stats())
+
+    def _for_pool_rank(self, rank: int) -> "RankPlan":
+        """Dynamic CP: the items of every group pool rank `rank` belongs to (micro = the group's wave) and,
+        per wave, its place in that wave's group."""
+        groups = self.cp_groups
+        ids = groups.covering(rank)
+        sel = np.flatnonzero(np.isin(self.item_group, ids))
+        cp = []
+        for g in ids.tolist():
+            first, size = int(groups.first[g]), int(groups.size[g])
+            cp.append({"size": size, "rank": rank - first, "group": list(range(first, first + size)), "group_id": g})
+        return RankPlan(self.step, rank, self.microbatches, self.items.take(sel), self.micro[sel], self.stats(), cp)
 
     def stats(self) -> dict:
         cached = self.__dict__.get("_stats")
@@ -219,7 +260,19 @@ class StepPlan:
             "delayed_outliers": self.delayed_outliers,
             "empty_documents": self.empty_documents,
             **self._image_stats(),
+            **self._cp_stats(),
         }
+
+    def _cp_stats(self) -> dict:
+        if self.cp_groups is None:
+            return {}
+        sizes = self.cp_groups.size[self.item_group]
+        degrees, counts = np.unique(sizes, return_counts=True)
+        comm = self.cp_groups.comm
+        total = float(self.rank_cost.sum())
+        comm_total = float((comm * self.cp_groups.size).sum()) if comm is not None else 0.0
+        return {"waves": self.microbatches, "cp_degrees": dict(zip(degrees.tolist(), counts.tolist())),
+                "comm_share": comm_total / total if total > 0 else 0.0, "cp_groups": len(self.cp_groups)}
 
     def _image_stats(self) -> dict:
         if self.images is None:
@@ -246,3 +299,5 @@ class RankPlan:
     items: Items
     micro: np.ndarray
     stats: dict
+    # dynamic CP: per wave, dict(size=k, rank=position in the group, group=[pool ranks], group_id)
+    cp: list[dict] | None = None
