@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 import types
@@ -250,7 +251,9 @@ def generated_pages() -> dict[str, str]:
     pages = {"reference/spec.md": spec_page(), "reference/cli.md": cli_page(), "reference/code-map.md": code_map_page(),
              "benchmarks/index.md": benchmarks_index(results, reports)}
     pages.update({f"benchmarks/results/{p.stem}.md": result_page(p) for p in results})
-    pages.update({f"benchmarks/reports/{p.name}": p.read_text() for p in reports})
+    docs_dir = ROOT / "docs"
+    pages.update({f"benchmarks/reports/{p.name}": repo_links_as_code(
+        p.read_text(), p.parent, docs_dir, site_dir=docs_dir / "benchmarks" / "reports") for p in reports})
     return pages
 
 
@@ -258,8 +261,12 @@ def generated_pages() -> dict[str, str]:
 LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 
-def repo_links_as_code(markdown: str, page_dir: Path, docs_dir: Path) -> str:
-    """[text](../tests/x.py) -> `tests/x.py` (text): a link that leaves docs/ names a repository file."""
+def repo_links_as_code(markdown: str, page_dir: Path, docs_dir: Path, site_dir: Path | None = None) -> str:
+    """[text](../tests/x.py) -> `tests/x.py` (text): a link that leaves docs/ names a repository file.
+
+    `site_dir`: where the page sits in the site when that is not `page_dir` (a dated report is written in
+    benchmarks/reports/ and published under docs/benchmarks/reports/): its links into docs/ are made relative
+    to where the site puts it."""
 
     def swap(m: re.Match) -> str:
         target = m.group(2)
@@ -267,7 +274,10 @@ def repo_links_as_code(markdown: str, page_dir: Path, docs_dir: Path) -> str:
             return m.group(0)
         resolved = (page_dir / target).resolve()
         if resolved.is_relative_to(docs_dir.resolve()):
-            return m.group(0)
+            if site_dir is None:
+                return m.group(0)
+            moved = Path(os.path.relpath(resolved, site_dir.resolve())).as_posix()
+            return f"[{m.group(1)}]({moved}{m.group(3) or ''})"
         rel = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else Path(target)
         text = m.group(1).strip("`")
         return f"`{rel.as_posix()}`" if text == rel.as_posix() or text == target else f"{m.group(1)} (`{rel.as_posix()}`)"
