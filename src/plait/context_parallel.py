@@ -38,7 +38,7 @@ import weakref
 
 import numpy as np
 
-from plait.packing import ragged_arange
+from plait.packing import IGNORE_INDEX, ragged_arange
 from plait.batch import MicroBatch
 
 
@@ -131,6 +131,99 @@ def unshard(shards: list[MicroBatch]) -> MicroBatch:
     stats = {k: v for k, v in first.stats.items() if k != "cp"}
     return dataclasses.replace(first, input_ids=input_ids, labels=labels, position_ids=position_ids,
                                cu_seqlens=cu, stats=stats)
+
+
+# ----- dynamic CP: a group micro-batch cut for one member ----------------------------------------------------
+#
+# In `context_parallel.mode: dynamic` the Planner gives each document a degree k and plans the step in waves
+# of groups (plait.plan.CPGroups). A group's micro-batch is built once and each of its k members receives
+# only its shard. Unlike the fixed layout above, every document is padded to a multiple of 2k so that all
+# members hold the same local sizes (what an all-gather of keys and values, or a ring, needs, and what
+# Megatron-Core's THD path with `cu_seqlens_padded` expects): padded length P = ceil(L / 2k) * 2k, chunk
+# j = [j*P/2k, (j+1)*P/2k), member i takes chunks i and 2k-1-i. Padding sits at each document's end (input
+# id `pad_id`, label IGNORE_INDEX, positions continuing the document's), so under a causal mask no real
+# token ever attends to it.
+
+
+def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | None = None,
+                    group_id: int = 0, pad_id: int = 0) -> MicroBatch:
+    """Member `member`'s shard of a group micro-batch sharded over `k` ranks (layout above): its tokens
+    document by document (head chunk, then tail chunk, padding included), global `position_ids`, local
+    `cu_seqlens` (equal on every member) and stats["cp"] = {size, rank, group, group_id, cu_seqlens (the
+    group's view, unpadded), cu_seqlens_padded (the group's view), padding (pad tokens of this shard)}.
+    `group`: the members' global ranks (default 0..k-1). k = 1 gives the micro-batch itself with
+    stats["cp"] set. Media placeholder runs are never cut: the Planner gives documents with images or
+    videos degree 1, and a k > 1 cut of a micro-batch holding media is refused."""
+    if not 0 <= member < k:
+        raise ValueError(f"member {member} outside 0..{k - 1}")
+    if "cp" in mb.stats:
+        raise ValueError("micro-batch is a CP shard already: cut a whole group micro-batch")
+    cu = np.asarray(mb.cu_seqlens, dtype=np.int64)
+    if int(cu[-1]) != len(mb.input_ids):
+        raise ValueError("context parallelism needs a packed micro-batch whose documents cover every token")
+    if k > 1 and (mb.num_images or mb.video_grid is not None and len(mb.video_grid)):
+        raise ValueError(f"a micro-batch with images or videos cannot be sharded over {k} ranks: the Planner "
+                         "gives documents with media degree 1, so their placeholder runs are never cut")
+    info = {"size": k, "rank": member, "group": list(range(k)) if group is None else [int(g) for g in group],
+            "group_id": int(group_id), "cu_seqlens": cu.astype(np.int32)}
+    stats = dict(mb.stats)
+    if k == 1:
+        stats["cp"] = {**info, "cu_seqlens_padded": info["cu_seqlens"], "padding": 0}
+        return dataclasses.replace(mb, stats=stats)
+    lengths = np.diff(cu)
+    chunk = -(-lengths // (2 * k))  # per document: P / 2k
+    padded = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(chunk * 2 * k, out=padded[1:])
+    starts = np.stack([member * chunk, (2 * k - 1 - member) * chunk], axis=1)
+    position = ragged_arange(starts.reshape(-1), np.repeat(chunk, 2))  # within the padded document
+    doc = np.repeat(np.arange(len(lengths)), 2 * chunk)
+    real = position < lengths[doc]
+    source = (cu[:-1][doc] + position)[real]
+
+    def local(values: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full(values.shape[:-1] + (len(position),), fill, dtype=values.dtype)
+        out[..., real] = values[..., source]
+        return out
+
+    # a piece of a longer document may start past position 0: positions continue from its first token's
+    first = np.asarray(mb.position_ids)[np.minimum(cu[:-1], max(len(mb.position_ids) - 1, 0))] if len(doc) else cu[:-1]
+    first = np.where(lengths > 0, first, 0).astype(np.int64)
+    cu_local = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(2 * chunk, out=cu_local[1:])
+    stats["cp"] = {**info, "cu_seqlens_padded": padded, "padding": int(len(position) - real.sum())}
+    return dataclasses.replace(
+        mb, input_ids=local(mb.input_ids, pad_id), labels=local(mb.labels, IGNORE_INDEX),
+        position_ids=(first[doc] + position).astype(mb.position_ids.dtype), cu_seqlens=cu_local, stats=stats,
+        mtp_labels=None if mb.mtp_labels is None else local(mb.mtp_labels, IGNORE_INDEX),
+    )
+
+
+def unshard_group(shards: list[MicroBatch]) -> MicroBatch:
+    """The group micro-batch the shards of `shard_for_group` (in member order) were cut from, exactly."""
+    first = shards[0]
+    info = first.stats["cp"]
+    stats = {key: v for key, v in first.stats.items() if key != "cp"}
+    if info["size"] == 1:
+        return dataclasses.replace(first, stats=stats)
+    k = len(shards)
+    cu = np.asarray(info["cu_seqlens"], dtype=np.int64)
+    lengths = np.diff(cu)
+    chunk = np.diff(np.asarray(first.cu_seqlens, dtype=np.int64)) // 2
+    columns = {"input_ids": [], "labels": [], "position_ids": [], "mtp_labels": []}
+    order = []
+    for member, s in enumerate(shards):  # k shards, each a handful of arrays
+        starts = np.stack([member * chunk, (2 * k - 1 - member) * chunk], axis=1)
+        position = ragged_arange(starts.reshape(-1), np.repeat(chunk, 2))
+        doc = np.repeat(np.arange(len(lengths)), 2 * chunk)
+        real = position < lengths[doc]
+        order.append((cu[:-1][doc] + position)[real])
+        for name, values in columns.items():
+            field_values = getattr(s, name)
+            if field_values is not None:
+                values.append(field_values[..., real])
+    index = np.argsort(np.concatenate(order), kind="stable")
+    whole = {name: np.concatenate(v, axis=-1)[..., index] if v else None for name, v in columns.items()}
+    return dataclasses.replace(first, **whole, cu_seqlens=cu.astype(np.int32), stats=stats)
 
 
 def causal_work(mb: MicroBatch) -> int:
