@@ -1,16 +1,18 @@
-"""CPU seconds per role per delivered image of one `plait bench e2e` data-bound (or cpu-pool) row.
+"""CPU per role per delivered image of one `plait bench e2e` data-bound (or cpu-pool) row, at the margin.
 
-    python -m benchmarks.e2e_cpu_roles per-rank|local|ray|cpu-pool [plait bench e2e options]
-    e.g. python -m benchmarks.e2e_cpu_roles local --steps 20 --warmup 2 --images 240
+    python -m benchmarks.e2e_cpu_roles [per-rank] [local] [ray] [cpu-pool] [--lengths 8,20] [--json PATH]
+                                       [plait bench e2e options, e.g. --images 240 --warmup 2]
 
-Runs one strategy of the row in this process (the same code as `plait bench e2e`) while a thread samples,
-every 0.3 s, the CPU times (user + system) of this process, each of its threads and every descendant
-process (DataLoader workers; Ray's raylet, GCS, agents and actors, named by their process title), their
-nice value and CPU affinity; a process that ends keeps its last sample. Prints one JSON line: per role
-[CPU seconds, processes, CPU ms per delivered image], images delivered and decoded, steps/s; then the
-driver's CPU per thread name (local: preprocessing pool, build threads) and, for cpu-pool, CPU per
-(role, affinity). Two lengths (e.g. --steps 8 and 20) give the per-image cost with fixed costs cancelled:
-(cpu_20 - cpu_8) / (images_20 - images_8). docs/e2e.md ("Why each miss, as measured") has the figures.
+Each strategy runs alone, once per length, in a fresh process of its own (the same code as `plait bench e2e`)
+while a thread samples, every 0.3 s, the CPU times (user + system) of that process, each of its threads and
+every descendant process (DataLoader workers; Ray's raylet, GCS, agents and actors, named by their process
+title), their nice value and CPU affinity; a process that ends keeps its last sample. Two lengths give the
+CPU per delivered image with the fixed costs (start-up, imports, Ray's start) cancelled:
+
+    marginal_cpu_ms_per_image = 1000 * (cpu_long - cpu_short) / (images_long - images_short)
+
+per strategy and per role. Prints a table; `--json PATH` writes every run and the marginal figures.
+docs/e2e.md ("Why each miss, as measured") has the figures.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -83,16 +86,19 @@ class Sampler:
         self.sample()
 
 
-def main(argv: list[str]) -> None:
+STRATEGIES = ("per-rank", "local", "ray", "cpu-pool")
+
+
+def measure(which: str, e2e_argv: list[str]) -> dict:
+    """One strategy at one length, in this process: CPU per role (seconds, processes), images, steps/s."""
     from rich.console import Console
 
     from plait.cli.bench import e2e
     from plait.cli.bench.e2e_run import GpuClock, autoscale_available, run_per_rank, run_plait, run_plait_local, start_ray
 
-    which, rest = argv[0], argv[1:]
     p = argparse.ArgumentParser()
     e2e.add_arguments(p)
-    args = p.parse_args(rest)
+    args = p.parse_args(e2e_argv)
     dps = e2e.parse(args)
     demo, image_dir = e2e.prepare_data(None, args.images)
     spec = e2e.e2e_spec(demo, image_dir, dps[0], args)
@@ -120,23 +126,97 @@ def main(argv: list[str]) -> None:
     for name, cpu in s.procs.values():
         by[name] += cpu
         count[name] += 1
-    images = row.get("images_delivered") or 1
-    print(json.dumps({
-        "strategy": which, "wall_s": round(time.perf_counter() - t0, 1), "load_average": load,
-        "steps_per_s": row["steps_per_s"], "startup_s": row["startup_s"], "images_delivered": row.get("images_delivered"),
-        "images_decoded": row.get("images_decoded"), "total_cpu_s": round(sum(by.values()), 2),
-        "cpu_ms_per_image": round(1000 * sum(by.values()) / images, 2),
-        "roles": {k: [round(v, 2), count[k], round(1000 * v / images, 2)] for k, v in sorted(by.items(), key=lambda x: -x[1])},
-        "nice": dict(collections.Counter(f"{s.procs[p][0]}@{n}" for p, n in s.nice.items() if p in s.procs))}))
     threads = collections.defaultdict(float)
     for (_, name), cpu in s.threads.items():
         threads[name] += cpu
-    print("driver threads:", {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v >= 0.01})
-    if which == "cpu-pool":
-        cores = collections.defaultdict(float)
-        for pid, (name, cpu) in s.procs.items():
-            cores[f"{name}@{s.affinity.get(pid)}"] += cpu
-        print("by role and affinity:", {k: round(v, 2) for k, v in sorted(cores.items(), key=lambda x: -x[1])})
+    cores = collections.defaultdict(float)
+    for pid, (name, cpu) in s.procs.items():
+        cores[f"{name}@{s.affinity.get(pid)}"] += cpu
+    return {
+        "strategy": which, "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1), "load_average": load,
+        "steps_per_s": row["steps_per_s"], "startup_s": row["startup_s"], "images_delivered": row.get("images_delivered"),
+        "images_decoded": row.get("images_decoded"), "total_cpu_s": round(sum(by.values()), 3),
+        "roles": {k: {"cpu_s": round(v, 3), "processes": count[k]} for k, v in sorted(by.items(), key=lambda x: -x[1])},
+        "nice": dict(collections.Counter(f"{s.procs[p][0]}@{n}" for p, n in s.nice.items() if p in s.procs)),
+        "driver_threads": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v >= 0.01},
+        "by_role_and_affinity": {k: round(v, 2) for k, v in sorted(cores.items(), key=lambda x: -x[1])},
+    }
+
+
+def marginal(short: dict, long: dict) -> dict:
+    """CPU ms per delivered image between two runs of one strategy, in all and per role (a role missing from
+    one run counts 0 there)."""
+    images = (long["images_delivered"] or 0) - (short["images_delivered"] or 0)
+    if images <= 0:
+        raise SystemExit(f"{long['strategy']}: the longer run delivered no more images than the shorter one "
+                         f"({long['images_delivered']} vs {short['images_delivered']}): lengthen --lengths")
+    roles = set(short["roles"]) | set(long["roles"])
+    cpu = {r: long["roles"].get(r, {}).get("cpu_s", 0.0) - short["roles"].get(r, {}).get("cpu_s", 0.0) for r in roles}
+    return {"strategy": long["strategy"], "images": images,
+            "marginal_cpu_ms_per_image": round(1000 * (long["total_cpu_s"] - short["total_cpu_s"]) / images, 3),
+            "roles": {r: round(1000 * c / images, 3) for r, c in sorted(cpu.items(), key=lambda x: -x[1])}}
+
+
+def run_alone(which: str, steps: int, e2e_argv: list[str]) -> dict:
+    """`measure` in a fresh Python process: nothing of one strategy (a Ray instance, pools) stays for the next."""
+    cmd = [sys.executable, "-m", "benchmarks.e2e_cpu_roles", "--one", which, "--", "--steps", str(steps), *e2e_argv]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{which} at {steps} steps failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.e2e_cpu_roles",
+        description="CPU per role per delivered image of the data-bound e2e row, at the margin between two "
+                    "lengths. Options it does not know go to `plait bench e2e` (e.g. --images 240 --warmup 2).")
+    p.add_argument("strategies", nargs="*", metavar="STRATEGY",
+                   help=f"any of {', '.join(STRATEGIES)} (default: local ray)")
+    p.add_argument("--lengths", default="8,20", help="two step counts: the margin between them (default 8,20)")
+    p.add_argument("--json", metavar="PATH", help="write the runs and the marginal figures as JSON")
+    p.add_argument("--one", choices=STRATEGIES, help=argparse.SUPPRESS)  # a child: measure one run, print JSON
+    return p
+
+
+def main(argv: list[str]) -> None:
+    ours, forwarded = argv, []
+    if "--" in argv:
+        cut = argv.index("--")
+        ours, forwarded = argv[:cut], argv[cut + 1:]
+    args, rest = parser().parse_known_args(ours)
+    forwarded = rest + forwarded
+    if args.one:
+        print(json.dumps(measure(args.one, forwarded)))
+        return
+    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)}")
+    strategies = args.strategies or ["local", "ray"]
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    if len(lengths) != 2 or lengths[0] == lengths[1]:
+        raise SystemExit(f"--lengths takes two different step counts, got {args.lengths!r}")
+    runs, margins = [], []
+    for which in strategies:
+        short, long = (run_alone(which, n, forwarded) for n in lengths)
+        runs += [short, long]
+        margins.append(marginal(short, long))
+    print(table(margins))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"lengths": lengths, "e2e_options": forwarded, "marginal": margins, "runs": runs}, f, indent=1)
+
+
+def table(margins: list[dict]) -> str:
+    """Strategies as columns, the total and then each role as rows: CPU ms per delivered image."""
+    roles = sorted({r for m in margins for r in m["roles"]}, key=lambda r: -max(m["roles"].get(r, 0) for m in margins))
+    names = [m["strategy"] for m in margins]
+    width = max([len("CPU ms per image")] + [len(r) for r in roles])
+    lines = ["  ".join([f"{'CPU ms per image':<{width}}", *(f"{n:>9}" for n in names)])]
+    lines.append("  ".join([f"{'all roles':<{width}}", *(f"{m['marginal_cpu_ms_per_image']:>9.2f}" for m in margins)]))
+    for r in roles:
+        lines.append("  ".join([f"{r:<{width}}", *(f"{m['roles'].get(r, 0.0):>9.2f}" for m in margins)]))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
