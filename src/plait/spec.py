@@ -39,6 +39,8 @@ from plait.spec_sections import (  # noqa: F401 - the sections are this module's
     EncoderSpec,
     ImagesSpec,
     BalanceSpec,
+    ContextParallelSpec,
+    InterconnectSpec,
     LoadingSpec,
     MetricsSpec,
 )
@@ -188,6 +190,8 @@ class Spec(_Model):
     topology: TopologySpec = Field(default_factory=TopologySpec)
     cost: CostSpec = Field(default_factory=CostSpec)
     balance: BalanceSpec = Field(default_factory=BalanceSpec)
+    context_parallel: ContextParallelSpec = Field(default_factory=ContextParallelSpec,
+                                                  exclude_if=lambda v: v == ContextParallelSpec())
     seed: int = 0
     steps: int | None = Field(None, ge=1, description="stop after this many global steps (unbounded if unset)")
     vocab_size: int | None = Field(None, ge=1, description="the model's vocabulary: a token id >= it is a bad record")
@@ -228,6 +232,26 @@ class Spec(_Model):
         if not self.mixture.schedule and sum(s.weight for s in self.sources) <= 0:
             raise ValueError("at least one source needs a positive weight")
         return self
+
+    @field_validator("context_parallel")
+    @classmethod
+    def _dynamic_fits(cls, v: ContextParallelSpec, info: ValidationInfo) -> ContextParallelSpec:
+        topology, packing, balance = (info.data.get(k) for k in ("topology", "packing", "balance"))
+        if v.mode == "fixed" or topology is None or packing is None or balance is None:
+            return v
+        pool = topology.dp * topology.cp
+        if v.max_degree is not None and v.max_degree > pool:
+            raise ValueError(f"max_degree {v.max_degree} is larger than the pool of dp x cp = {pool} ranks")
+        for seq_len in [p.seq_len for p in packing.schedule or []] or [packing.seq_len]:
+            if seq_len % (2 * topology.cp):
+                raise ValueError(f"dynamic: seq_len {seq_len} must be a multiple of 2 x cp = {2 * topology.cp} "
+                                 "(a rank's slot is seq_len / cp tokens, an even number)")
+        if balance.mode != "equal":
+            raise ValueError("dynamic: balance.mode must be equal (every rank runs one micro-batch per wave)")
+        if packing.split != "none" or packing.max_long_per_step is not None:
+            raise ValueError("dynamic: packing.split and packing.max_long_per_step do not apply (the Planner "
+                             "gives long documents more ranks instead)")
+        return v
 
     @field_validator("loading")
     @classmethod

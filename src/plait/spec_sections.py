@@ -175,6 +175,19 @@ class TopologySpec(StrictModel):
         return self.dp * self.tp * self.pp * self.cp
 
 
+class InterconnectSpec(StrictModel):
+    """What prices context-parallel traffic (dynamic CP): keys and values passed around a group's ring once
+    per layer, forward and backward (plait.cost.CommCost). Bandwidths in GB/s (gigabytes) per rank."""
+
+    bandwidth_gbps: float = Field(450.0, gt=0, description="GB/s per rank inside a node (NVLink)")
+    inter_node_bandwidth_gbps: float = Field(50.0, gt=0, description="GB/s per rank between nodes (400 Gb/s IB)")
+    latency_us: float = Field(10.0, ge=0, description="latency of one ring pass, microseconds")
+    ranks_per_node: int = Field(8, ge=1, description="pool ranks per node: a group beyond one node's pays inter-node")
+    compute_tflops: float = Field(400.0, gt=0, description="achieved TFLOP/s: turns seconds of traffic into the "
+                                  "cost model's FLOPs (a cost model fitted in seconds: 1e-12)")
+    kv_bytes: int = Field(2, ge=1, description="bytes per key/value element (bf16: 2)")
+
+
 class CostSpec(StrictModel):
     """The per-document cost c(L) = linear*L + quadratic*L^2.
 
@@ -191,6 +204,8 @@ class CostSpec(StrictModel):
     quadratic: float | None = Field(None, ge=0)
     attention_tile: int = Field(0, ge=0, description="attention kernel tile: short docs cost as if padded to it")
     encoder: EncoderSpec | None = Field(None, description="the vision encoder's per-image cost (multimodal)")
+    interconnect: InterconnectSpec = Field(default_factory=InterconnectSpec, exclude_if=lambda v: v == InterconnectSpec(),
+                                           description="prices dynamic CP's traffic (context_parallel.mode: dynamic)")
 
     @model_validator(mode="after")
     def _coeffs(self) -> "CostSpec":
@@ -252,6 +267,31 @@ class BalanceSpec(StrictModel):
     )
     max_delay: int = Field(0, ge=0, description="steps an outlier document may be delayed (0: never)")
     outlier_factor: float = Field(1.0, gt=0, description="delay documents costing more than this x mean rank load")
+
+
+class ContextParallelSpec(StrictModel):
+    """How documents are sharded for context parallelism over the pool of dp x cp ranks (docs/long-context.md).
+
+    fixed: every document of a replica's micro-batch is sharded over the replica's cp ranks (the default).
+    dynamic: each document gets a CP degree by its cost, the Planner groups ranks from the vocabulary the
+    trainer pre-creates (pow2: aligned power-of-two blocks; contiguous: any run of ranks) and plans the step
+    in waves."""
+
+    mode: Literal["fixed", "dynamic"] = "fixed"
+    groups: Literal["pow2", "contiguous"] = Field("pow2", description="the group vocabulary the trainer pre-creates")
+    max_degree: int | None = Field(None, ge=1, description="largest group (default: the pool, a power of two for pow2)")
+    theta: float = Field(1.0, gt=0, description="a document's degree: its cost over theta x the mean rank cost")
+
+    @model_validator(mode="after")
+    def _pow2(self) -> "ContextParallelSpec":
+        if self.groups == "pow2" and self.max_degree is not None and self.max_degree & (self.max_degree - 1):
+            raise ValueError(f"max_degree {self.max_degree} is not a power of two (groups: pow2)")
+        return self
+
+    def degree_cap(self, pool: int) -> int:
+        """The largest group of a pool of `pool` ranks."""
+        cap = min(pool, self.max_degree or pool)
+        return 1 << (cap.bit_length() - 1) if self.groups == "pow2" else cap
 
 
 class LoadingSpec(StrictModel):
