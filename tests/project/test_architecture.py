@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "plait"
 MAX_LINES = 650  # "files stay under ~600 lines"
 MAX_PARAMS = 10  # "functions take few parameters"
+MAX_CLASS_LINES = 250  # a class a reader can hold in mind
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # public despite the underscore
 
 
@@ -102,6 +103,13 @@ def test_no_private_names_across_modules(folder):
 def test_files_stay_small():
     big = [f"{p.relative_to(ROOT)}: {n}" for p in python_files(SRC)
            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert big == []
+
+
+def test_classes_stay_small():
+    big = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1}"
+           for p in python_files(SRC) for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
     assert big == []
 
 

@@ -116,8 +116,7 @@ class SourceLoader:
         self.blocks_read = 0
         self.busy_seconds = 0.0  # reading and decoding blocks, copying payloads (for the busy ratio)
         self.started = time.perf_counter()
-        self.skips_said: dict[int, int] = {}  # source -> skips counted when its last warning was logged
-        self.skip_epochs_said: set[tuple[int, int]] = set()  # (source, epoch) warned about
+        self.skip_warnings = SkipWarnings()
 
     # ----- metadata (to the Planner) -------------------------------------------------------------
     def first_key(self, source: int) -> BlockKey:
@@ -134,25 +133,12 @@ class SourceLoader:
             block = src.read_lengths(tuple(key))
         else:
             block = self.block(source, key)
-        self._say_skips(source, int(key[0]))
+        self.skip_warnings.say(self.sources[source], source, int(key[0]))
         table = getattr(block, "images", None)
         return BlockMeta(
             source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions,
             None if table is None else table.doc_sums(1), None if table is None else table.doc_sums(2),
         )
-
-    def _say_skips(self, source: int, epoch: int) -> None:
-        """Log a warning when a source has skipped new bad records (on_error: skip), once per source and
-        epoch, with the count so far: a Python API user sees skips without asking for error_report()."""
-        src = self.sources[source]
-        count = src.errors.get("skipped", 0)
-        if count <= self.skips_said.get(source, 0) or (source, epoch) in self.skip_epochs_said:
-            return
-        self.skips_said[source] = count
-        self.skip_epochs_said.add((source, epoch))
-        log.warning("source %r: %d bad record(s) skipped so far (on_error: skip), epoch %d; first: %s. "
-                    "Loader.error_report() lists them", src.name, count, epoch, src.error_log[0] if src.error_log
-                    else "-")
 
     # ----- payloads (to Constructors) ------------------------------------------------------------
     def gather(
@@ -348,3 +334,22 @@ def count_production(loader: SourceLoader, source: int, busy_s: float, tokens: i
     row[1] += tokens
     row[2] += samples
     row[3] += images
+
+
+class SkipWarnings:
+    """Logs a warning when a source has skipped new bad records (on_error: skip), once per source and
+    epoch, with the count so far: a Python API user sees skips without asking for error_report()."""
+
+    def __init__(self):
+        self.said: dict[int, int] = {}  # source -> skips counted when its last warning was logged
+        self.epochs_said: set[tuple[int, int]] = set()  # (source, epoch) warned about
+
+    def say(self, src: Source, source: int, epoch: int) -> None:
+        count = src.errors.get("skipped", 0)
+        if count <= self.said.get(source, 0) or (source, epoch) in self.epochs_said:
+            return
+        self.said[source] = count
+        self.epochs_said.add((source, epoch))
+        log.warning("source %r: %d bad record(s) skipped so far (on_error: skip), epoch %d; first: %s. "
+                    "Loader.error_report() lists them", src.name, count, epoch, src.error_log[0] if src.error_log
+                    else "-")
