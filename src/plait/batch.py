@@ -40,12 +40,14 @@ class ImagePayload(NamedTuple):
 class Payload(NamedTuple):
     """What `PayloadSource.fetch(items)` returns for image sources: tokens (int32, the items' spans
     concatenated in request order, placeholder runs included; dropped items' spans left out), their
-    images (None: none; `item` numbers the request's items) and the request indices of the items dropped
-    because an image failed to decode after planning (on_error: skip; None: none)."""
+    images (None: none; `item` numbers the request's items), the request indices of the items dropped
+    because an image failed to decode after planning (on_error: skip; None: none) and, per dropped item,
+    the labels it would have had that are not -100 (the step's `global_label_tokens` counted them)."""
 
     tokens: np.ndarray
     images: ImagePayload | None
     dropped: np.ndarray | None = None
+    dropped_labels: np.ndarray | None = None
 
 
 def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
@@ -53,9 +55,12 @@ def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray
     `sel` (each part's items numbered in its own order; a part is tokens, or a Payload)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     keep = np.ones(len(lengths), dtype=bool)
+    lost_labels = np.zeros(len(lengths), dtype=np.int64)
     for sel, part in parts:
         if isinstance(part, Payload) and part.dropped is not None:
             keep[np.asarray(sel)[part.dropped]] = False
+            if part.dropped_labels is not None:
+                lost_labels[np.asarray(sel)[part.dropped]] = part.dropped_labels
     kept = np.where(keep, lengths, 0)
     starts = np.cumsum(kept) - kept
     out = np.empty(int(kept.sum()), dtype=np.int32)
@@ -66,7 +71,7 @@ def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray
         return out
     dropped = np.flatnonzero(~keep)
     images = merge_images([(sel, part.images) for sel, part in parts if isinstance(part, Payload)])
-    return Payload(out, images, dropped if len(dropped) else None)
+    return Payload(out, images, *((dropped, lost_labels[dropped]) if len(dropped) else (None, None)))
 
 
 def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePayload | None:

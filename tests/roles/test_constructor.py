@@ -91,7 +91,7 @@ def test_each_microbatch_is_its_items_packed_in_plan_order():
     assert [mb.microbatch for mb in batches] == [0, 1, 2]
     for mb in batches:
         assert (mb.step, mb.dp_rank, mb.num_microbatches) == (4, 1, 3)
-        assert mb.stats == STATS
+        assert mb.stats == {**STATS, "dropped_samples": 0, "dropped_label_tokens": 0}  # nothing dropped here
         assert_microbatch(mb, [r for r, m in zip(ROWS, MICRO) if m == mb.microbatch])
         assert mb.input_ids.dtype == np.int32 and mb.labels.dtype == np.int32
         assert mb.cu_seqlens.dtype == np.int32 and mb.position_ids.dtype == np.int32

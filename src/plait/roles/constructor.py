@@ -7,7 +7,9 @@ The payload contract (`PayloadSource.fetch(items)`): the items' tokens concatena
 as an int32 array (text), or a `Payload(tokens, images)` where `images` (an ImagePayload or None) holds
 the uint8 patches of the items' images concatenated in item order, each image's grid and the index of
 its item, and the items dropped (an image that failed to decode after planning, under on_error: skip:
-the whole sample leaves its micro-batch, which gets shorter; `stats["dropped_samples"]` counts them).
+the whole sample leaves its micro-batch, which gets shorter; `stats["dropped_samples"]` counts them and
+`stats["dropped_label_tokens"]` their labels, which the step's `global_label_tokens` still counts: every
+micro-batch carries both, 0 when nothing was dropped, so a trainer's loss normaliser is one all-reduce).
 The Constructor then adds `pixel_values`, `image_grid`, `image_cu_seqlens` and `image_document` to
 each micro-batch and sets the labels that would predict a placeholder (inside documents with images)
 to -100.
@@ -89,10 +91,13 @@ class Constructor:
         images = None
         stats = plan.stats
         short = np.zeros(plan.microbatches, dtype=np.int64)  # samples dropped per micro-batch
+        lost = np.zeros(plan.microbatches, dtype=np.int64)  # their labels (global_label_tokens counted them)
         if isinstance(tokens, Payload):
-            tokens, images, dropped = tokens
+            tokens, images, dropped, dropped_labels = tokens
             if dropped is not None:  # an image failed after planning (skip): its sample is not delivered
                 short = np.bincount(plan.micro[sel[dropped]], minlength=plan.microbatches)
+                lost = np.bincount(plan.micro[sel[dropped]], weights=dropped_labels,
+                                   minlength=plan.microbatches).astype(np.int64)
                 items, sel, images = without_dropped(items, sel, images, dropped)
         # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
         # document boundary, so each micro-batch is a slice.
@@ -119,7 +124,7 @@ class Constructor:
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
-                    stats={**stats, "dropped_samples": int(short[m])} if short[m] else stats,
+                    stats={**stats, "dropped_samples": int(short[m]), "dropped_label_tokens": int(lost[m])},
                     **image_fields(images, a, b), **video_fields(videos, a, b),
                 )
             )

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from plait.batch import ImagePayload, Payload
+from plait.ragged import ragged_arange
 from plait.sources.base import DocBlock, Source
 from plait.sources.workers import WorkerPool
 
@@ -79,16 +80,30 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
     kinds = np.asarray([t[6] for t in work.tasks], np.int64)
     gone = None
     failed = np.asarray([not ok for _, ok in done])
+    lost_labels = None
     if failed.any():  # under skip: the whole sample of a media that did not decode leaves the payload
         gone = np.unique(owner[failed])
         keep_item = np.ones(len(length), dtype=bool)
         keep_item[gone] = False
+        lost_labels = labels_of(tokens, np.asarray(length, dtype=np.int64), gone,
+                                (int(work.token_id), int(work.video_token_id)))
         tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
         kept = keep_item[owner]
         pixels = pixels[np.repeat(kept, rows)]
         grids, owner, kinds = grids[kept], owner[kept], kinds[kept]
         if not kept.any():
-            return Payload(tokens, None, gone), done
+            return Payload(tokens, None, gone, lost_labels), done
     images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
                           kinds if kinds.any() else None, work.video_token_id, work.temporal_patch)
-    return Payload(tokens, images, gone), done
+    return Payload(tokens, images, gone, lost_labels), done
+
+
+def labels_of(tokens: np.ndarray, length: np.ndarray, items: np.ndarray, placeholders: tuple[int, int]) -> np.ndarray:
+    """Per item of `items` (documents with media, never cut), the labels the Constructor would have kept:
+    every token after the first predicts one, less those predicting a placeholder. What a dropped sample
+    takes out of the step's `global_label_tokens` (a micro-batch's `stats["dropped_label_tokens"]`)."""
+    starts = np.cumsum(length) - length
+    predicting = (length[items] - 1).clip(min=0)
+    kept = ~np.isin(tokens[ragged_arange(starts[items] + 1, predicting)], placeholders)
+    owner = np.repeat(np.arange(len(items)), predicting)
+    return np.bincount(owner, weights=kept, minlength=len(items)).astype(np.int64)
