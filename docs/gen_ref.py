@@ -259,6 +259,7 @@ def generated_pages() -> dict[str, str]:
 
 # ----- links to the repository ------------------------------------------------------------------------
 LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)#\s]+)(#[^)\s]*)?\)")
+IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 
 
 def repo_links_as_code(markdown: str, page_dir: Path, docs_dir: Path, site_dir: Path | None = None) -> str:
@@ -282,7 +283,17 @@ def repo_links_as_code(markdown: str, page_dir: Path, docs_dir: Path, site_dir: 
         text = m.group(1).strip("`")
         return f"`{rel.as_posix()}`" if text == rel.as_posix() or text == target else f"{m.group(1)} (`{rel.as_posix()}`)"
 
-    return LINK.sub(swap, markdown)
+    markdown = LINK.sub(swap, markdown)
+    if site_dir is None:
+        return markdown
+
+    def move_image(m: re.Match) -> str:  # a picture of docs/ shown by a page the site publishes elsewhere
+        resolved = (page_dir / m.group(2)).resolve()
+        if re.match(r"^[a-z]+:", m.group(2)) or not resolved.is_relative_to(docs_dir.resolve()):
+            return m.group(0)
+        return f"![{m.group(1)}]({Path(os.path.relpath(resolved, site_dir.resolve())).as_posix()})"
+
+    return IMAGE.sub(move_image, markdown)
 
 
 # ----- MkDocs hooks -------------------------------------------------------------------------------------
