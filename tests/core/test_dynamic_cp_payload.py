@@ -102,3 +102,78 @@ def test_a_shard_or_a_media_batch_is_not_cut():
     with pytest.raises(ValueError, match="degree 1"):
         shard_for_group(with_image, 2, 0)
     assert shard_for_group(with_image, 1, 0).stats["cp"]["size"] == 1
+
+
+# ----- the build path: a pool rank's waves, each group built once ---------------------------------------------
+
+def dynamic_plan(plan):
+    """A fixed-mode step of 4 DP ranks x 2 micro-batches made a dynamic-CP step by hand (until the Planner
+    plans them itself): wave 0 holds a group of 2 (ranks 0-1) and two of 1, wave 1 one group of 4."""
+    import dataclasses
+
+    from plait.plan import CPGroups
+
+    assert plan.ranks == 4 and plan.microbatches == 2
+    groups = CPGroups(wave=np.array([0, 0, 0, 1], np.int32), first=np.array([0, 2, 3, 0], np.int32),
+                      size=np.array([2, 1, 1, 4], np.int32))
+    group_of = np.array([[0, 3], [0, 3], [1, 3], [2, 3]])  # [rank, micro] of the fixed plan -> group
+    item_group = group_of[plan.rank, plan.micro]
+    return dataclasses.replace(plan, cp_groups=groups, item_group=item_group,
+                               rank=groups.first[item_group], micro=groups.wave[item_group])
+
+
+@pytest.fixture(scope="module")
+def roles_and_plans(demo_spec_path):
+    import plait
+    from plait.runtime.local import LocalRoles
+
+    spec = plait.load_spec(demo_spec_path).with_overrides(
+        topology={"dp": 4}, packing={"seq_len": 2048, "microbatches": 2}, steps=2)
+    roles = LocalRoles(spec)
+    yield roles, [dynamic_plan(roles.plan()) for _ in range(2)]
+    roles.close()
+
+
+def test_pool_ranks_get_shards_of_groups_built_once(roles_and_plans):
+    roles, plans = roles_and_plans
+    for plan in plans:
+        before = roles.groups.builds
+        shards = {p: roles.build(plan, p) for p in range(plan.ranks)}
+        assert roles.groups.builds - before == len(plan.cp_groups)  # one build per group, 4 members or not
+        assert not roles.groups.groups  # every member cut its shard: nothing kept
+        delivered, labels = [], 0
+        for g in range(len(plan.cp_groups)):
+            wave, first, k = (int(x[g]) for x in (plan.cp_groups.wave, plan.cp_groups.first, plan.cp_groups.size))
+            members = [shards[first + m][wave] for m in range(k)]
+            for m, s in enumerate(members):
+                assert s.stats["cp"]["size"] == k and s.stats["cp"]["rank"] == m and s.dp_rank == first + m
+                assert s.stats["cp"]["group"] == list(range(first, first + k)) and s.stats["cp"]["group_id"] == g
+                assert (s.microbatch, s.num_microbatches) == (wave, plan.microbatches)
+                labels += int((s.labels != IGNORE_INDEX).sum())
+            whole = unshard_group(members)
+            items = np.flatnonzero(plan.item_group == g)
+            assert np.array_equal(whole.sample_ids, plan.items.take(items).sample_ids())
+            assert whole.num_tokens == int(plan.items.length[items].sum())
+            delivered.append(whole.sample_ids)
+        # exactly once: every placed item in one group micro-batch, and the step's label count exact
+        ids = np.concatenate(delivered)
+        assert len(np.unique(ids, axis=0)) == len(ids) == len(plan.items)
+        assert labels == plan.stats()["global_label_tokens"] == plan.label_tokens
+
+
+def test_a_failed_group_build_is_built_again():
+    from plait.job.cp_builds import GroupBuilds
+    from plait.plan import Items, RankPlan
+
+    groups = GroupBuilds()
+    plan = RankPlan(0, 1, 1, Items.empty(), np.zeros(0, np.int32), {},
+                    cp=[{"size": 2, "rank": 1, "group": [0, 1], "group_id": 0}])
+
+    def fail(waves):
+        raise OSError("a loader went away")
+
+    with pytest.raises(OSError):
+        groups.rank_batches("step", plan, fail)
+    assert not groups.groups
+    out = groups.rank_batches("step", plan, lambda waves: [group_mb([6, 3])])
+    assert out[0].stats["cp"]["rank"] == 1 and groups.builds == 2

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.job.builds import BuildCache
+from plait.job.cp_builds import is_dynamic, served_rank
 from plait.job.consumers import Consumers
 from plait.job.window import REPORT_S, WINDOW, PlanWindow
 from plait.plan import StepPlan
@@ -64,7 +65,8 @@ class JobService:
     def __init__(self, roles: JobRoles, *, build_ahead: int = 2, expected: int = 0, grace_s: float = 60.0,
                  window: int | None = None, threads: int | None = None, every_rank_reads: bool = True):
         self.roles = roles
-        self.ranks = roles.planner.ranks
+        self.ranks = roles.planner.ranks  # with dynamic CP the pool (dp x cp): builds are per pool rank
+        self.dynamic = is_dynamic(roles.spec)
         self.lock = threading.RLock()
         self.consumers = Consumers(expected=expected, grace_s=grace_s)
         size = int(window or os.environ.get(WINDOW_ENV) or WINDOW)
@@ -203,10 +205,11 @@ class JobService:
         slowest live reader."""
         if not 0 <= dp_rank < self.ranks:
             raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.ranks} DP ranks")
-        key = (gen, step, dp_rank)
+        rank, cut = served_rank(self.dynamic, dp_rank, cp)  # dynamic CP: the pool rank's build, cut already
+        key = (gen, step, rank)
         with self.lock:
             self.consumers.asked(client or f"rank-{dp_rank}-cp-{cp[1]}", dp_rank, cp[1], gen, step, limit)
-            self.reading.add(dp_rank)
+            self.reading.add(rank)
             if self.window.moved():
                 self._release()
             self.window.admit(gen, step)
@@ -217,7 +220,7 @@ class JobService:
             with self.lock:
                 self.cache.forget(key)
             raise
-        return BuildCache.served(built, cp, with_state)
+        return BuildCache.served(built, cut, with_state)
 
     def stats(self) -> dict:
         """The window (size, longest, waits, who was waited for) and the builds held."""

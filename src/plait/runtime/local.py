@@ -14,6 +14,7 @@ import threading
 from typing import Iterator
 
 from plait.batch import MicroBatch
+from plait.job.cp_builds import GroupBuilds
 from plait.job.service import JobService
 from plait.job.stream import asked, read_rank
 from plait.plan import StepPlan
@@ -40,6 +41,7 @@ class LocalRoles:
         # only (a gather's media decode after it is released: LoaderPayloads)
         self._lock = threading.Lock()
         self.constructor = Constructor(LoaderPayloads(lambda source: self.loader, lock=self._lock))
+        self.groups = GroupBuilds()  # dynamic CP: each group micro-batch built once for its members here
         self.telemetry = Telemetry(spec.source_names)
         self.telemetry.watch_loader(self.loader.telemetry)
         port = metrics_port if metrics_port is not None else spec.metrics.port
@@ -56,8 +58,15 @@ class LocalRoles:
         return plan
 
     def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
+        """The rank's micro-batches of the step (those of `only`); with dynamic CP `dp_rank` is a pool
+        rank and each micro-batch its shard of a group built once here for all members (job.cp_builds)."""
+        rank = plan.for_rank(dp_rank)
         with Stopwatch() as t:
-            batches = self.constructor.build(plan.for_rank(dp_rank), only=only)
+            if rank.cp is None:
+                batches = self.constructor.build(rank, only=only)
+            else:
+                batches = self.groups.rank_batches(self.groups.plan_scope(plan), rank,
+                                                   lambda waves: self.constructor.build(rank, only=waves), only)
         self.telemetry.observe_build(batches, t.seconds)
         return batches
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from plait.batch import MicroBatch
 from plait.job.builds import BuildCache
+from plait.job.cp_builds import GroupBuilds, served_rank
 from plait.job.window import POLL_S, REPORT_S
 from plait.roles.constructor import Constructor
 from plait.runtime.placement import PartitionMap
@@ -109,6 +110,7 @@ class RayPayloads:
 
 
 MAX_BUILD_THREADS = 16
+GROUPS_KEPT = 4  # steps behind a build whose dynamic-CP groups a Constructor still keeps for their members
 
 
 def build_threads(ranks: int) -> int:
@@ -133,6 +135,10 @@ class ConstructorActor:
         self.route = Route(get(self.planner.routing.remote()))
         self.payloads = RayPayloads(self.route, planner=self.planner)
         self.constructor = Constructor(self.payloads)
+        # dynamic CP: a group's micro-batch is built once here for the members this Constructor serves (the
+        # members served by another Constructor build it there: once per Constructor holding a member)
+        self.dynamic = bool(info.get("dynamic_cp"))
+        self.groups = GroupBuilds()
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
         self.cache = BuildCache(self._build, prefetch, threads=max(1, threads))
@@ -162,7 +168,11 @@ class ConstructorActor:
         plan, state, routing = self._ask_planner("build_order", gen, step, dp_rank, self.route.version, with_state)
         self.route.update(routing)
         with Stopwatch() as t:
-            batches = self.constructor.build(plan)
+            if plan.cp is None:
+                batches = self.constructor.build(plan)
+            else:  # groups more than a few steps behind this build belong to members served elsewhere
+                self.groups.drop(lambda scope: scope[0] == gen and scope[1] >= step - self.prefetch - GROUPS_KEPT)
+                batches = self.groups.rank_batches((gen, step), plan, lambda waves: self.constructor.build(plan, only=waves))
         self.counts.observe_build(batches, t.seconds)
         self.planner.mark_built.remote(gen, step, dp_rank)
         return state, batches
@@ -203,6 +213,7 @@ class ConstructorActor:
         fetches it only for a checkpoint (the Planner -> Constructors traffic per step is then the rank's
         plan alone). Waits while `step` is beyond the Planner's window (`_pace`). `client` (the reader's
         name) is not used here: the Planner follows the ranks by their builds."""
+        dp_rank, cp = served_rank(self.dynamic, dp_rank, cp)  # dynamic CP: the pool rank's build, cut already
         self._pace(gen, step, dp_rank)
         with self.lock:
             # The build-ahead stops at the window's edge; the last few builds stay for the replica's other ranks.

@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from plait.job.consumers import RankProgress
+from plait.job.cp_builds import is_dynamic
 from plait.job.window import WINDOW, PlanWindow
 from plait.plan import RankPlan, StepPlan
 from plait.runtime.placement import LoaderLayout
@@ -103,7 +104,7 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
                 "sources": self.spec.source_names,
                 "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict(),
                 "idle_timeout": self.presence.idle_timeout, "routing_version": self.routes.version,
-                "heartbeat_interval": self.presence.trainers.interval}
+                "heartbeat_interval": self.presence.trainers.interval, "dynamic_cp": is_dynamic(self.spec)}
 
     def get_loaders(self) -> list:
         return self.loaders.handles
