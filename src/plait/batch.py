@@ -17,7 +17,7 @@ from plait.ragged import ragged_arange
 # Qwen2-VL's processor defaults (OpenAI CLIP's mean / std on the 0..1 scale, a temporal patch of 2 frames)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-LAYOUTS = ("plait", "qwen2vl")
+LAYOUTS = ("plait", "qwen2vl", "megatron_thd")
 
 
 class ImagePayload(NamedTuple):
@@ -169,6 +169,8 @@ class MicroBatch:
         """The batch as torch tensors: ids, labels and positions int64, the rest int32 (needs plait[torch]).
 
         Returns a dict of tensors only; `max_seqlen` (for varlen attention kernels) is an attribute.
+        `layout="megatron_thd"` adds Megatron-Core's PackedSeqParams fields, as one dict, under
+        "packed_seq_params" (plait.megatron_layout; the group's view of a dynamic-CP shard).
         `pin_memory=True` pins the host tensors so that `non_blocking=True` copies to a CUDA `device`
         overlap with compute. With images: `pixel_values` (uint8, or with `normalize=(mean, std)` (each a
         number or 3 per-channel values, on the 0..1 scale) float32 (x/255 - mean) / std, normalised on
@@ -216,6 +218,10 @@ class MicroBatch:
             out["video_cu_seqlens"] = t(self.video_cu_seqlens, torch.int32)
         if self.mtp_labels is not None:
             out["mtp_labels"] = t(self.mtp_labels, torch.long)
+        if layout == "megatron_thd":
+            from plait.megatron_layout import megatron_thd
+
+            out["packed_seq_params"] = megatron_thd(self.stats, self.cu_seqlens, lambda a: t(a, torch.int32))
         out.max_seqlen = self.max_seqlen
         return out
 

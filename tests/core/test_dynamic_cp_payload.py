@@ -177,3 +177,32 @@ def test_a_failed_group_build_is_built_again():
     assert not groups.groups
     out = groups.rank_batches("step", plan, lambda waves: [group_mb([6, 3])])
     assert out[0].stats["cp"]["rank"] == 1 and groups.builds == 2
+
+
+# ----- to_torch(layout="megatron_thd") -----------------------------------------------------------------------
+
+# PackedSeqParams' fields in megatron/core/packed_seq_params.py (NVIDIA/Megatron-LM), less the trainer's cp_group
+MEGATRON_FIELDS = {"qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                   "max_seqlen_q", "max_seqlen_kv", "local_cp_size"}
+
+
+def test_megatron_thd_layout_gives_the_group_view():
+    torch = pytest.importorskip("torch")
+    mb = group_mb([10, 300, 1])
+    k = 4
+    for member in range(k):
+        shard = shard_for_group(mb, k, member)
+        params = shard.to_torch(layout="megatron_thd")["packed_seq_params"]
+        assert set(params) == MEGATRON_FIELDS and params["qkv_format"] == "thd" and params["local_cp_size"] == k
+        assert params["cu_seqlens_q"].dtype == torch.int32
+        assert params["cu_seqlens_q"].tolist() == params["cu_seqlens_kv"].tolist() == [0, 10, 310, 311]
+        assert params["cu_seqlens_q_padded"].tolist() == [0, 16, 16 + 304, 16 + 304 + 8]
+        assert params["max_seqlen_q"] == params["max_seqlen_kv"] == 304
+        # the local tokens are the padded group view's 1/k: Transformer Engine finds each rank's chunks so
+        assert shard.num_tokens * k == params["cu_seqlens_q_padded"][-1]
+    whole = mb.to_torch(layout="megatron_thd")["packed_seq_params"]
+    assert whole["local_cp_size"] == 1 and whole["cu_seqlens_q_padded"].tolist() == mb.cu_seqlens.tolist()
+    from plait.context_parallel import shard_for_cp
+
+    with pytest.raises(ValueError, match="dynamic"):
+        shard_for_cp(mb, 2, 0).to_torch(layout="megatron_thd")
