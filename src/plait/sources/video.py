@@ -26,7 +26,8 @@ import pyarrow as pa
 
 from plait.sources.reader import RawBlock
 from plait.spec import Spec
-from plait.transforms.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video, probe
+from plait.transforms.container_size import probe_whole  # probe, less a container shorter than it says
+from plait.transforms.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video
 
 MAX_WINDOWS = 4096  # clip windows per record (a 2-hour video at 2 fps and 768 frames a window needs 19)
 VIDEO_KIND = 1  # ImagePayload.kind of a video (0: an image)
@@ -72,7 +73,7 @@ class VideoDocs:
         that plan."""
         if vref.plan is not None:
             return vref.plan
-        return self.policy.plan(probe(self.reader.video_input(path, vref.ref)), vref.window)
+        return self.policy.plan(probe_whole(self.reader.video_input(path, vref.ref)), vref.window)
 
     def decode(self, path: str, vref: VideoRef) -> np.ndarray:
         """The planned frames as uint8 patch rows [plan.rows, patch*patch*3] (BadVideo on failure)."""
@@ -99,7 +100,7 @@ class VideoDocs:
             if len(videos) != 1:
                 continue
             try:
-                info = probe(self.reader.video_input(path, videos[0].ref))
+                info = probe_whole(self.reader.video_input(path, videos[0].ref))
                 n = min(self.policy.windows(info), MAX_WINDOWS)
                 plans[int(r)] = [self.policy.plan(info, w) for w in range(n)]
             except BadVideo as e:
