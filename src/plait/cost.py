@@ -22,6 +22,13 @@ micro-batch's images).
 Context parallelism: a replica's micro-batch is split over its `cp` ranks by head-tail sharding (each
 document cut into 2*cp pieces, CP rank i taking pieces i and 2*cp-1-i). Under causal attention the
 pair costs the same for every i, so each CP rank carries exactly c(L)/cp (`per_cp_rank`).
+
+Dynamic CP (`context_parallel.mode: dynamic`) also prices the traffic of a group of k ranks (`CommCost`):
+ring attention passes each member's keys and values around the ring, k - 1 passes per layer forward and
+twice that backward (keys and values again, and their gradients), each paying the link's latency. A group
+inside one node (`cost.interconnect.ranks_per_node`) runs at the node's bandwidth, one across nodes at the
+inter-node bandwidth. Seconds become the cost model's units through `compute_tflops`. Linear in the group's
+tokens T: each member carries slope(k) * T + intercept(k), not overlapped with compute (conservative).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from itertools import combinations
 import numpy as np
 
 from plait.spec import CostSpec
+
+RING_PASSES = 3  # per layer and unit of (k - 1): forward K/V, backward K/V again and their gradients
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,50 @@ class CostModel:
             report["encoder_linear"], report["encoder_quadratic"] = float(coef[4]), float(coef[5])
             encoder = EncoderCost(float(coef[4]), float(coef[5]))
         return cls(float(coef[0]), float(coef[1]), tile, float(coef[2]), encoder), report
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """The CP traffic one member of a group of k ranks carries (module docstring), in cost-model units."""
+
+    kv_bytes_per_token: float  # keys and values of one token in one layer
+    layers: int
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    latency_s: float
+    ranks_per_node: int
+    units_per_s: float  # cost-model units per second of compute
+
+    @classmethod
+    def from_spec(cls, spec: CostSpec) -> "CommCost":
+        net = spec.interconnect
+        hidden, heads = float(spec.hidden or 4096), float(spec.heads or 32)
+        kv_heads = float(spec.kv_heads or heads)
+        return cls(2 * hidden * kv_heads / heads * net.kv_bytes, int(spec.layers or 32), net.bandwidth_gbps * 1e9,
+                   net.inter_node_bandwidth_gbps * 1e9, net.latency_us * 1e-6, net.ranks_per_node,
+                   net.compute_tflops * 1e12)
+
+    def crosses_nodes(self, first: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """Whether the group of ranks first..first+size-1 spans more than one node."""
+        first = np.asarray(first, dtype=np.int64)
+        return first // self.ranks_per_node != (first + np.asarray(size, dtype=np.int64) - 1) // self.ranks_per_node
+
+    def slope(self, size: np.ndarray, crosses: np.ndarray) -> np.ndarray:
+        """Cost per token of the group's micro-batch that each member carries."""
+        k = np.asarray(size, dtype=np.float64)
+        bandwidth = np.where(crosses, self.inter_bytes_per_s, self.intra_bytes_per_s)
+        return RING_PASSES * self.layers * (k - 1) / k * self.kv_bytes_per_token / bandwidth * self.units_per_s
+
+    def intercept(self, size: np.ndarray) -> np.ndarray:
+        """The latency each member carries, whatever the group's tokens."""
+        k = np.asarray(size, dtype=np.float64)
+        return RING_PASSES * self.layers * (k - 1) * self.latency_s * self.units_per_s
+
+    def per_member(self, tokens: np.ndarray, size: np.ndarray, crosses: np.ndarray | bool = False) -> np.ndarray:
+        """What each member of groups of `size` ranks holding `tokens` tokens (padding included) carries."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        out = self.slope(size, crosses) * tokens + self.intercept(size)
+        return np.where((np.asarray(size) > 1) & (tokens > 0), out, 0.0)
 
 
 def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
