@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from plait.qwen2vl_layout import CLIP_MEAN, CLIP_STD, merge_window_order, model_inputs, numpy_layout, torch_layout
 from plait.ragged import ragged_arange
 
-# Qwen2-VL's processor defaults (OpenAI CLIP's mean / std on the 0..1 scale, a temporal patch of 2 frames)
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+__all__ = ["CLIP_MEAN", "CLIP_STD", "LAYOUTS", "Batch", "ImagePayload", "MicroBatch", "Payload", "TorchBatch",
+           "merge_images", "merge_payloads", "merge_window_order"]
 LAYOUTS = ("plait", "qwen2vl", "megatron_thd")
 
 
@@ -147,22 +147,15 @@ class MicroBatch:
         return int(len(self.input_ids))
 
     def qwen2vl(self, mean=CLIP_MEAN, std=CLIP_STD, *, merge: int = 2, temporal_patch: int = 2) -> dict:
-        """The images in Hugging Face Qwen2-VL / Qwen2.5-VL's processor layout, as numpy (no torch needed):
-        `pixel_values` float32 [patches, 3 * temporal_patch * patch * patch] (each image's merge x merge
-        windows contiguous, each patch flattened as (C, T, patch, patch) with the image repeated over T,
-        values rescaled and normalised exactly as the processor does them) and `image_grid_thw` int64
-        [images, 3]. Bit-identical to `Qwen2VLImageProcessor` given the same resize settings; needs the
-        `dynamic` image policy (one frame per image). Empty arrays when the micro-batch holds no image."""
-        grid = np.zeros((0, 3), np.int64) if self.image_grid is None else self.image_grid
-        patch, order = qwen2vl_order(self.pixel_values, grid, merge)
-        width = 3 * temporal_patch * patch * patch
-        if not len(order):
-            return {"pixel_values": np.zeros((0, width), np.float32), "image_grid_thw": grid.astype(np.int64)}
-        lut = normalize_table(mean, std)
-        x = self.pixel_values[order].reshape(len(order), patch, patch, 3)
-        y = lut[np.arange(3), x].transpose(0, 3, 1, 2)  # [P, C, p, p] float32
-        y = np.broadcast_to(y[:, :, None], (len(order), 3, temporal_patch, patch, patch))
-        return {"pixel_values": y.reshape(len(order), width), "image_grid_thw": grid.astype(np.int64)}
+        """The micro-batch in Hugging Face Qwen2-VL / Qwen2.5-VL's layout, as numpy (no torch needed):
+        `input_ids`, `labels` (plait's: already shifted, -100 where not trained) and `mm_token_type_ids`
+        [1, T]; `position_ids` int64 [4, 1, T] (plait's per-document positions, then each document's
+        M-RoPE index: the model's packed form); `pixel_values` float32 [patches, 3 * temporal_patch *
+        patch * patch] and `image_grid_thw` (empty without images) as `Qwen2VLImageProcessor` gives them,
+        bit for bit under the same resize settings (needs the `dynamic` image policy); with videos
+        `pixel_values_videos` and `video_grid_thw` as `Qwen2VLVideoProcessor` gives them for the same
+        frames. Layout and rules: plait.qwen2vl_layout."""
+        return numpy_layout(self, (mean, std), merge, temporal_patch)
 
     def to_torch(self, device=None, *, pin_memory: bool = False, non_blocking: bool = False,
                  normalize: tuple | None = None, layout: str = "plait") -> "TorchBatch":
@@ -175,9 +168,11 @@ class MicroBatch:
         overlap with compute. With images: `pixel_values` (uint8, or with `normalize=(mean, std)` (each a
         number or 3 per-channel values, on the 0..1 scale) float32 (x/255 - mean) / std, normalised on
         `device`), `image_grid`, `image_cu_seqlens`, `image_document`.
-        `layout="qwen2vl"`: `pixel_values` in Qwen2-VL's processor layout instead (see `qwen2vl()`; float32,
-        normalised on `device` with `normalize`, default the processor's CLIP mean / std) and
-        `image_grid_thw` (= `image_grid`), what a Hugging Face Qwen2-VL / Qwen2.5-VL model takes.
+        `layout="qwen2vl"`: the fields a Hugging Face Qwen2-VL / Qwen2.5-VL model takes, in its layout
+        (see `qwen2vl()`): `input_ids`, `labels`, `mm_token_type_ids` [1, T], `position_ids` [4, 1, T]
+        (per-document M-RoPE), `pixel_values` / `image_grid_thw` and `pixel_values_videos` /
+        `video_grid_thw` (float32, normalised on `device` with `normalize`, default CLIP's mean / std);
+        `model_inputs()` picks what the forward takes. plait's other fields stay as they are.
         """
         import torch
 
@@ -200,24 +195,22 @@ class MicroBatch:
             sample_ids=t(self.sample_ids, torch.long),
             source_ids=t(self.source_ids, torch.int32),
         )
-        if self.pixel_values is not None and layout == "qwen2vl":
-            patch, order = qwen2vl_order(self.pixel_values, self.image_grid, 2)
-            out["pixel_values"] = _qwen2vl_pixels(t(self.pixel_values[order], torch.uint8), patch,
-                                                  normalize or (CLIP_MEAN, CLIP_STD))
-            out["image_grid_thw"] = t(self.image_grid, torch.long)
-        elif self.pixel_values is not None:
-            out["pixel_values"] = _pixels(t(self.pixel_values, torch.uint8), normalize)
         if self.pixel_values is not None:
+            if layout == "plait":  # qwen2vl: its own pixels below
+                out["pixel_values"] = _pixels(t(self.pixel_values, torch.uint8), normalize)
             out["image_grid"] = t(self.image_grid, torch.long)
             out["image_cu_seqlens"] = t(self.image_cu_seqlens, torch.int32)
             out["image_document"] = t(self.image_document, torch.long)
         if self.pixel_values_videos is not None:
-            out["pixel_values_videos"] = t(self.pixel_values_videos, torch.uint8)
+            if layout == "plait":
+                out["pixel_values_videos"] = t(self.pixel_values_videos, torch.uint8)
             for name in ("video_grid", "video_document"):
                 out[name] = t(getattr(self, name), torch.long)
             out["video_cu_seqlens"] = t(self.video_cu_seqlens, torch.int32)
         if self.mtp_labels is not None:
             out["mtp_labels"] = t(self.mtp_labels, torch.long)
+        if layout == "qwen2vl":
+            out.update(torch_layout(self, t, normalize or (CLIP_MEAN, CLIP_STD), 2, 2))
         if layout == "megatron_thd":
             from plait.megatron_layout import megatron_thd
 
@@ -267,55 +260,15 @@ def _pixels(x, normalize):
     return ((y - mean) / std).view(len(x), width)
 
 
-def normalize_table(mean, std) -> np.ndarray:
-    """float32 [3, 256]: what each uint8 value of each channel becomes, computed as Hugging Face's image
-    processors do it (x as float64 times 1/255, cast to float32, then (x - mean) / std in float32), so a
-    lookup gives their values bit for bit."""
-    mean32 = np.broadcast_to(np.asarray(mean, np.float32), (3,))
-    std32 = np.broadcast_to(np.asarray(std, np.float32), (3,))
-    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
-    return ((scaled[None, :] - mean32[:, None]) / std32[:, None]).astype(np.float32)
-
-
-def merge_window_order(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
-    """Permutation from raster patch order to merge-window order (Qwen2-VL's): `patches[order]` puts each
-    merge x merge window's patches next to each other, windows in raster order."""
-    idx = np.arange(grid_h * grid_w, dtype=np.int64).reshape(grid_h // merge, merge, grid_w // merge, merge)
-    return idx.transpose(0, 2, 1, 3).reshape(-1)
-
-
-def qwen2vl_order(pixels: np.ndarray | None, grid: np.ndarray, merge: int) -> tuple[int, np.ndarray]:
-    """The patch side and the row order that takes plait's raster patches (image after image) to
-    Qwen2-VL's merge-window order. ValueError for tiles (t > 1) or a grid not made of whole windows."""
-    if pixels is None or not len(grid):
-        return 0 if pixels is None else int(round((pixels.shape[1] // 3) ** 0.5)), np.zeros(0, np.int64)
-    patch = int(round((pixels.shape[1] // 3) ** 0.5))
-    if (grid[:, 0] != 1).any():
-        raise ValueError("the qwen2vl layout needs one frame per image (images.policy: dynamic), not tiles")
-    if (grid[:, 1:] % merge).any():
-        raise ValueError(f"an image grid {grid[(grid[:, 1:] % merge).any(axis=1)][0].tolist()} is not made of "
-                         f"whole {merge}x{merge} merge windows")
-    sizes = grid.prod(axis=1)
-    starts = np.cumsum(sizes) - sizes
-    # one small permutation per image (a few per micro-batch), then a single gather of all patch rows
-    order = np.concatenate([s + merge_window_order(int(h), int(w), merge) for s, (_, h, w) in zip(starts, grid)])
-    return patch, order
-
-
-def _qwen2vl_pixels(x, patch: int, normalize, temporal_patch: int = 2):
-    """uint8 patches [P, patch*patch*3] in merge-window order -> Qwen2-VL's float32 [P, 3*T*patch*patch]."""
-    import torch
-
-    lut = torch.from_numpy(normalize_table(*normalize)).to(x.device)
-    n = len(x)
-    y = lut[torch.arange(3, device=x.device), x.view(n, patch, patch, 3).long()].permute(0, 3, 1, 2)
-    return y.unsqueeze(2).expand(n, 3, temporal_patch, patch, patch).reshape(n, 3 * temporal_patch * patch * patch)
-
-
 class TorchBatch(dict):
     """A dict of tensors (what a training step unpacks) with the batch's scalars as attributes."""
 
     max_seqlen: int = 0
+
+    def model_inputs(self) -> dict:
+        """With `layout="qwen2vl"`: the keyword arguments of the Hugging Face model's forward (token fields,
+        M-RoPE positions, the media it holds); labels are left out (plait's are already shifted)."""
+        return model_inputs(self)
 
 
 Batch = MicroBatch

@@ -20,6 +20,7 @@ except ImportError:  # 4.x: the default processor is the PIL / numpy one
     from transformers import Qwen2VLImageProcessor as Qwen2VLPil
 
 MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+PLACEHOLDER = 300
 # (width, height, mode, format): upscaled, downscaled (a JPEG shrunk > 2x: the draft must be off), grey,
 # palette, alpha, odd sizes and aspect ratios
 IMAGES = [(64, 48, "RGB", "PNG"), (700, 500, "RGB", "JPEG"), (1300, 300, "RGB", "JPEG"), (90, 333, "L", "PNG"),
@@ -49,10 +50,13 @@ def batch_of(data: list[bytes]) -> MicroBatch:
     policy = ImagePolicy("dynamic", patch=14, merge=2, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     decoded = [decode(b, policy) for b in data]
     assert all(d.draft == 1 for d in decoded)
+    grid = np.asarray([d.grid for d in decoded], np.int64)
+    # one document: a word, then each image's placeholder run
+    ids = np.concatenate([[5, 6]] + [[7] + [PLACEHOLDER] * int(g.prod() // 4) for g in grid]).astype(np.int32)
     z = np.zeros(1, np.int32)
-    return MicroBatch(0, 0, 1, 0, z, z, z, np.array([0, 1], np.int32), np.zeros((1, 5), np.int64), z,
-                      pixel_values=np.concatenate([d.patches for d in decoded]),
-                      image_grid=np.asarray([d.grid for d in decoded], np.int64),
+    return MicroBatch(0, 0, 1, 0, ids, ids, np.arange(len(ids), dtype=np.int32), np.array([0, len(ids)], np.int32),
+                      np.zeros((1, 5), np.int64), z, stats={"image_token_id": PLACEHOLDER, "video_token_id": -1},
+                      pixel_values=np.concatenate([d.patches for d in decoded]), image_grid=grid,
                       image_cu_seqlens=np.zeros(len(decoded) + 1, np.int32), image_document=np.zeros(len(decoded), np.int64))
 
 
@@ -88,3 +92,107 @@ def test_qwen2vl_layout_refuses_tiles_and_unknown_layouts():
     pytest.importorskip("torch")
     with pytest.raises(ValueError, match="layout must be one of"):
         batch_of(blobs()[:1]).to_torch(layout="hf")
+
+
+# ----- M-RoPE per packed document, against the model's own get_rope_index ---------------------------------
+VIDEO_PLACEHOLDER = 301
+
+
+def tiny_qwen2vl():
+    """A tiny random Qwen2-VL (its get_rope_index needs only the config; the model tests run it)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=257,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 3, 3]}),
+                        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
+                        image_token_id=PLACEHOLDER, video_token_id=VIDEO_PLACEHOLDER, vision_start_token_id=302,
+                        vision_end_token_id=303)
+    pytest.importorskip("torch").manual_seed(0)
+    return Qwen2VLForConditionalGeneration(cfg).eval()
+
+
+def packed_documents(rng, docs: int) -> tuple[MicroBatch, list[dict]]:
+    """A micro-batch of random documents (text runs, images, videos; a video with more temporal patches
+    than merged rows and columns among them), its media as metadata only, and each document alone."""
+    ids, image_grid, image_doc, video_grid, video_doc, alone = [], [], [], [], [], []
+    for d in range(docs):
+        tokens, images, videos = [], [], []
+        for _ in range(rng.integers(0, 4)):
+            tokens += rng.integers(0, 256, rng.integers(1, 4)).tolist()  # text between media
+            h, w = 2 * rng.integers(1, 4, 2)
+            if rng.random() < 0.5:
+                images.append([1, h, w])
+                tokens += [PLACEHOLDER] * int(h * w // 4)
+            else:
+                videos.append([int(rng.integers(1, 7)), h, w])
+                tokens += [VIDEO_PLACEHOLDER] * int(np.prod(videos[-1]) // 4)
+        tokens += rng.integers(0, 256, rng.integers(1, 5)).tolist()
+        ids.append(tokens)
+        image_grid += images
+        video_grid += videos
+        image_doc += [d] * len(images)
+        video_doc += [d] * len(videos)
+        alone.append({"input_ids": tokens, "image_grid": images, "video_grid": videos})
+    lengths = [len(t) for t in ids]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = np.concatenate(ids).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    grid = lambda g: np.asarray(g, np.int64).reshape(-1, 3)  # noqa: E731
+    mb = MicroBatch(0, 0, 1, 0, flat, flat, positions, cu, np.zeros((docs, 5), np.int64), np.zeros(docs, np.int32),
+                    stats={"image_token_id": PLACEHOLDER, "video_token_id": VIDEO_PLACEHOLDER},
+                    image_grid=grid(image_grid), image_document=np.asarray(image_doc, np.int64),
+                    video_grid=grid(video_grid), video_document=np.asarray(video_doc, np.int64))
+    return mb, alone
+
+
+def test_mrope_positions_equal_the_models_get_rope_index_on_each_packed_document():
+    from plait.qwen2vl_layout import token_layout
+
+    torch = pytest.importorskip("torch")
+    model = tiny_qwen2vl()
+    rng = np.random.default_rng(0)
+    tall_video = 0
+    for _ in range(25):
+        mb, alone = packed_documents(rng, int(rng.integers(1, 6)))
+        types, positions = token_layout(mb, 2)
+        assert np.array_equal(positions[0], mb.position_ids)  # the model's packed form: plait's row first
+        for d, doc in enumerate(alone):
+            a, b = mb.cu_seqlens[d], mb.cu_seqlens[d + 1]
+            ids = torch.tensor([doc["input_ids"]])
+            ref_types = (ids == PLACEHOLDER).int() + 2 * (ids == VIDEO_PLACEHOLDER).int()
+            grids = [torch.tensor(doc[k]).reshape(-1, 3) if doc[k] else None for k in ("image_grid", "video_grid")]
+            ref, _ = model.model.get_rope_index(ids, ref_types, *grids)
+            assert np.array_equal(types[a:b], ref_types[0].numpy())
+            assert np.array_equal(positions[1:, a:b], ref[:, 0].numpy()), d
+            tall_video += any(t > max(h, w) // 2 for t, h, w in doc["video_grid"])
+    assert tall_video  # a video whose text after it follows max(h, w) / merge, not t (transformers 5.x)
+
+
+def test_mrope_positions_of_a_continued_text_chunk_keep_its_offset_and_text_only_batches_need_no_ids():
+    ids = np.arange(10, dtype=np.int32)
+    positions = np.array([40, 41, 42, 43, 0, 1, 2, 3, 4, 5], np.int32)  # a cut document's tail, then a new one
+    mb = MicroBatch(0, 0, 1, 0, ids, ids, positions, np.array([0, 4, 10], np.int32), np.zeros((2, 5), np.int64),
+                    np.zeros(2, np.int32))
+    out = mb.qwen2vl()
+    assert out["position_ids"].shape == (4, 1, 10)
+    assert (out["position_ids"][:, 0] == positions).all() and not out["mm_token_type_ids"].any()
+    assert out["pixel_values"].shape[0] == 0 and "pixel_values_videos" not in out
+
+
+def test_the_layout_names_a_document_whose_placeholders_do_not_match_its_media():
+    from plait.qwen2vl_layout import token_layout
+
+    mb, _ = packed_documents(np.random.default_rng(1), 3)  # one image, in document 2
+    assert mb.image_document.tolist() == [2]
+    mb.sample_ids[:, 3] = [10, 11, 12]
+    wrong = MicroBatch(**{**mb.__dict__, "stats": {"image_token_id": 299, "video_token_id": VIDEO_PLACEHOLDER}})
+    with pytest.raises(ValueError, match="placeholder id is not the model's"):
+        token_layout(wrong, 2)
+    moved = MicroBatch(**{**mb.__dict__, "image_document": np.array([1])})
+    with pytest.raises(ValueError, match=r"image 0 .* its document 1 \(sample \[0, 0, 0, 11, 0\]\)"):
+        token_layout(moved, 2)
+    unnamed = MicroBatch(**{**mb.__dict__, "stats": {}})
+    with pytest.raises(ValueError, match="needs the image placeholder id"):
+        token_layout(unnamed, 2)

@@ -110,6 +110,8 @@ class Constructor:
         placeholders = (images.token_id, images.video_token_id) if images is not None else ()
         if images is not None:
             labels[in_images & np.isin(labels, placeholders)] = IGNORE_INDEX
+            # the qwen2vl layout finds each medium's placeholder run by these (plait.qwen2vl_layout)
+            stats = {**stats, "image_token_id": int(images.token_id), "video_token_id": int(images.video_token_id)}
         media, (images, videos) = images, split_videos(images)
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
