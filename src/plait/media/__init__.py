@@ -1,0 +1,10 @@
+"""Media: one module per medium, each giving what planning and gathering need of it.
+
+A medium's module offers the metadata probe the Planner uses (headers only, no decode, counted so tests can
+prove it), the decode at gather (once per delivery), its placeholder-token rule, its encoder cost and the
+arrays its batch fields carry. `audio` is the first medium here (`audio_features` holds its log-mel); images
+and video join when the media seam replaces their current homes in transforms/ (issue 42).
+
+This package sits beside sources/transforms/state in the layers: it imports only plait.errors (and the spec
+sections), never roles, runtime or the face, so a reader or the balancer can take from it without a cycle.
+"""

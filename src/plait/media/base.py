@@ -1,0 +1,129 @@
+"""What every medium shares: its error type, the decode counter and opening a container with PyAV.
+
+Bad media are `MediaError` (a PlaitError: the CLI prints one line): the message starts with the name the
+caller gave (a path, a tar member, a Parquet row) and says what is wrong. A Source wraps it in a SourceError
+naming source, shard and record, and applies its bad-record policy; nothing here skips or substitutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+from typing import BinaryIO
+
+from plait.errors import PlaitError
+
+__all__ = ["DecodeCounter", "MediaData", "MediaError", "describe", "ends", "ffmpeg_reason", "open_container"]
+
+MediaData = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO  # bytes, a local path, or a file-like
+
+
+class MediaError(PlaitError):
+    """A media file that cannot be used (empty, corrupt, truncated, unsupported). One line, naming it."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"{name}: {reason}")
+
+
+class DecodeCounter:
+    """A thread-safe count, read as `count`: decode passes or decoded frames, so a test can assert that
+    planning added none."""
+
+    def __init__(self):
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int = 1) -> None:
+        with self._lock:
+            self._n += n
+
+    @property
+    def count(self) -> int:
+        return self._n
+
+
+def describe(data: MediaData, name: str | None) -> str:
+    """The name errors use: the caller's, else the path, else what kind of object it came from."""
+    if name:
+        return name
+    if isinstance(data, (str, os.PathLike)):
+        return os.fspath(data)
+    return getattr(data, "path", None) or getattr(data, "name", None) or f"<{type(data).__name__}>"
+
+
+def _size(data: MediaData) -> int | None:
+    """Bytes in `data`, where that is cheap to learn (a seekable file-like is put back where it was)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return memoryview(data).nbytes
+    if isinstance(data, (str, os.PathLike)):
+        return os.path.getsize(data)
+    try:
+        here = data.tell()
+        end = data.seek(0, io.SEEK_END)
+        data.seek(here)
+        return end - here
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def ends(data: MediaData, head: int, tail: int) -> tuple[bytes, bytes, int] | None:
+    """The first `head` and last `tail` bytes of `data` and its size, for checks of a container's framing
+    that its headers cannot make (None for a stream that cannot seek). A file-like is put back as it was."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data).cast("B")
+        return bytes(view[:head]), bytes(view[max(0, view.nbytes - tail):]), view.nbytes
+    if isinstance(data, (str, os.PathLike)):
+        try:
+            with open(data, "rb") as f:
+                return ends(f, head, tail)
+        except OSError:  # open_container names what is wrong
+            return None
+    try:
+        here = data.tell()
+        first = data.read(head)
+        size = data.seek(0, io.SEEK_END)
+        data.seek(max(here, size - tail))
+        last = data.read(tail)
+        data.seek(here)
+        return first, last, size - here
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def open_container(data: MediaData, name: str):
+    """PyAV's input container for `data`, closed on exit (a file-like is then put back where it was, so
+    that a probe and a later decode read the same bytes); a missing, empty or unreadable file is a
+    MediaError."""
+    import av
+
+    try:
+        size = _size(data)
+    except OSError as e:
+        raise MediaError(name, f"cannot read: {e.strerror or e}") from None
+    if size == 0:
+        raise MediaError(name, "empty file (0 bytes)")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        source, start = io.BytesIO(data), None
+    elif isinstance(data, (str, os.PathLike)):
+        source, start = os.fspath(data), None
+    else:
+        source, start = data, data.tell()
+    try:
+        container = av.open(source, mode="r")
+    except av.error.FFmpegError as e:
+        raise MediaError(name, f"not a readable media file ({ffmpeg_reason(e)})") from None
+    try:
+        yield container
+    finally:
+        container.close()
+        if start is not None:
+            data.seek(start)
+
+
+def ffmpeg_reason(error) -> str:
+    """FFmpeg's own words for a failure, without the file name it repeats."""
+    return getattr(error, "strerror", None) or str(error).split(":")[0] or type(error).__name__
