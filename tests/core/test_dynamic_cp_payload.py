@@ -206,3 +206,13 @@ def test_megatron_thd_layout_gives_the_group_view():
 
     with pytest.raises(ValueError, match="dynamic"):
         shard_for_cp(mb, 2, 0).to_torch(layout="megatron_thd")
+
+
+def test_group_vocabulary():
+    from plait.torch_cp import vocabulary
+
+    assert vocabulary(4) == [[0, 1], [2, 3], [0, 1, 2, 3]]  # pow2: aligned blocks, as Megatron-Core pre-builds
+    assert vocabulary(8, max_degree=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert vocabulary(3, "contiguous") == [[0, 1], [1, 2], [0, 1, 2]]
+    with pytest.raises(ValueError, match="pow2 or contiguous"):
+        vocabulary(4, "ring")
