@@ -27,7 +27,8 @@ Dynamic CP (`context_parallel.mode: dynamic`) also prices the traffic of a group
 ring attention passes each member's keys and values around the ring, k - 1 passes per layer forward and
 twice that backward (keys and values again, and their gradients), each paying the link's latency. A group
 inside one node (`cost.interconnect.ranks_per_node`) runs at the node's bandwidth, one across nodes at the
-inter-node bandwidth. Seconds become the cost model's units through `compute_tflops`. Linear in the group's
+inter-node bandwidth. Seconds become the cost model's units through `compute_tflops` (with explicit
+linear/quadratic coefficients, scaled by their linear term over the FLOP count of the model's dimensions). Linear in the group's
 tokens T: each member carries slope(k) * T + intercept(k), not overlapped with compute (conservative).
 """
 
@@ -183,9 +184,14 @@ class CommCost:
         net = spec.interconnect
         hidden, heads = float(spec.hidden or 4096), float(spec.heads or 32)
         kv_heads = float(spec.kv_heads or heads)
+        units_per_s = net.compute_tflops * 1e12
+        if spec.linear is not None and spec.linear > 0:
+            # explicit coefficients price the model of these dimensions in their own units: a second of
+            # traffic is worth what a second of its compute is in them
+            flops = CostModel.from_dims(int(hidden), spec.layers or 32, spec.ffn or 11008, int(heads), spec.kv_heads)
+            units_per_s *= spec.linear / flops.linear
         return cls(2 * hidden * kv_heads / heads * net.kv_bytes, int(spec.layers or 32), net.bandwidth_gbps * 1e9,
-                   net.inter_node_bandwidth_gbps * 1e9, net.latency_us * 1e-6, net.ranks_per_node,
-                   net.compute_tflops * 1e12)
+                   net.inter_node_bandwidth_gbps * 1e9, net.latency_us * 1e-6, net.ranks_per_node, units_per_s)
 
     def crosses_nodes(self, first: np.ndarray, size: np.ndarray) -> np.ndarray:
         """Whether the group of ranks first..first+size-1 spans more than one node."""

@@ -27,6 +27,7 @@ from plait.errors import PlaitError
 from plait.plan import Items, StepPlan
 from plait import packing_phases as phases
 from plait.planning.draws import MetadataProvider, SourceDraws
+from plait.planning.dynamic_cp import DynamicCP, finish_step
 from plait.planning.step_costs import CAPACITY_LB_EVERY, CAPACITY_LB_ITEMS, StepCosts, encoder_cost
 from plait.state.spec_change import carry_over, split_fingerprint
 from plait.state.schema import STATE_VERSION, check_data_state, parse_data_state
@@ -49,6 +50,8 @@ class Planner:
         self.draws = SourceDraws(spec, provider, phases.chunk_limits(spec, self.seq_len))
         self.costs = StepCosts(spec)  # item costs per CP rank, outliers, the step's cost figures
         self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
+        # context_parallel: dynamic -- degrees and waves over the dp x cp pool (planning/dynamic_cp.py)
+        self.dcp = DynamicCP(spec, self.ranks) if spec.context_parallel.mode == "dynamic" else None
         self.max_patches = spec.packing.max_patches
         self.weights = RunWeights(spec)  # the spec's schedule, run-time overrides, online policy
         self.mixture = self.weights.schedule
@@ -127,6 +130,9 @@ class Planner:
             held = phases.hold_long(items, priority, cap.min_tokens, cap.per_rank * self.ranks)
             outliers = Items.concat([outliers, items.take(np.flatnonzero(held))])
             items, priority = items.take(np.flatnonzero(~held)), priority[~held]
+        if self.dcp is not None:
+            context = {"state_before": state_before, "drawn_before": drawn_before, "weights": weights}
+            return finish_step(self, items, priority, outliers, context)
         # Per-GPU cost: with context parallelism each CP rank of a replica carries cost / cp.
         costs, encoder = self.costs.of(items)
         result = balance.assign(
@@ -185,7 +191,8 @@ class Planner:
         document drawn part-way continues from its cursor's token offset in chunks of the new length."""
         self.seq_len, self.microbatches = self.spec.packing.phase_at(self.step)
         self.capacity = self.seq_len
-        self.draws.limits = phases.chunk_limits(self.spec, self.seq_len)
+        self.draws.limits = phases.chunk_limits(self.spec, self.seq_len) if self.dcp is None \
+            else self.dcp.chunk_limits(self.seq_len)
         self.carry = phases.recut(self.carry, self.draws.limits, self.draws.grains)
 
     def _fill(self, result, items: Items, costs: np.ndarray, priority: np.ndarray, out: tuple, weights):
@@ -273,7 +280,8 @@ class Planner:
         self.draws.check_cursors()
         # The state is layout-free, with one limit: carried chunks were cut for the saved seq_len and
         # must still fit a micro-batch, or they could never be delivered.
-        if not self.spec.packing.schedule and len(self.carry) and int(self.carry.length.max()) > self.capacity:
+        if not self.spec.packing.schedule and self.dcp is None and len(self.carry) \
+                and int(self.carry.length.max()) > self.capacity:
             raise PlaitError(
                 f"the data state carries chunks of up to {int(self.carry.length.max())} tokens, more than this "
                 f"layout's micro-batch capacity ({self.capacity}); resume with seq_len >= that"
