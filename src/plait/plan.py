@@ -266,13 +266,17 @@ class StepPlan:
     def _cp_stats(self) -> dict:
         if self.cp_groups is None:
             return {}
-        sizes = self.cp_groups.size[self.item_group]
+        sizes = self.cp_groups.size[self.item_group].astype(np.int64)
         degrees, counts = np.unique(sizes, return_counts=True)
         comm = self.cp_groups.comm
         total = float(self.rank_cost.sum())
         comm_total = float((comm * self.cp_groups.size).sum()) if comm is not None else 0.0
+        # each document of a group of k > 1 is padded to a multiple of 2k (per-document zigzag)
+        lengths = self.items.length
+        pad = int((np.where(sizes > 1, -(-lengths // (2 * sizes)) * 2 * sizes, lengths) - lengths).sum())
         return {"waves": self.microbatches, "cp_degrees": dict(zip(degrees.tolist(), counts.tolist())),
-                "comm_share": comm_total / total if total > 0 else 0.0, "cp_groups": len(self.cp_groups)}
+                "comm_share": comm_total / total if total > 0 else 0.0, "cp_groups": len(self.cp_groups),
+                "cp_padding": pad / max(1, self.tokens + pad)}
 
     def _image_stats(self) -> dict:
         if self.images is None:

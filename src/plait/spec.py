@@ -242,6 +242,9 @@ class Spec(_Model):
         pool = topology.dp * topology.cp
         if v.max_degree is not None and v.max_degree > pool:
             raise ValueError(f"max_degree {v.max_degree} is larger than the pool of dp x cp = {pool} ranks")
+        if v.degree_cap(pool) < topology.cp:
+            raise ValueError(f"the largest group ({v.degree_cap(pool)} ranks) is below cp = {topology.cp}: a document "
+                             "of seq_len tokens needs cp ranks")
         for seq_len in [p.seq_len for p in packing.schedule or []] or [packing.seq_len]:
             if seq_len % (2 * topology.cp):
                 raise ValueError(f"dynamic: seq_len {seq_len} must be a multiple of 2 x cp = {2 * topology.cp} "
@@ -335,7 +338,9 @@ class Spec(_Model):
     def _images(self) -> dict:
         # the image policy decides placeholder counts, hence documents' tokens (only when set; fast_jpeg: pixels only)
         out = {"images": self.images.model_dump(mode="json", exclude={"fast_jpeg"})} if self.images is not None else {}
-        return {**out, "videos": self.videos.model_dump(mode="json")} if self.videos is not None else out
+        if self.videos is not None:  # fast_resize: pixels only
+            out["videos"] = self.videos.model_dump(mode="json", exclude={"fast_resize"})
+        return out
 
     def _vocab(self) -> dict:
         # vocab_size decides which records are delivered (only when set: old states keep their fingerprint)

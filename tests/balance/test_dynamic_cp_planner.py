@@ -125,3 +125,23 @@ def test_local_runtime_serves_every_token_once_with_exact_label_counts(tmp_path)
         assert all(len(mb.input_ids) <= 32 for mb in mbs)  # a rank's slot: seq_len / cp
         sharded += sum(mb.stats["cp"]["size"] > 1 for mb in mbs)
     assert sharded > 0
+
+
+def test_plait_plan_shows_the_degrees_chosen_per_step(tmp_path, capsys):
+    import yaml
+
+    from plait.cli import main
+
+    short = token_parquet(tmp_path / "short", name="short", files=2, docs_per_file=60, lo=1, hi=40)
+    long = token_parquet(tmp_path / "long", name="long", files=2, docs_per_file=10, lo=100, hi=500, seed=1)
+    spec = make_spec([short, long], seq_len=128, microbatches=1, dp=2, topology={"dp": 2, "cp": 2},
+                     context_parallel={"mode": "dynamic"})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--steps", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "dynamic CP over dp x cp = 4 ranks" in text and "degrees (k: documents)" in text
+    rows = json.loads(out.read_text())["steps"]
+    assert all(r["waves"] >= 1 and sum(r["cp_degrees"].values()) == r["docs"] for r in rows)
+    assert any(int(k) > 1 for r in rows for k in r["cp_degrees"])

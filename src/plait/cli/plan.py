@@ -2,7 +2,8 @@
 
 Per step: documents, tokens, capacity filled, balance efficiency (mean/max rank cost), the certificate
 max/LB (LB = max(sum of costs / ranks, largest cost)), tokens max/mean, carried and delayed chunks, and
-planning time. For the worst step: every rank's cost, and the slowest ranks with the documents that made
+planning time. With `context_parallel.mode: dynamic`, per step the CP degrees chosen (documents per group
+size), the waves, the communication's share of the cost and the padding. For the worst step: every rank's cost, and the slowest ranks with the documents that made
 them slow (source, shard file, row, chunk, length, cost).
 """
 
@@ -63,6 +64,7 @@ def step_row(plan, seconds: float, microbatches: int) -> dict:
         "carried": s["carried"], "delayed_outliers": s["delayed_outliers"], "plan_ms": seconds * 1e3,
         "seq_len": int(plan.capacity), "documents_cut": int(plan.documents_cut),
         "max_over_capacity_lb": s.get("max_over_capacity_lb"),  # against the bound respecting the capacities
+        **({k: s[k] for k in ("waves", "cp_degrees", "comm_share", "cp_padding")} if "waves" in s else {}),
     }
 
 
@@ -112,7 +114,8 @@ def variable_mode_check(plan, spec, above: float = 1.01) -> dict | None:
     """
     from plait import balance
 
-    if spec.balance.mode != "equal" or not len(plan.items) or plan.stats()["max_over_lb"] <= above:
+    if spec.balance.mode != "equal" or not len(plan.items) or plan.stats()["max_over_lb"] <= above \
+            or plan.cp_groups is not None:
         return None
     # Carried items are urgent, as when the Planner placed them (never held back again).
     delayed = plan.items.delayed
@@ -172,10 +175,11 @@ def run(args) -> int:
         out = Console(width=140)
     cm = CostModel.from_spec(spec.cost)
     topo = spec.topology
+    ranks = f"pool dp x cp = {plan.ranks}" if plan.cp_groups is not None else f"dp={plan.ranks}"
     out.print(
-        f"[bold]{args.spec}[/]: dp={plan.ranks} (tp={topo.tp} pp={topo.pp} cp={topo.cp}), {_layout_text(spec)}, balance mode {spec.balance.mode}; cost c(L) = "
+        f"[bold]{args.spec}[/]: {ranks} (tp={topo.tp} pp={topo.pp} cp={topo.cp}), {_layout_text(spec)}, balance mode {spec.balance.mode}; cost c(L) = "
         f"{cm.linear:.3g} L + {cm.quadratic:.3g} L^2 (attention = the rest at L = {cm.crossover:,.0f})"
-        + (f", per CP rank / {topo.cp}" if topo.cp > 1 else ""), highlight=False,
+        + (f", per CP rank / {topo.cp}" if topo.cp > 1 and plan.cp_groups is None else ""), highlight=False,
     )
     t = Table(title=f"{len(rows)} planned steps (efficiency = mean/max rank cost; LB = max(sum c / R, max c))")
     extra = (["seq_len"] if spec.packing.schedule else []) + (["cut"] if spec.packing.split == "boundary" else [])
@@ -194,6 +198,8 @@ def run(args) -> int:
     out.print(t)
     if spec.packing.split == "boundary":
         out.print(split_tradeoff(rows), highlight=False)
+    if "waves" in rows[0]:
+        out.print(degrees_table(rows, spec))
     out.print("[dim]* the Planner's time for the step, including reading block metadata from the sources[/]")
     eff = np.array([r["efficiency"] for r in rows])
     out.print(f"efficiency mean {eff.mean():.4f}, worst {eff.min():.4f} (step {rows[int(eff.argmin())]['step']}); "
@@ -242,6 +248,21 @@ def run(args) -> int:
         _plot(rows, plan, args.plot)
         Console(stderr=True).print(f"plot written to {args.plot}")
     return 0
+
+
+def degrees_table(rows: list[dict], spec):
+    """Dynamic CP: per step the documents per CP degree, the waves, the traffic's share, the padding."""
+    from rich.table import Table
+
+    cp = spec.context_parallel
+    t = Table(title=f"dynamic CP over dp x cp = {spec.topology.dp * spec.topology.cp} ranks ({cp.groups} groups, "
+                    f"theta {cp.theta:g}): documents per degree k")
+    for col in ("step", "waves", "degrees (k: documents)", "comm share", "padding"):
+        t.add_column(col, justify="left" if col.startswith("degrees") else "right")
+    for r in rows:
+        degrees = "  ".join(f"{k}: {n:,}" for k, n in sorted(r["cp_degrees"].items()))
+        t.add_row(str(r["step"]), str(r["waves"]), degrees, f"{r['comm_share']:.2%}", f"{r['cp_padding']:.2%}")
+    return t
 
 
 def _layout_text(spec) -> str:
