@@ -33,6 +33,11 @@ def is_dynamic(spec) -> bool:
     return section is not None and getattr(section, "mode", "fixed") == "dynamic"
 
 
+def build_ranks(spec, dp: int) -> int:
+    """Builds of a step (one per rank that reads a build): the DP ranks, or in dynamic mode the pool's ranks."""
+    return dp * spec.topology.cp if is_dynamic(spec) else dp
+
+
 def served_rank(dynamic: bool, dp_rank: int, cp: tuple[int, int]) -> tuple[int, tuple[int, int]]:
     """The build a trainer (dp_rank, CP rank cp[1] of cp[0]) reads and the cut it still needs: its DP rank's
     build cut to its CP shard, or in dynamic mode its pool rank's build, cut already."""

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.job.builds import BuildCache
-from plait.job.cp_builds import is_dynamic, served_rank
+from plait.job.cp_builds import build_ranks, is_dynamic, served_rank
 from plait.job.consumers import Consumers
 from plait.job.window import REPORT_S, WINDOW, PlanWindow
 from plait.plan import StepPlan
@@ -65,8 +65,9 @@ class JobService:
     def __init__(self, roles: JobRoles, *, build_ahead: int = 2, expected: int = 0, grace_s: float = 60.0,
                  window: int | None = None, threads: int | None = None, every_rank_reads: bool = True):
         self.roles = roles
-        self.ranks = roles.planner.ranks  # with dynamic CP the pool (dp x cp): builds are per pool rank
+        self.ranks = roles.planner.ranks
         self.dynamic = is_dynamic(roles.spec)
+        self.builds_per_step = build_ranks(roles.spec, self.ranks)  # with dynamic CP one per pool rank
         self.lock = threading.RLock()
         self.consumers = Consumers(expected=expected, grace_s=grace_s)
         size = int(window or os.environ.get(WINDOW_ENV) or WINDOW)
@@ -174,7 +175,7 @@ class JobService:
 
     def _all_built(self, step: int) -> bool:
         done = self.built.get(step, set())
-        return len(done) == self.ranks if self.every_rank_reads else done >= self.reading
+        return len(done) == self.builds_per_step if self.every_rank_reads else done >= self.reading
 
     # ----- the readers --------------------------------------------------------------------------------
     def join(self, client: str, pid: int) -> None:

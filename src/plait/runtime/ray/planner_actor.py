@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from plait.job.consumers import RankProgress
-from plait.job.cp_builds import is_dynamic
+from plait.job.cp_builds import build_ranks, is_dynamic
 from plait.job.window import WINDOW, PlanWindow
 from plait.plan import RankPlan, StepPlan
 from plait.runtime.placement import LoaderLayout
@@ -228,14 +228,14 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
             return
         done = self.built.setdefault(step, set())
         done.add(dp_rank)
-        if len(done) == self.planner.ranks:
+        if len(done) == build_ranks(self.spec, self.planner.ranks):
             self._release()
 
     def _release(self) -> None:
         """Tell loaders which blocks are still live: the Planner's own, and those of unbuilt steps."""
         live = self.planner.live_blocks()
         for step, plan in self.window.steps.items():
-            if len(self.built.get(step, ())) < self.planner.ranks:
+            if len(self.built.get(step, ())) < build_ranks(self.spec, self.planner.ranks):
                 live.update(plan.items.block_keys()[0])
         for ld in self.loaders.handles:
             ld.retain.remote(live)
