@@ -13,7 +13,6 @@ during a build's gather, so the packing of different ranks' builds overlaps.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from typing import Any, Protocol
@@ -25,7 +24,7 @@ from plait.errors import PlaitError
 from plait.job.builds import BuildCache
 from plait.job.cp_builds import build_ranks, is_dynamic, served_rank
 from plait.job.consumers import Consumers
-from plait.job.window import REPORT_S, WINDOW, PlanWindow
+from plait.job.window import REPORT_S, WINDOW, PlanWindow, plain_state
 from plait.plan import StepPlan
 
 
@@ -50,11 +49,7 @@ class JobRoles(Protocol):
 
 def same_state(a: dict, b: dict) -> bool:
     """Equal as a client sees them (a state that went through JSON has lists for tuples)."""
-    return json.loads(json.dumps(a, default=_plain)) == json.loads(json.dumps(b, default=_plain))
-
-
-def _plain(x: Any) -> Any:
-    return x.tolist() if hasattr(x, "tolist") else str(x)
+    return plain_state(a) == plain_state(b)
 
 
 class JobService:
@@ -115,9 +110,14 @@ class JobService:
             return self._new_generation()
 
     def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
-        with self.lock:
+        """`seek` to a state saved under another spec: (generation, the changes found). Every rank asks it
+        with the same state; the first starts the new generation, the others join it (PlanWindow.change_once)."""
+        def apply() -> tuple[int, list[str]]:
             changes = self.roles.load_state_dict(state, allow_spec_change=True) or []
             return self._new_generation(), list(changes)
+
+        with self.lock:
+            return self.window.change_once(state, apply)
 
     def _new_generation(self) -> int:
         self.built.clear()

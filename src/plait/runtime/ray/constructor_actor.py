@@ -243,7 +243,8 @@ class ConstructorActor:
         return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.cache.builds),
                 "rss": process_rss(), "consumed": dict(self.consumed), "wait_s": dict(self.wait_seconds),
                 "window_waits": self.window_waits,
-                "routing_version": self.route.version, "build_threads": len(self.cache.workers.threads)}
+                "routing_version": self.route.version, "build_threads": len(self.cache.workers.threads),
+                "group_builds": self.groups.builds}
 
     def telemetry(self) -> dict:
         """Per-source tokens, samples and images built so far, and build times (Telemetry.delivery_counts)."""

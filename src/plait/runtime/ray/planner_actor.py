@@ -126,9 +126,13 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
     @planner_call(STATE)
     def seek_with_changes(self, state: dict) -> tuple[int, list[str]]:
         """`seek` to a state saved under another spec (weights, schedule, sources added or removed);
-        returns (generation, the changes found). Always a new generation: the stream changes."""
-        changes = self.planner.load_state_dict(state, allow_spec_change=True) or []
-        return self._new_generation(), list(changes)
+        returns (generation, the changes found). Every rank asks it with the same state: the first starts a
+        new generation, the others join it (job.window.PlanWindow.change_once)."""
+        def apply() -> tuple[int, list[str]]:
+            changes = self.planner.load_state_dict(state, allow_spec_change=True) or []
+            return self._new_generation(), list(changes)
+
+        return self.window.change_once(state, apply)
 
     @planner_call(READ)
     def base(self) -> tuple[int, dict]:
