@@ -44,8 +44,8 @@ def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=None)
-def mel_filters(bins: int) -> np.ndarray:
-    """The [201, bins] float32 filter bank: Slaney-scale triangles over 0..8 kHz, area-normalised."""
+def mel_filters(bins: int, dtype=np.float32) -> np.ndarray:
+    """The [201, bins] filter bank: Slaney-scale triangles over 0..8 kHz, area-normalised."""
     if bins < 1:
         raise ValueError(f"mel bins must be positive, got {bins}")
     edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(SAMPLE_RATE / 2), bins + 2))
@@ -54,14 +54,14 @@ def mel_filters(bins: int) -> np.ndarray:
     rising = -to_centre[:, :-2] / np.diff(edges)[:-1]
     falling = to_centre[:, 2:] / np.diff(edges)[1:]
     triangles = np.maximum(0.0, np.minimum(rising, falling))
-    filters = (triangles * (2.0 / (edges[2:] - edges[:-2]))[None, :]).astype(np.float32)
+    filters = (triangles * (2.0 / (edges[2:] - edges[:-2]))[None, :]).astype(dtype)
     filters.setflags(write=False)  # cached and shared: nobody may change it
     return filters
 
 
-@lru_cache(maxsize=1)
-def _hann() -> np.ndarray:
-    return (0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
+@lru_cache(maxsize=None)
+def _hann(dtype) -> np.ndarray:
+    return (0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(N_FFT) / N_FFT)).astype(dtype)
 
 
 def frames_touching(samples: int) -> int:
@@ -69,23 +69,24 @@ def frames_touching(samples: int) -> int:
     return min(WINDOW_FRAMES, -(-(samples + N_FFT // 2) // HOP))
 
 
-def log_mel(windows: np.ndarray, lengths: np.ndarray, bins: int) -> np.ndarray:
-    """Features [W, bins, 3000] float32 of W windows ([W, WINDOW_SAMPLES] float32, zeros after each
+def log_mel(windows: np.ndarray, lengths: np.ndarray, bins: int, dtype=np.float32) -> np.ndarray:
+    """Features [W, bins, 3000] of W windows ([W, WINDOW_SAMPLES] samples, zeros after each
     window's `lengths[w]` samples), each clamped against its own maximum as the extractor does. Frames
-    past the longest clip are not transformed: all zeros, their log-mel is the floor."""
-    windows = np.asarray(windows, dtype=np.float32)
+    past the longest clip are not transformed: all zeros, their log-mel is the floor. `dtype` float64
+    gives the exact values the float32 paths (this one and the extractor's torch.stft) both round."""
+    windows = np.asarray(windows, dtype=dtype)
     count = windows.shape[0]
     needed = max((frames_touching(int(n)) for n in lengths), default=0)
     half = N_FFT // 2
-    padded = np.empty((count, WINDOW_SAMPLES + N_FFT), dtype=np.float32)
+    padded = np.empty((count, WINDOW_SAMPLES + N_FFT), dtype=dtype)
     padded[:, half:-half] = windows
     padded[:, :half] = windows[:, half:0:-1]  # reflect, the edge sample not repeated (torch.stft's "reflect")
     padded[:, -half:] = windows[:, -2:-half - 2:-1]
     frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT, axis=1)[:, : needed * HOP : HOP]
-    spectrum = np.fft.rfft(frames * _hann(), axis=-1)
-    power = (spectrum.real**2 + spectrum.imag**2).astype(np.float32)
-    mel = np.log10(np.maximum(power @ mel_filters(bins), LOG_FLOOR))  # [W, needed, bins]
-    out = np.full((count, bins, WINDOW_FRAMES), np.log10(LOG_FLOOR), dtype=np.float32)
+    spectrum = np.fft.rfft(frames * _hann(dtype), axis=-1)
+    power = spectrum.real**2 + spectrum.imag**2
+    mel = np.log10(np.maximum(power @ mel_filters(bins, dtype), LOG_FLOOR))  # [W, needed, bins]
+    out = np.full((count, bins, WINDOW_FRAMES), np.log10(LOG_FLOOR), dtype=dtype)
     out[:, :, :needed] = mel.transpose(0, 2, 1)
     floor = out.max(axis=(1, 2), keepdims=True) - DYNAMIC_RANGE
     np.maximum(out, floor, out=out)

@@ -1,0 +1,96 @@
+"""Audio against its published references: the log-mel features against transformers' WhisperFeatureExtractor
+(<= 1e-4 on the same waveform, 80 and 128 bins), the windows' attention masks and token counts against the
+Qwen2-Audio and Qwen2.5-Omni processors' own code, the chunked encoder spans against Qwen2.5-Omni's encoder.
+Clips are generated speech-like signals at several rates and channel counts in every container."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+pytest.importorskip("transformers")
+from transformers import WhisperFeatureExtractor  # noqa: E402
+
+from plait.media.audio import AudioPolicy, decode, probe  # noqa: E402
+from plait.media.audio_features import WINDOW_SAMPLES  # noqa: E402
+from plait.media.audio_synth import encode, speech_like  # noqa: E402
+
+TOLERANCE = 1e-4
+CASES = [("wav", 8000, 1, 80), ("flac", 22050, 2, 128), ("mp3", 44100, 2, 80), ("ogg", 48000, 2, 128),
+         ("m4a", 16000, 1, 128), ("wav", 48000, 2, 80), ("flac", 44100, 1, 80), ("mp3", 22050, 1, 128),
+         ("ogg", 16000, 1, 80), ("m4a", 48000, 2, 128), ("m4a", 22050, 2, 80), ("mp3", 8000, 2, 128)]
+
+
+def reference(waveforms: list[np.ndarray], bins: int) -> dict:
+    """What the Hugging Face Qwen2-Audio processor feeds the model: 30 s padding, attention mask."""
+    extractor = WhisperFeatureExtractor(feature_size=bins)
+    return extractor(waveforms, sampling_rate=16000, padding="max_length", return_attention_mask=True,
+                     return_tensors="np")
+
+
+@pytest.mark.parametrize("ext,rate,channels,bins", CASES, ids=lambda v: str(v))
+def test_features_equal_the_whisper_extractor(ext, rate, channels, bins):
+    data = encode(speech_like(rate, 2.4, channels, seed=rate + channels), rate, ext)
+    wave = decode(data, probe(data), name=f"clip.{ext}")
+    ours = AudioPolicy("qwen2audio", mel_bins=bins).features(wave)
+    ref = reference([wave], bins)
+    assert ours.input_features.shape == ref["input_features"].shape == (1, bins, 3000)
+    assert np.abs(ours.input_features - ref["input_features"]).max() <= TOLERANCE
+    np.testing.assert_array_equal(ours.feature_attention_mask, ref["attention_mask"])
+
+
+def processor_stub(processor_class, bins: int):
+    """The processor's own `_process_audio` on a stand-in `self` with only the extractor (the tokenizer
+    it would load is not needed to count placeholders)."""
+    stub = types.SimpleNamespace(feature_extractor=WhisperFeatureExtractor(feature_size=bins), audio_token="<A>")
+    stub.replace_audio_token = lambda inputs, audio_idx: "<A>" * int(inputs["num_audio_tokens"][audio_idx])
+    return stub
+
+
+def test_windows_masks_and_tokens_equal_the_qwen2_audio_processor():
+    from transformers.models.qwen2_audio.processing_qwen2_audio import Qwen2AudioProcessor
+
+    wave = np.tile(speech_like(16000, 1.0, 1, seed=9)[0], 64)[: 63 * 16000 + 77]  # 63 s: 30 + 30 + 3 s
+    ours = AudioPolicy("qwen2audio", mel_bins=128).features(wave)
+    windows = [wave[i:i + WINDOW_SAMPLES] for i in range(0, len(wave), WINDOW_SAMPLES)]
+    ref, _ = Qwen2AudioProcessor._process_audio(processor_stub(Qwen2AudioProcessor, 128), windows, sampling_rate=16000)
+    assert list(ours.plan.window_tokens) == list(ref["num_audio_tokens"]) == [750, 750, 75]
+    np.testing.assert_array_equal(ours.feature_attention_mask, ref["feature_attention_mask"])
+    assert np.abs(ours.input_features - ref["input_features"]).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("seconds", [0.04, 1.0, 2.0, 7.31, 29.99, 30.0])
+def test_chunked_tokens_equal_the_qwen2_5_omni_processor(seconds):
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    samples = round(seconds * 16000)
+    stub = processor_stub(Qwen2_5OmniProcessor, 128)
+    expected = Qwen2_5OmniProcessor._get_num_audio_tokens(stub, samples)
+    assert AudioPolicy("chunked").plan(samples).tokens == expected
+
+
+def test_chunked_mask_equals_the_qwen2_5_omni_processor():
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    wave = speech_like(16000, 4.53, 1, seed=4)[0]
+    stub = processor_stub(Qwen2_5OmniProcessor, 128)
+    ref, _ = Qwen2_5OmniProcessor._process_audio(stub, [wave], sampling_rate=16000, return_attention_mask=True)
+    ours = AudioPolicy("chunked").features(wave)
+    np.testing.assert_array_equal(ours.feature_attention_mask, ref["feature_attention_mask"])
+    assert list(ours.plan.window_tokens) == list(ref["num_audio_tokens"])
+
+
+@pytest.mark.slow  # imports the whole Qwen2.5-Omni model code (torch.nn and its kernels)
+def test_chunked_spans_equal_the_qwen2_5_omni_encoder():
+    import torch
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import chunk_and_pad_features, get_audio_cu_seqlens
+
+    lengths = [16000 * 5, 16000 * 2, 31 * 16000 + 5, 160 * 7 + 3]
+    plans = [AudioPolicy("chunked", chunk_seconds=2.0).plan(n) for n in lengths]
+    frames = torch.tensor([f for plan in plans for f in plan.frames])
+    _, chunk_lengths = chunk_and_pad_features(torch.zeros(128, int(frames.sum())), frames, n_window=100)
+    spans = torch.diff(get_audio_cu_seqlens(chunk_lengths)).tolist()
+    assert spans == [s for plan in plans for s in plan.spans]
