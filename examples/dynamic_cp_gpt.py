@@ -14,8 +14,6 @@ each wave's summed loss divided by stats["global_label_tokens"], gradients summe
 reassembled from every rank's shards) with the model's own block-diagonal causal attention, and compares
 the loss and every parameter's gradient (float32). It prints `max_rel_diff` and exits non-zero above 1e-5.
 
-`--hand-plan`: the step's groups made by hand from a whole-document plan (wave 0: ranks 0-1 together, 2 and 3
-alone; wave 1: all four), for a Planner without dynamic CP.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import os
 import sys
 import tempfile
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,7 +47,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "plait-example-data"))
     p.add_argument("--check", action="store_true", help="compare loss and gradients with one process, whole documents")
-    p.add_argument("--hand-plan", action="store_true", help="groups made by hand (a Planner without dynamic CP)")
     p.add_argument("--json", default=None, help="rank 0 writes losses, max_rel_diff and the degrees seen here")
     return p.parse_args()
 
@@ -93,38 +89,16 @@ def wave_loss(logits: torch.Tensor, labels: torch.Tensor, global_labels: int) ->
 
 # ----- where the batches come from ---------------------------------------------------------------------------
 
-def loader_steps(spec, rank: int):
-    """This process's waves, step by step, from plait.Loader (its pool rank's shards)."""
-    loader = plait.Loader.from_torchrun(spec, cp=CP)
+def loader_steps(loader: plait.Loader):
+    """This process's waves, step by step (its pool rank's shards)."""
     waves = []
     for mb in loader:
         waves.append(mb)
         if mb.microbatch == mb.num_microbatches - 1:
             yield waves
             waves = []
+    dist.barrier()  # rank 0's process hosts the node's data plane: the others have read their last step
     loader.close()
-
-
-def hand_steps(spec, rank: int, steps: int):
-    """This process's waves from a whole-document plan of 4 ranks x 2 micro-batches, grouped by hand."""
-    import dataclasses
-
-    from plait.plan import CPGroups as PlanGroups
-    from plait.runtime.local import LocalRoles
-
-    roles = LocalRoles(spec.with_overrides(topology={"dp": DP * CP, "cp": 1}))
-    groups = PlanGroups(wave=np.array([0, 0, 0, 1], np.int32), first=np.array([0, 2, 3, 0], np.int32),
-                        size=np.array([2, 1, 1, 4], np.int32))
-    group_of = np.array([[0, 3], [0, 3], [1, 3], [2, 3]])
-    try:
-        for _ in range(steps):
-            plan = roles.plan()
-            item_group = group_of[plan.rank, plan.micro]
-            plan = dataclasses.replace(plan, cp_groups=groups, item_group=item_group, rank=groups.first[item_group],
-                                       micro=groups.wave[item_group])
-            yield roles.build(plan, rank)
-    finally:
-        roles.close()
 
 
 # ----- the check: one process, the same documents whole ----------------------------------------------------
@@ -169,18 +143,15 @@ def main() -> int:
         example_spec(args.data, DP, args.steps, args.seq_len)  # generate the data once
     dist.barrier()
     groups = CPGroups(world, "pow2", world)  # the whole vocabulary, once: never per step
-    if args.hand_plan:
-        steps = hand_steps(example_spec(args.data, DP, args.steps, args.seq_len).with_overrides(
-            packing={"microbatches": 2, "seq_len": args.seq_len // CP}), rank, args.steps)
-    else:
-        steps = loader_steps(dynamic_spec(args), rank)
+    loader = plait.Loader.from_torchrun(dynamic_spec(args), cp=CP)  # NodeRuntime: LOCAL_RANK 0 hosts the job
+    served_by = type(loader.runtime).__name__
 
     model = TinyGPT(max_len=4 * args.seq_len * DP)
     for prm in model.parameters():  # same initial weights on every rank
         dist.broadcast(prm.data, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, diffs, degrees = [], [], {}
-    for step, waves in enumerate(steps):
+    for step, waves in enumerate(loader_steps(loader)):
         global_labels = int(waves[0].stats["global_label_tokens"])
         total = 0.0
         for mb in waves:  # every rank runs its waves in order: a group's members meet in the same wave
@@ -216,7 +187,8 @@ def main() -> int:
         print(f"max_rel_diff {worst if worst is not None else 'n/a'}  (wave micro-batches by CP degree: {merged})")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"losses": losses, "max_rel_diff": worst, "degrees": merged, "steps": len(losses)}, f)
+                json.dump({"losses": losses, "max_rel_diff": worst, "degrees": merged, "steps": len(losses),
+                           "served_by": served_by}, f)
     dist.destroy_process_group()
     return 1 if worst is not None and worst > TOLERANCE else 0
 
