@@ -20,7 +20,7 @@ except ImportError:  # 4.x: the default processor is the PIL / numpy one
     from transformers import Qwen2VLImageProcessor as Qwen2VLPil
 
 MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
-PLACEHOLDER = 300
+PLACEHOLDER = 300  # tests/qwen2vl_model.py's tiny model takes 300 (image) and 301 (video)
 # (width, height, mode, format): upscaled, downscaled (a JPEG shrunk > 2x: the draft must be off), grey,
 # palette, alpha, odd sizes and aspect ratios
 IMAGES = [(64, 48, "RGB", "PNG"), (700, 500, "RGB", "JPEG"), (1300, 300, "RGB", "JPEG"), (90, 333, "L", "PNG"),
@@ -98,21 +98,6 @@ def test_qwen2vl_layout_refuses_tiles_and_unknown_layouts():
 VIDEO_PLACEHOLDER = 301
 
 
-def tiny_qwen2vl():
-    """A tiny random Qwen2-VL (its get_rope_index needs only the config; the model tests run it)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    cfg = Qwen2VLConfig(text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=257,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_section": [2, 3, 3]}),
-                        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
-                        image_token_id=PLACEHOLDER, video_token_id=VIDEO_PLACEHOLDER, vision_start_token_id=302,
-                        vision_end_token_id=303)
-    pytest.importorskip("torch").manual_seed(0)
-    return Qwen2VLForConditionalGeneration(cfg).eval()
-
-
 def packed_documents(rng, docs: int) -> tuple[MicroBatch, list[dict]]:
     """A micro-batch of random documents (text runs, images, videos; a video with more temporal patches
     than merged rows and columns among them), its media as metadata only, and each document alone."""
@@ -151,6 +136,8 @@ def test_mrope_positions_equal_the_models_get_rope_index_on_each_packed_document
     from plait.qwen2vl_layout import token_layout
 
     torch = pytest.importorskip("torch")
+    from qwen2vl_model import tiny_qwen2vl
+
     model = tiny_qwen2vl()
     rng = np.random.default_rng(0)
     tall_video = 0
