@@ -216,3 +216,31 @@ def test_group_vocabulary():
     assert vocabulary(3, "contiguous") == [[0, 1], [1, 2], [0, 1, 2]]
     with pytest.raises(ValueError, match="pow2 or contiguous"):
         vocabulary(4, "ring")
+
+
+def test_one_process_serving_every_rank_builds_each_group_once(demo_spec_path):
+    """LocalRuntime(all_ranks=True), as a node's shared job serves: trainer (dp, cp) reads pool rank cp + 2 dp,
+    every group micro-batch is built once for all its members, and the step's samples are delivered once."""
+    import plait
+    from plait.runtime.local import LocalRuntime
+
+    spec = plait.load_spec(demo_spec_path).with_overrides(
+        topology={"dp": 2, "cp": 2}, packing={"seq_len": 512, "microbatches": 2}, steps=3,
+        context_parallel={"mode": "dynamic", "max_degree": 4})
+    rt = LocalRuntime(spec, all_ranks=True)
+    try:
+        state = rt.state_dict()
+        read = {(d, c): [mb for _, mb in rt.iter_rank(d, state, 0, spec.steps, cp_rank=c)]
+                for d in range(2) for c in range(2)}
+    finally:
+        rt.close()
+    groups: dict[tuple[int, int], dict[int, MicroBatch]] = {}
+    for (d, c), batches in read.items():
+        assert {mb.dp_rank for mb in batches} == {c + 2 * d}
+        for mb in batches:
+            groups.setdefault((mb.step, mb.stats["cp"]["group_id"]), {})[mb.stats["cp"]["rank"]] = mb
+    assert rt.roles.groups.builds == len(groups) and max(len(m) for m in groups.values()) > 1
+    for step in range(spec.steps):
+        ids = np.concatenate([unshard_group([m[i] for i in range(len(m))]).sample_ids
+                              for (s, _), m in groups.items() if s == step])
+        assert len(np.unique(ids, axis=0)) == len(ids) > 0
