@@ -38,7 +38,7 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
     assert all(ROW_KEYS <= set(r) for r in result["rows"])
     rows = {(r["workload"], r["strategy"], r["dp"], r["seq_len"]): r for r in result["rows"]}
     assert set(rows) == {("gpu-bound", s, 4, 8192) for s in ("per-rank", "plait")} | {
-        ("long-context", s, 4, 4096) for s in ("per-rank", "plait")}
+        ("long-context", s, 4, 4096) for s in ("per-rank", "plait", "plait-fixed-cp", "plait-dcp")}
     per_rank, plait = rows["gpu-bound", "per-rank", 4, 8192], rows["gpu-bound", "plait", 4, 8192]
     assert per_rank["steps"] == plait["steps"] == 4 and per_rank["measured_steps"] == plait["measured_steps"] == 3
     # a budget of 2 CPUs: per-rank still has one worker process a rank (at least one), plait 2 loaders at most
@@ -138,16 +138,16 @@ def test_a_workload_with_plait_on_two_runtimes_has_a_ratio_per_runtime():
 def test_ratios_pair_strategies_per_workload_dp_and_seq_len():
     from plait.cli.bench.e2e import ratios
 
-    rows = [{"workload": "long-context", "dp": 8, "seq_len": 32768, "strategy": "per-rank", "steps_per_s": 2.0,
+    rows = [{"workload": "gpu-bound", "dp": 8, "seq_len": 32768, "strategy": "per-rank", "steps_per_s": 2.0,
              "tokens_per_s": 10.0},
-            {"workload": "long-context", "dp": 8, "seq_len": 32768, "strategy": "plait", "steps_per_s": 3.0,
+            {"workload": "gpu-bound", "dp": 8, "seq_len": 32768, "strategy": "plait", "steps_per_s": 3.0,
              "tokens_per_s": 15.0},
             {"workload": "node-images", "dp": 8, "seq_len": 4096, "strategy": "per-rank", "steps_per_s": 1.0,
              "images_per_s": 40.0, "tokens_per_s": None},
             {"workload": "node-images", "dp": 8, "seq_len": 4096, "strategy": "plait", "steps_per_s": 1.0,
              "images_per_s": 50.0, "tokens_per_s": None}]
     assert ratios(rows) == [
-        {"workload": "long-context", "dp": 8, "seq_len": 32768, "steps_per_s_ratio": 1.5, "tokens_per_s_ratio": 1.5},
+        {"workload": "gpu-bound", "dp": 8, "seq_len": 32768, "steps_per_s_ratio": 1.5, "tokens_per_s_ratio": 1.5},
         {"workload": "node-images", "dp": 8, "seq_len": 4096, "steps_per_s_ratio": 1.25}]
 
 
@@ -300,7 +300,8 @@ def test_a_workload_that_fails_is_reported_and_the_others_still_run(tmp_path, mo
     monkeypatch.setattr(e2e_workloads, "run_cpu_pool", broken)
     out = tmp_path / "e2e.json"
     argv = ["bench", "e2e", "--workloads", "long-context,cpu-pool", "--long-seq", "2048", "--long-dp", "2",
-            "--long-steps", "1", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+            "--long-steps", "1", "--long-microbatches", "1", "--long-plan-ranks", "", "--cache", str(tmp_path / "data"),
+            "--quiet", "--json", str(out)]
     assert main(argv) == 1
     result = json.loads(out.read_text())
     assert {r["workload"] for r in result["rows"]} == {"long-context"}  # every row that ran is there

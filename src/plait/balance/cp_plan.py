@@ -11,7 +11,7 @@ above, does it carry cheap documents to the next step (cp_waves.py's capped fill
 Promotion. Degrees by cost leave a group's members up to a mean rank's cost, and a rank may run two such
 groups in two waves. When the best plan is still above WAVE_TARGET, the costliest document on the
 slowest rank whose next larger degree lowers what its members carry gets that degree, and the step is
-planned again (at most PROMOTIONS times)."""
+planned again at the best plan's waves (at most PROMOTIONS times, and only while each round helps)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,18 @@ def plan_dynamic_cp(lengths: np.ndarray, costs: np.ndarray, layout: CPLayout, co
     degrees = cp_degrees(lengths, costs, layout, comm, minimal)
     lengths, costs = np.asarray(lengths, dtype=np.int64), np.asarray(costs, dtype=np.float64)
     every = splitting_lower_bound(lengths, costs, pool=layout.pool, cap=layout.cap, pow2=layout.pow2, comm=comm)
-    place = dict(bound=every, priority=priority, asked=layout.waves)
-    best, best_ratio, best_degrees, first_waves = None, np.inf, degrees, layout.waves
-    for _ in range(PROMOTIONS + 1):
-        tried, ratio = _fewest_waves(lengths, costs, degrees, replace(layout, waves=first_waves), comm, place)
-        if ratio < best_ratio - 1e-12:
-            best, best_ratio, best_degrees = tried, ratio, degrees.copy()
-        if ratio <= WAVE_TARGET or not _promote(tried, lengths, costs, degrees, layout, comm):
+    place = dict(bound=every, priority=priority, asked=layout.waves, score=lambda a: _score(a, costs, every))
+    best, best_ratio = _fewest_waves(lengths, costs, degrees, layout, comm, place)
+    best_degrees, tried = degrees.copy(), best
+    for _ in range(PROMOTIONS):  # each round at the best plan's waves; stops at the first that does not help
+        if best_ratio <= WAVE_TARGET or not _promote(tried, lengths, costs, degrees, layout, comm):
             break
-        first_waves = tried.waves if tried.waves <= 2 * layout.waves + 1 else layout.waves
+        tried = place_waves(lengths, costs, degrees, replace(layout, waves=best.waves), comm, bound=every,
+                            priority=priority, slacks=(np.inf,))
+        ratio = place["score"](tried)
+        if ratio >= best_ratio - 1e-12:
+            break
+        best, best_ratio, best_degrees = tried, ratio, degrees.copy()
     assignment = best
     if best_ratio > 1 + CAP_SLACKS[0]:
         assignment = place_waves(lengths, costs, best_degrees, replace(layout, waves=best.waves), comm, bound=every,
@@ -71,12 +74,19 @@ def _fewest_waves(lengths, costs, degrees, layout: CPLayout, comm: CommTable, pl
     for waves in range(start, max(start, 2 * place["asked"] + 1) + 1):
         tried = place_waves(lengths, costs, degrees, replace(layout, waves=waves), comm, bound=place["bound"],
                             priority=place["priority"], slacks=(np.inf,))
-        ratio = max_over_lb(tried.rank_cost, place["bound"])
-        if ratio < best_ratio - 1e-12:
+        ratio = place["score"](tried)
+        if best is None or ratio < best_ratio - 1e-12:
             best, best_ratio = tried, ratio
         if ratio <= WAVE_TARGET:
             break
     return best, best_ratio
+
+
+def _score(plan: WaveAssignment, costs: np.ndarray, bound: float) -> float:
+    """A plan's slowest rank over the step's bound, per unit of the step's work it places: a plan that
+    carries work to the next step scores that much worse (it delivers less for its time)."""
+    placed, total = float(costs[plan.item_group >= 0].sum()), float(costs.sum())
+    return max_over_lb(plan.rank_cost, bound) * (total / placed if placed > 0 else (1.0 if total <= 0 else np.inf))
 
 
 def _promote(plan: WaveAssignment, lengths, costs, degrees, layout: CPLayout, comm: CommTable) -> bool:

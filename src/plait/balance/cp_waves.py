@@ -37,7 +37,7 @@ from ._jit import jit
 from .cp_degrees import CommTable, CPLayout, padded_lengths
 
 MAX_SHARD_OVERHEAD = 0.25  # traffic / compute of a document sharded into a group by the fill
-CAP_SLACKS = (0.01, 0.03, 0.06, 0.12, np.inf)  # the fill's cost caps over the lower bound, tried in order
+CAP_SLACKS = (0.02, 0.06, np.inf)  # the fill's cost caps over the lower bound, tried in order
 MAX_CARRY = 0.04  # share of the step's tokens a capped fill may carry
 
 
@@ -164,6 +164,15 @@ def _room(r, slot, occ, slot_tokens):
 
 
 @jit
+def _raise_tops(r, value, occ, top):
+    """Rank r's total grew to `value`: the bins it belongs to (one per wave at most) see it."""
+    for w in range(occ.shape[1]):
+        b = occ[r, w]
+        if b >= 0 and value > top[b]:
+            top[b] = value
+
+
+@jit
 def _fill(docs, limit, slot, occ, groups, state):
     """The remaining documents, LPT (module docstring, 3.). docs: (order, lengths, costs, urgent); groups:
     (first, size, slope) of the placed bins; state, changed: (tokens, cost and traffic per member of each
@@ -176,6 +185,10 @@ def _fill(docs, limit, slot, occ, groups, state):
     room = np.empty(pool, np.int64)
     for r in range(pool):
         room[r] = _room(r, slot, occ, slot_tokens)
+    top = np.full(nb, -np.inf)  # each placed bin's slowest member (totals only grow: kept by max)
+    for b in range(nb):
+        for r in range(first[b], first[b] + size[b] if first[b] >= 0 else first[b]):
+            top[b] = max(top[b], total[r])
     for t in range(len(order)):
         i = order[t]
         L, c = lengths[i], costs[i]
@@ -191,11 +204,7 @@ def _fill(docs, limit, slot, occ, groups, state):
             p = (L + 2 * k - 1) // (2 * k) * (2 * k)
             if tokens[b] + p > k * slot or k * slope[b] * p > MAX_SHARD_OVERHEAD * c:
                 continue
-            top = -np.inf
-            for r in range(first[b], first[b] + k):
-                if total[r] > top:
-                    top = total[r]
-            v = top + c / k + slope[b] * p
+            v = top[b] + c / k + slope[b] * p
             if v < best and v <= cap:
                 best, kind, target, target_pad = v, 1, b, p
         if kind == 0:
@@ -210,6 +219,7 @@ def _fill(docs, limit, slot, occ, groups, state):
             total[r] += c
             room[r] = _room(r, slot, occ, slot_tokens)
             item_rank[i], item_wave[i] = r, w_best
+            _raise_tops(r, total[r], occ, top)
         elif kind == 1:
             b = target
             k = size[b]
@@ -219,6 +229,7 @@ def _fill(docs, limit, slot, occ, groups, state):
             traffic[b] += extra
             for r in range(first[b], first[b] + k):
                 total[r] += c / k + extra
+                _raise_tops(r, total[r], occ, top)
             item_bin[i] = b
 
 

@@ -18,7 +18,8 @@ Workloads (`--workloads`, all by default; one row per (workload, DP, seq_len, st
   data-bound    the same with a GPU of `--data-bound-tflops` (default 100000): delivery sets the pace;
                 plait runs there as one machine runs it by default (the local runtime, no services) and,
                 in a second row (`runtime: ray`), on the ray runtime (`--data-bound-runtimes`);
-  long-context, cpu-pool, node-images: plait.cli.bench.e2e_workloads.
+  long-context: plait.cli.bench.e2e_long (per-rank, plait, plait-fixed-cp, plait-dcp on two length mixes);
+  cpu-pool, node-images: plait.cli.bench.e2e_workloads.
 
 Strategies, the same steps and the same CPU budget B (`--cpus`, default 8 logical CPUs):
 
@@ -89,9 +90,17 @@ def add_arguments(p) -> None:
                    help="data-bound, local runtime: loading.workers (default: --cpus, per-rank's worker processes)")
     p.add_argument("--local-build-threads", type=int, default=None,
                    help="data-bound, local runtime: build threads (default: plait's, plait.job.builds.default_threads)")
-    p.add_argument("--long-seq", default="32768,131072", help="long-context: seq_len values")
+    p.add_argument("--long-seq", default="131072,524288", help="long-context: seq_len values (the context)")
     p.add_argument("--long-dp", default="8,32", help="long-context: DP sizes")
-    p.add_argument("--long-steps", type=int, default=6, help="long-context: steps per (strategy, DP, seq_len)")
+    p.add_argument("--long-steps", type=int, default=6, help="long-context: steps per row")
+    p.add_argument("--long-mixes", default="lognormal,long-tail", help="long-context: length mixes (lognormal, long-tail)")
+    p.add_argument("--long-strategies", default="per-rank,plait,plait-fixed-cp,plait-dcp",
+                   help="long-context: strategies (per-rank, plait, plait-fixed-cp, plait-dcp)")
+    p.add_argument("--long-microbatches", default="1,2", help="long-context: micro-batches per rank")
+    p.add_argument("--long-fixed-cp", type=int, default=4, help="long-context: plait-fixed-cp's CP group (DP / it replicas)")
+    p.add_argument("--long-plan-ranks", default="256,1024",
+                   help="long-context: dynamic-CP planning-time rows at these ranks (DP x CP 8, 128k); '' for none")
+    p.add_argument("--long-plan-steps", type=int, default=8, help="long-context: steps of each planning-time row")
     p.add_argument("--long-max-delay", type=int, default=0,
                    help="long-context: plait's balance.max_delay (hold outlier documents up to N steps so several "
                         "share a step; default 0: off, plait's default). Use --long-steps >= 3 x N: held outliers "
@@ -148,7 +157,8 @@ def e2e_spec(demo: Path, image_dir: Path, dp: int, args):
 
 # ----- the command -------------------------------------------------------------------------------
 QUICK = {"dp": "2", "steps": 5, "warmup": 2, "cpus": 4, "images": 160, "long_seq": "4096", "long_dp": "4",
-         "long_steps": 2, "node_dp": 2, "node_workers": 2, "node_steps": 3}
+         "long_steps": 2, "long_microbatches": "1", "long_plan_ranks": "", "node_dp": 2, "node_workers": 2,
+         "node_steps": 3}
 
 
 def parse(args) -> list[int]:
@@ -170,6 +180,7 @@ def parse(args) -> list[int]:
     except ValueError:
         raise PlaitError(f"--dp, --long-seq, --long-dp: expected comma-separated integers, got {args.dp!r}, "
                          f"{args.long_seq!r}, {args.long_dp!r}") from None
+    parse_long(args)
     for name, value in (("dp", min(dps, default=0)), ("steps", args.steps), ("cpus", args.cpus),
                         ("seq_len", args.seq_len), ("microbatches", args.microbatches), ("images", args.images),
                         ("long_steps", args.long_steps), ("node_dp", args.node_dp), ("node_workers", args.node_workers)):
@@ -198,6 +209,39 @@ def parse(args) -> list[int]:
     if not args.workload_list or set(args.workload_list) - set(WORKLOADS):
         raise PlaitError(f"--workloads: choose from {', '.join(WORKLOADS)}; got {args.workloads!r}")
     return dps
+
+
+def parse_long(args) -> None:
+    """The long-context options as lists (args.long_*_list), checked."""
+    from plait.cli.bench.e2e_long import MIXES, STRATEGIES
+    from plait.errors import PlaitError
+
+    def ints(name: str, text: str) -> list[int]:
+        try:
+            values = [int(x) for x in str(text).split(",") if x.strip()]
+        except ValueError:
+            raise PlaitError(f"--{name}: expected comma-separated integers, got {text!r}") from None
+        if any(v < 1 for v in values):
+            raise PlaitError(f"--{name}: every value must be >= 1, got {text!r}")
+        return values
+
+    def names(name: str, text: str, known: tuple) -> list[str]:
+        values = [x.strip() for x in str(text).split(",") if x.strip()]
+        if not values or set(values) - set(known):
+            raise PlaitError(f"--{name}: choose from {', '.join(known)}; got {text!r}")
+        return values
+
+    args.long_seq_list = ints("long-seq", getattr(args, "long_seq", "131072"))
+    args.long_dp_list = ints("long-dp", getattr(args, "long_dp", "8"))
+    args.long_microbatch_list = ints("long-microbatches", getattr(args, "long_microbatches", "1"))
+    args.long_plan_rank_list = ints("long-plan-ranks", getattr(args, "long_plan_ranks", ""))
+    args.long_mix_list = names("long-mixes", getattr(args, "long_mixes", "lognormal,long-tail"), MIXES)
+    args.long_strategy_list = names("long-strategies", getattr(args, "long_strategies", ",".join(STRATEGIES)),
+                                    STRATEGIES)
+    args.long_fixed_cp = getattr(args, "long_fixed_cp", 4)
+    args.long_plan_steps = getattr(args, "long_plan_steps", 8)
+    if args.long_fixed_cp < 1 or args.long_plan_steps < 1:
+        raise PlaitError("--long-fixed-cp and --long-plan-steps must be >= 1")
 
 
 def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
@@ -258,7 +302,7 @@ def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
 def run(args) -> int:
     from rich.console import Console
 
-    from plait.cli.bench import e2e_workloads as more
+    from plait.cli.bench import e2e_long, e2e_workloads as more
     from plait.cli.bench.e2e_per_rank import require_torch
 
     dps = parse(args)
@@ -280,7 +324,7 @@ def run(args) -> int:
             return list(getattr(e, "rows", None) or [])  # the rows it had run (cpu-pool: per-rank's)
 
     if "long-context" in args.workload_list:
-        rows += attempt("long-context", lambda: more.run_long_context(args, err))
+        rows += attempt("long-context", lambda: e2e_long.run_long_context(args, err))
     rows += mixture_rows(args, dps, specs, err, failures)
     if "cpu-pool" in args.workload_list:
         dp = dps[0]
@@ -288,13 +332,15 @@ def run(args) -> int:
         rows += attempt("cpu-pool", lambda: more.run_cpu_pool(args, specs[dp], clock, autoscale, err))
     if "node-images" in args.workload_list:
         rows += attempt("node-images", lambda: more.run_node_images(args, lambda dp: specs[dp], err))
-    rows = [r for r in rows if r["strategy"] in args.strategy_list]
+    rows = [r for r in rows if r["workload"].startswith("long-context") or r["strategy"] in args.strategy_list]
     result = {"gpu_tflops": args.gpu_tflops, "data_bound_tflops": args.data_bound_tflops, "cpus": args.cpus,
               "machine_cores": os.cpu_count(), "microbatches": args.microbatches, "image_weight": args.image_weight,
-              "autoscale": autoscale, "rows": rows, "ratios": ratios(rows), "failures": failures,
-              "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
+              "autoscale": autoscale, "rows": rows, "ratios": ratios(rows) + e2e_long.long_ratios(rows),
+              "failures": failures, "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
     if not args.quiet:
         table(result)
+        if any(r["workload"].startswith("long-context") for r in rows):
+            e2e_long.table(rows, [q for q in result["ratios"] if q["workload"] == "long-context"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         err.print(f"rows written to {args.json}")
@@ -305,6 +351,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     """Per (workload, DP, seq_len) and plait row: steps/s of plait over per-rank (node-images: images/s),
     one run. A workload with plait on several runtimes (data-bound: local and ray) has one ratio per
     runtime, which names it (`runtime`)."""
+    rows = [r for r in rows if not r["workload"].startswith("long-context")]  # e2e_long.long_ratios: per mix, strategy
     per_rank = {(r["workload"], r["dp"], r["seq_len"]): r for r in rows if r["strategy"] == "per-rank"}
     plaits = [r for r in rows if r["strategy"] == "plait"]
     several = {k for k in per_rank if sum(1 for a in plaits if (a["workload"], a["dp"], a["seq_len"]) == k) > 1}
@@ -353,6 +400,8 @@ def table(result: dict) -> None:
                 "load"):
         t.add_column(col, justify="left" if col in ("workload", "strategy", "loaders") else "right")
     for r in result["rows"]:
+        if r["workload"].startswith("long-context"):
+            continue  # their own table (e2e_long.table)
         procs = (f"{r['processes']} proc" if r["strategy"] == "per-rank" and "processes" in r
                  else f"{r['loaders_at_start']}->{r['loaders_at_end']} actors" if "loaders_at_start" in r
                  else f"{r.get('workers', '-')} threads" if "workers" in r else "local")
@@ -364,6 +413,8 @@ def table(result: dict) -> None:
                   "->".join(f"{x:.1f}" for x in r.get("load_average") or []) or "-")
     out.print(t)
     for q in result["ratios"]:
+        if q["workload"] == "long-context":
+            continue
         goal = target_of(q)
         verdict = "met" if q["steps_per_s_ratio"] >= goal else "[red]missed[/]"
         rate = "images/s" if q["workload"] == "node-images" else "steps/s"
