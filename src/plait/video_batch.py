@@ -3,9 +3,11 @@
 A SourceLoader's payload holds a fetch's images and videos together (plait.batch.ImagePayload with
 `kind`): both are rows of patch*patch*3 uint8, a video's grid counted in frames (frames, h, w). Here the
 Constructor separates them once per rank fetch (`split_videos`) and cuts each micro-batch's share
-(`video_fields`): a video's rows become Qwen2-VL's video patches, [t*h*w, tp*patch*patch*3] with
-t = frames / tp (each row a (tp, patch, patch, 3) block), its grid (t, h, w), and `video_cu_seqlens`
-one encoder sequence of h*w patches per temporal patch.
+(`video_fields`): a video's rows become its spatio-temporal patches, [t*h*w, tp*patch*patch*3] with
+t = frames / tp (each row a (tp, patch, patch, 3) uint8 block, raster order per temporal patch), its grid
+(t, h, w), and `video_cu_seqlens` one encoder sequence of h*w patches per temporal patch. The Hugging Face
+layout (merge-window order, (C, tp, patch, patch) rows, the video processor's normalisation) is made from
+these by plait.qwen2vl_layout.
 """
 
 from __future__ import annotations
