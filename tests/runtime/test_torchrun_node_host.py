@@ -75,3 +75,21 @@ def test_every_rank_resuming_under_a_changed_spec_reads_the_single_process_strea
         assert got["batches"][0][:2] == [2, 0]  # the step after the checkpoint
         assert [b[2] for b in got["batches"]] == reference[r]
 
+
+@pytest.mark.slow
+def test_the_hosts_trainer_raising_ends_the_job_and_names_the_host(tmp_path):
+    """Rank 0 (LOCAL_RANK 0, the node's data host) raises at micro-batch 10 while rank 1 waits for it in
+    the all-reduce. The host stops serving instead of serving on at exit, so torchrun ends the job
+    (before the fix it ran until gloo's 30-minute timeout); rank 1's log names the host and why it stopped.
+    The 90 s bound detects a hang, it measures nothing (here the job ends ~4 s after the raise; the launch
+    itself takes 20-40 s on a busy 2-core machine)."""
+    ds = make_data(tmp_path / "data")
+    spec = spec_before(ds)  # no `steps`: the stream never ends by itself
+    proc, took = torchrun(tmp_path, {"spec": spec, "raise_rank": 0, "raise_at": 10}, timeout=200)
+    assert proc.returncode != 0
+    assert took < 90, f"the job took {took:.0f} s to end after its host's trainer raised"
+    host, other = rank_log(tmp_path, 0), rank_log(tmp_path, 1)
+    assert "RuntimeError: the model diverged at micro-batch 10" in host  # the trainer's own traceback
+    assert "data host" in other and "LOCAL_RANK 0" in other, other[-3000:]
+    assert "stopped because its trainer raised RuntimeError: the model diverged at micro-batch 10" in other
+    assert not list((tmp_path / "rdzv").glob("*.json"))  # the host removed its rendezvous file

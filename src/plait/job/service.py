@@ -223,6 +223,11 @@ class JobService:
             raise
         return BuildCache.served(built, cut, with_state)
 
+    def stop(self, reason: str) -> None:
+        """Refuse every request from now on with `reason`; requests waiting in the window fail with it too."""
+        with self.lock:
+            self.window.stop(reason)
+
     def stats(self) -> dict:
         """The window (size, longest, waits, who was waited for) and the builds held."""
         with self.lock:

@@ -53,6 +53,7 @@ class PlanWindow:
         self.longest = 0  # most steps held at once
         self.lagging = ""  # who the last long wait waited for
         self.changed_by: tuple[int, Any, list[str]] | None = None  # (generation, state, changes) of change_once
+        self.stopped: str | None = None  # why the stream serves no more (stop)
 
     def reset(self) -> int:
         """A new generation from the Planner's current state (after a seek): nothing planned kept."""
@@ -87,7 +88,15 @@ class PlanWindow:
         for s in [s for s in self.steps if s >= step]:
             del self.steps[s]
 
+    def stop(self, reason: str) -> None:
+        """Serve no more: every request from now on, and every one waiting, fails with `reason` (a node's
+        host whose trainer died: its ranks must hear why instead of waiting for it)."""
+        self.stopped = reason
+        self.cond.notify_all()
+
     def check(self, gen: int) -> None:
+        if self.stopped is not None:
+            raise PlaitError(self.stopped)
         if gen != self.gen:
             raise StaleGeneration(f"the plan stream was reset (generation {self.gen}, asked {gen}): another "
                                   "trainer loaded a different data state; resume every rank from the same state")

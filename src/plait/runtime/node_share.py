@@ -25,6 +25,13 @@ node that joined has left (or died), or until all LOCAL_WORLD_SIZE processes hav
 seconds to join: its process waits for that at exit, so a rank that finishes first does not cut the
 others off.
 
+A host whose own trainer dies of an uncaught exception (sys.excepthook) does not serve on: it stops at
+once, tells the node's other processes why (the rendezvous file says so; each logs a warning naming the
+host and its next batch raises a PlaitError saying it), waits a few seconds for them to hear it, and exits,
+so that torchrun sees a failed worker and ends the job instead of the other ranks waiting in their
+collectives for gloo's or NCCL's timeout. (A trainer that ends with sys.exit(1) is not seen: it exits as
+a finished one.) A process that sees its host die, or stop, logs it the same way.
+
 Ranks may read at different speeds: the host's plan window (plait.job.window) makes a rank that runs
 more than the window ahead of the slowest live one wait, and logs whom it waits for; a rank whose process
 died or that left stops holding it (docs/serving.md).
@@ -37,10 +44,13 @@ use the ray runtime (loaders scaled per source) or share="process".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -59,6 +69,10 @@ DIR_ENV = "PLAIT_NODE_DIR"
 JOIN_TIMEOUT = 300.0  # seconds a process waits for its node's host (the host's first plan reads every source)
 DRAIN_GRACE = 60.0  # seconds the host waits, at most, for node processes that never joined
 DRAIN_TIMEOUT = 3600.0  # seconds the host waits, at most, for joined processes to leave
+FAILED_GRACE = 10.0  # seconds a host whose trainer raised waits, at most, for the node's processes to hear it
+WATCH_S = 0.25  # how often a process looks whether its node's host stopped or died
+
+log = logging.getLogger("plait.node")
 
 
 @dataclass(frozen=True)
@@ -130,17 +144,16 @@ class _Host:
         self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port, expected=expected)
         self.path, self.expected, self.users = path, expected, 0
         remove_stale_rendezvous(path.parent)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"address": self.server.address, "token": self.server.token, "pid": os.getpid(),
-                       "job": job}, f)
-        os.replace(tmp, path)
+        self.write()
 
     def drain(self) -> None:
-        """Serve until the node's processes have left, then close (unless a new Loader took the host)."""
+        """Serve until the node's processes have left, then close (unless a new Loader took the host); stop
+        at once when this process's trainer raised."""
         start = time.monotonic()
         while time.monotonic() - start < DRAIN_TIMEOUT:
+            if TRAINER_FAILURE:
+                self.stop_failed(TRAINER_FAILURE[0])
+                return
             with _HOSTS_LOCK:
                 if self.users > 0:
                     return
@@ -156,6 +169,31 @@ class _Host:
             _HOSTS.pop(self.path, None)
         self.remove_file()
         self.server.close()
+
+    def stop_failed(self, failure: str) -> None:
+        """This process's trainer raised: refuse every request with why, say it in the rendezvous file (the
+        node's processes watch it), give them FAILED_GRACE seconds to hear it and leave, then close."""
+        with _HOSTS_LOCK:
+            _HOSTS.pop(self.path, None)
+        reason = (f"this node's data host, the trainer process with LOCAL_RANK 0 (pid {os.getpid()}), stopped "
+                  f"because its trainer raised {failure}; the job cannot go on without it (torchrun ends it: "
+                  "resume from the last checkpoint)")
+        self.server.service.stop(reason)
+        self.write({"stopped": reason})
+        deadline = time.monotonic() + FAILED_GRACE
+        while self.server.clients.live(exclude_pid=os.getpid()) > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.remove_file()
+        self.server.close()
+
+    def write(self, extra: dict | None = None) -> None:
+        """The rendezvous file: where the host listens, its token and process (and `extra`)."""
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"address": self.server.address, "token": self.server.token, "pid": os.getpid(),
+                       "job": self.server.job, **(extra or {})}, f)
+        os.replace(tmp, self.path)
 
     def remove_file(self) -> None:
         """Remove the rendezvous file when it is still this process's (a later host may have replaced it)."""
@@ -202,6 +240,24 @@ def _remove_files_on_sigterm() -> None:
 
 _HOSTS: dict[Path, _Host] = {}
 _HOSTS_LOCK = threading.Lock()
+TRAINER_FAILURE: list[str] = []  # the uncaught exception that ended this process's trainer, once it has
+
+
+def _watch_own_trainer() -> None:
+    """Chain sys.excepthook (once): an uncaught exception ends this process's trainer, and a host then
+    stops instead of serving on (drain sees TRAINER_FAILURE). Its traceback is printed first, as before."""
+    previous = sys.excepthook
+    if getattr(previous, "plait_node_host", False):
+        return
+
+    def on_uncaught(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+        finally:
+            TRAINER_FAILURE.append(f"{exc_type.__name__}: {exc}"[:500])
+
+    on_uncaught.plait_node_host = True  # type: ignore[attr-defined]
+    sys.excepthook = on_uncaught
 
 
 def _acquire_host(spec: Spec, job: str, path: Path, expected: int, metrics_port: int | None) -> _Host:
@@ -212,6 +268,7 @@ def _acquire_host(spec: Spec, job: str, path: Path, expected: int, metrics_port:
             atexit.unregister(_serve_on_at_exit)
             atexit.register(_serve_on_at_exit)
             _remove_files_on_sigterm()
+            _watch_own_trainer()
         host.users += 1
         return host
 
@@ -255,7 +312,50 @@ def node_client_class():
     return NodeHostClient
 
 
+class HostWatch:
+    """In a process its node's host serves (not the host's own): looks every WATCH_S seconds whether the
+    host stopped (its trainer raised: the rendezvous file says why) or its process is gone. Then it logs a
+    warning naming the host, once (a rank waiting in a collective would otherwise say nothing), keeps the
+    reason (`stopped`: the error this process's next batch raises) and calls `on_stop` (to leave, so the
+    host need not wait for it)."""
+
+    def __init__(self, path: Path, pid: int, on_stop):
+        self.path, self.pid, self.on_stop = path, pid, on_stop
+        self.stopped: str | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="plait-host-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(WATCH_S):
+            reason = self._look()
+            if reason is not None:
+                self.stopped = reason
+                log.warning("plait: %s", reason)
+                self.on_stop()
+                return
+
+    def _look(self) -> str | None:
+        from plait.job.consumers import process_alive
+
+        try:
+            info = json.loads(self.path.read_text())
+            if isinstance(info, dict) and info.get("pid") == self.pid and info.get("stopped"):
+                return str(info["stopped"])
+        except (OSError, ValueError):
+            pass  # removed (the host closed) or being replaced: its process says more
+        if not process_alive(self.pid):
+            return (f"this node's data host, the trainer process with LOCAL_RANK 0 (pid {self.pid}), has ended or "
+                    "died while this process still reads from it: its batches stop here (torchrun ends the job; "
+                    "resume from the last checkpoint)")
+        return None
+
+    def close(self) -> None:
+        self.done.set()
+
+
 def _join(spec: Spec, job: str, path: Path, timeout: float):
+    """(a thin client of the node's host, the host's process id)."""
     from plait.job.consumers import process_alive
 
     client = node_client_class()
@@ -263,16 +363,20 @@ def _join(spec: Spec, job: str, path: Path, timeout: float):
     deadline = time.monotonic() + timeout
     last = "its rendezvous file did not appear"
     while True:
+        stopped = None
         try:
             info = json.loads(path.read_text())
-            if not process_alive(int(info["pid"])):
+            stopped = info.get("stopped")  # its host's trainer raised: the launch is over
+            if not stopped and not process_alive(int(info["pid"])):
                 last = f"the host process {info['pid']} that wrote it is gone"
-            else:
-                return client(spec, job_address=info["address"], token=info["token"], job=job)
-        except (OSError, ValueError, KeyError):
+            elif not stopped:
+                return client(spec, job_address=info["address"], token=info["token"], job=job), int(info["pid"])
+        except (OSError, ValueError, KeyError, AttributeError):
             pass
         except PlaitError as e:  # a stale file, or a host still starting or already closing
             last = str(e)
+        if stopped:
+            raise PlaitError(str(stopped))
         if time.monotonic() > deadline:
             raise PlaitError(
                 f"this node's data plane for job {job!r} did not answer within {timeout:.0f} s ({path}: {last}). "
@@ -305,13 +409,14 @@ class NodeRuntime:
         self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
                       if launch.local_rank == 0 else None)
         try:
-            self.client = _join(spec, job, path, timeout)
+            self.client, host_pid = _join(spec, job, path, timeout)
             self.client.control.action("join", {"id": self.client.client_id, "pid": os.getpid()})
         except BaseException:
             if self._host is not None:
                 _release_host(self._host)
             raise
         self.job, self._closed = job, False
+        self.watch = None if self._host is not None else HostWatch(path, host_pid, self._leave)
 
     @property
     def loader(self):
@@ -326,7 +431,24 @@ class NodeRuntime:
     # ----- the runtime interface: the thin client's -------------------------------------------------------
     def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,
                   cp_rank: int = 0) -> Iterator[tuple[dict, MicroBatch]]:
-        return self.client.iter_rank(dp_rank, start_state, start_micro, max_steps, cp_rank=cp_rank)
+        with self._said():
+            stream = self.client.iter_rank(dp_rank, start_state, start_micro, max_steps, cp_rank=cp_rank)
+        return self._said_stream(stream)
+
+    def _said_stream(self, stream: Iterator) -> Iterator:
+        with self._said():
+            yield from stream
+
+    @contextlib.contextmanager
+    def _said(self):
+        """A failure once the host stopped or died says why (the watch's reason), not how the call failed."""
+        try:
+            yield
+        except PlaitError:
+            stopped = self.watch.stopped if self.watch is not None else None
+            if stopped is None:
+                raise
+            raise PlaitError(stopped) from None
 
     def state_dict(self) -> dict:
         return self.client.state_dict()
@@ -354,15 +476,20 @@ class NodeRuntime:
     def scaling_report(self) -> dict:
         return self.client.scaling_report()
 
+    def _leave(self) -> None:
+        try:
+            self.client.control.action("leave", {"id": self.client.client_id})
+        except PlaitError:
+            pass  # the host is gone already
+
     def close(self) -> None:
         """Leave the node's job; the host's process serves on until the node's other processes are done."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self.client.control.action("leave", {"id": self.client.client_id})
-        except PlaitError:
-            pass  # the host is gone already
+        if self.watch is not None:
+            self.watch.close()
+        self._leave()
         self.client.close()
         if self._host is not None:
             _release_host(self._host)
