@@ -142,7 +142,9 @@ def unshard(shards: list[MicroBatch]) -> MicroBatch:
 # Megatron-Core's THD path with `cu_seqlens_padded` expects): padded length P = ceil(L / 2k) * 2k, chunk
 # j = [j*P/2k, (j+1)*P/2k), member i takes chunks i and 2k-1-i. Padding sits at each document's end (input
 # id `pad_id`, label IGNORE_INDEX, positions continuing the document's), so under a causal mask no real
-# token ever attends to it.
+# token ever attends to it. A document with images or videos may take a larger P (more end padding) so that
+# no chunk boundary falls inside a placeholder run: each medium's embeddings land on one member, in one
+# piece; every member keeps the micro-batch's media fields (the encoder's input) as they are.
 
 
 def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | None = None,
@@ -152,8 +154,8 @@ def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | N
     `cu_seqlens` (equal on every member) and stats["cp"] = {size, rank, group, group_id, cu_seqlens (the
     group's view, unpadded), cu_seqlens_padded (the group's view), padding (pad tokens of this shard)}.
     `group`: the members' global ranks (default 0..k-1). k = 1 gives the micro-batch itself with
-    stats["cp"] set. Media placeholder runs are never cut: the Planner gives documents with images or
-    videos degree 1, and a k > 1 cut of a micro-batch holding media is refused."""
+    stats["cp"] set. An image's or video's placeholder run is never cut: a document with media gets the
+    smallest chunk size whose boundaries all fall outside its runs (`uncut_chunks`; more end padding)."""
     if not 0 <= member < k:
         raise ValueError(f"member {member} outside 0..{k - 1}")
     if "cp" in mb.stats:
@@ -161,9 +163,6 @@ def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | N
     cu = np.asarray(mb.cu_seqlens, dtype=np.int64)
     if int(cu[-1]) != len(mb.input_ids):
         raise ValueError("context parallelism needs a packed micro-batch whose documents cover every token")
-    if k > 1 and (mb.num_images or mb.video_grid is not None and len(mb.video_grid)):
-        raise ValueError(f"a micro-batch with images or videos cannot be sharded over {k} ranks: the Planner "
-                         "gives documents with media degree 1, so their placeholder runs are never cut")
     info = {"size": k, "rank": member, "group": list(range(k)) if group is None else [int(g) for g in group],
             "group_id": int(group_id), "cu_seqlens": cu.astype(np.int32)}
     stats = dict(mb.stats)
@@ -171,7 +170,7 @@ def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | N
         stats["cp"] = {**info, "cu_seqlens_padded": info["cu_seqlens"], "padding": 0}
         return dataclasses.replace(mb, stats=stats)
     lengths = np.diff(cu)
-    chunk = -(-lengths // (2 * k))  # per document: P / 2k
+    chunk = uncut_chunks(mb, lengths, k)  # per document: P / 2k
     padded = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(chunk * 2 * k, out=padded[1:])
     starts = np.stack([member * chunk, (2 * k - 1 - member) * chunk], axis=1)
@@ -196,6 +195,41 @@ def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | N
         position_ids=(first[doc] + position).astype(mb.position_ids.dtype), cu_seqlens=cu_local, stats=stats,
         mtp_labels=None if mb.mtp_labels is None else local(mb.mtp_labels, IGNORE_INDEX),
     )
+
+
+def uncut_chunks(mb: MicroBatch, lengths: np.ndarray, k: int) -> np.ndarray:
+    """Chunk size per document for a cut over k ranks: ceil(L / 2k), or for a document with images or
+    videos the smallest size from there up to twice it whose 2k - 1 boundaries cut none of its
+    placeholder runs (the boundary moves by padding the document's end more)."""
+    chunk = -(-lengths // (2 * k))
+    media = [d for d in (mb.image_document, mb.video_document) if d is not None and len(d)]
+    ids = [mb.stats.get(key) for key in ("image_token_id", "video_token_id")]
+    ids = [int(i) for i in ids if i is not None and int(i) >= 0]
+    if k == 1 or not media or not ids:
+        return chunk
+    cu = np.asarray(mb.cu_seqlens, dtype=np.int64)
+    placeholder = np.isin(mb.input_ids, ids)
+    for d in np.unique(np.concatenate(media)).tolist():  # the few documents with media of a micro-batch
+        chunk[d] = uncut_chunk(placeholder[cu[d]:cu[d + 1]], int(chunk[d]), k, mb.sample_ids[d])
+    return chunk
+
+
+def uncut_chunk(placeholder: np.ndarray, smallest: int, k: int, sample_id: np.ndarray) -> int:
+    """The smallest chunk size c >= `smallest` (up to twice it) whose boundaries c, 2c, .. (2k - 1)c fall
+    outside every run of True in `placeholder` (a document's placeholder tokens)."""
+    edges = np.diff(np.concatenate([[0], placeholder.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not len(starts):
+        return smallest
+    sizes = np.arange(smallest, 2 * smallest + 1, dtype=np.int64)
+    bounds = sizes[:, None] * np.arange(1, 2 * k, dtype=np.int64)[None, :]
+    run = np.maximum(np.searchsorted(starts, bounds, side="right") - 1, 0)
+    cuts = (bounds > starts[run]) & (bounds < ends[run])
+    fits = np.flatnonzero(~cuts.any(axis=1))
+    if not len(fits):
+        raise ValueError(f"document {sample_id.tolist()} (source, epoch, shard, row, chunk): its image/video "
+                         f"placeholder runs leave no chunk boundary over {k} ranks within twice the padding")
+    return int(sizes[fits[0]])
 
 
 def unshard_group(shards: list[MicroBatch]) -> MicroBatch:

@@ -90,18 +90,64 @@ def test_degree_one_is_the_micro_batch_itself():
     assert "cp" not in mb.stats  # the build's own stats are not touched
 
 
-def test_a_shard_or_a_media_batch_is_not_cut():
+def test_a_shard_is_not_cut_again():
     mb = group_mb([40, 7])
     with pytest.raises(ValueError, match="already"):
         shard_for_group(shard_for_group(mb, 2, 0), 2, 1)
     with pytest.raises(ValueError, match="outside"):
         shard_for_group(mb, 2, 2)
+
+
+IMAGE_ID = 1500
+
+
+def media_mb(runs, length, others=(30,)) -> MicroBatch:
+    """A micro-batch whose first document (`length` tokens) holds image placeholder runs at `runs` ((start,
+    length) each), then text documents."""
     import dataclasses
 
-    with_image = dataclasses.replace(mb, image_grid=np.array([[1, 2, 2]]), pixel_values=np.zeros((4, 12), np.uint8))
-    with pytest.raises(ValueError, match="degree 1"):
-        shard_for_group(with_image, 2, 0)
-    assert shard_for_group(with_image, 1, 0).stats["cp"]["size"] == 1
+    mb = group_mb([length, *others], seed=5)
+    ids = mb.input_ids.copy()
+    for start, size in runs:
+        ids[start:start + size] = IMAGE_ID
+    fields = pack_fields(ids, np.diff(mb.cu_seqlens))
+    fields["labels"][np.isin(fields["labels"], [IMAGE_ID])] = IGNORE_INDEX
+    n = len(runs)
+    return dataclasses.replace(mb, input_ids=ids, **fields, image_grid=np.ones((n, 3), np.int64),
+                               pixel_values=np.zeros((n, 12), np.uint8), image_document=np.zeros(n, np.int64),
+                               stats={**mb.stats, "image_token_id": IMAGE_ID, "video_token_id": -1})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 380), st.integers(1, 40)), min_size=1, max_size=4),
+       st.sampled_from([2, 4]))
+def test_chunk_boundaries_never_cut_a_placeholder_run(runs, k):
+    length = 420
+    runs = [(s, min(n, length - s)) for s, n in runs]
+    mb = media_mb(runs, length)
+    shards = [shard_for_group(mb, k, m) for m in range(k)]
+    same(unshard_group(shards), mb)
+    owner = np.full(length, -1)
+    for m, s in enumerate(shards):  # the member holding each token of the media document
+        n = int(s.cu_seqlens[1])
+        real = s.position_ids[:n] < length
+        owner[s.position_ids[:n][real]] = m
+    assert (owner >= 0).all()
+    is_run = mb.input_ids[:length] == IMAGE_ID
+    edges = np.diff(np.concatenate([[0], is_run.astype(np.int8), [0]]))
+    for start, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+        # each run inside one chunk: one member, contiguous on it (a member's two chunks are far apart)
+        assert len(set(owner[start:end].tolist())) == 1, (start, end, owner[start:end])
+    padded = np.diff(shards[0].stats["cp"]["cu_seqlens_padded"])
+    assert padded[0] % (2 * k) == 0 and length <= padded[0] <= 2 * length + 2 * k  # at most twice the padding
+    assert padded[1] == -(-30 // (2 * k)) * 2 * k  # the text document keeps the least padding
+
+
+def test_a_run_with_no_boundary_left_names_the_document():
+    mb = media_mb([(1, 398)], 400)  # one run over almost the whole document: no boundary outside it
+    with pytest.raises(ValueError, match=r"document \[0, 0, 0, 0, 0\]"):
+        shard_for_group(mb, 2, 0)
+    assert shard_for_group(mb, 1, 0).stats["cp"]["size"] == 1
 
 
 # ----- the build path: a pool rank's waves, each group built once ---------------------------------------------
