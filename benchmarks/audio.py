@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import main, write_result
+from plait.errors import PlaitError
 from plait.media import audio
 from plait.media.audio import AUDIO_EXTENSIONS, AudioPolicy, probe
 from plait.media.audio_features import SAMPLE_RATE, WINDOW_SAMPLES, log_mel
@@ -95,8 +96,7 @@ def run(args) -> int:
     if args.path:
         paths = sorted(p for p in Path(args.path).rglob("*") if p.suffix.lstrip(".").lower() in AUDIO_EXTENSIONS)
         if not paths:
-            print(f"no audio files ({', '.join(AUDIO_EXTENSIONS)}) under {args.path}", file=sys.stderr)
-            return 2
+            raise PlaitError(f"no audio files ({', '.join(AUDIO_EXTENSIONS)}) under {args.path}")
     else:
         tmp = tempfile.TemporaryDirectory(prefix="plait-bench-audio-")
         paths = generate(Path(tmp.name), args.clips, args.min_seconds, args.max_seconds)
