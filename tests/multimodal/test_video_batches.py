@@ -57,13 +57,15 @@ def stream(spec_dict, steps: int, state: dict | None = None):
 
 
 def reference_rows(data) -> np.ndarray:
-    """A plain PyAV decode of every frame, the rule's frames resized (swscale BICUBIC) and patchified:
-    the video's rows as Qwen2-VL takes them, [t*h*w, 2*14*14*3]."""
+    """A plain PyAV decode of every frame, the rule's frames at full size in RGB resized by Pillow's BICUBIC
+    (the reference's resize) and patchified: the video's rows as Qwen2-VL takes them, [t*h*w, 2*14*14*3]."""
+    from PIL import Image
+
     plan = POLICY.plan(probe(data))
     with av.open(io.BytesIO(data) if isinstance(data, bytes) else data) as c:
         frames = list(c.decode(video=0))
-    pix = np.stack([frames[i].to_ndarray(width=plan.width, height=plan.height, format="rgb24",
-                                         interpolation="BICUBIC") for i in plan.indices])
+    pix = np.stack([np.asarray(frames[i].to_image().resize((plan.width, plan.height), Image.Resampling.BICUBIC))
+                    for i in plan.indices])
     return patchify_frames(pix, 14, 2).reshape(-1, 2 * ROW)
 
 

@@ -1,6 +1,7 @@
 """Video: header probes (no frame decoded), the Qwen2-VL frame rule against the published formulas,
-frames decoded at the rule's indices and equal to a plain PyAV decode + the same resize, the patch layout,
-and the spec's `videos` section."""
+frames decoded at the rule's indices and equal to a plain PyAV decode + the same resize (full-size RGB, then
+Pillow BICUBIC; test_video_reference.py holds them against transformers), the patch layout, bad videos'
+messages, and the spec's `videos` section."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from PIL import Image
 from hypothesis import given
 from hypothesis import strategies as st
 from video_data import KINDS, VIDEOS, audio_only, encode, frame_pixels
@@ -83,13 +85,14 @@ def ref_smart_resize(height, width, factor, min_pixels, max_pixels):
 @given(total=st.integers(1, 5000), fps_video=st.sampled_from([5.0, 12.0, 23.976, 25.0, 30.0, 60.0]),
        fps=st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_frames=st.integers(1, 8), max_frames=st.integers(2, 64),
        tp=st.sampled_from([1, 2, 4]), width=st.integers(16, 1920), height=st.integers(16, 1080),
-       nframes=st.one_of(st.none(), st.integers(1, 40)), total_pixels=st.integers(28 * 28 * 4, 28 * 28 * 2000))
+       nframes=st.one_of(st.none(), st.integers(1, 40)), total_pixels=st.integers(28 * 28 * 4, 28 * 28 * 2000),
+       max_tokens=st.sampled_from([256, 768, 1500]))
 def test_rule_matches_the_published_formulas(total, fps_video, fps, min_frames, max_frames, tp, width, height,
-                                             nframes, total_pixels):
+                                             nframes, total_pixels, max_tokens):
     if min_frames > max_frames or max_frames < tp or max(width, height) / min(width, height) > 200:
         return
     pol = VideoPolicy(fps=fps, min_frames=min_frames, max_frames=max_frames, temporal_patch=tp, nframes=nframes,
-                      min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 256, total_pixels=total_pixels)
+                      min_pixels=28 * 28 * 4, max_pixels=28 * 28 * max_tokens, total_pixels=total_pixels)
     info = VideoInfo(width, height, total, fps_video, total / fps_video, "h264")
     n = ref_nframes(total, fps_video, fps, min_frames, max_frames, tp, nframes)
     if not tp <= n <= total:
@@ -99,7 +102,8 @@ def test_rule_matches_the_published_formulas(total, fps_video, fps, min_frames, 
     plan = pol.plan(info)
     assert list(plan.indices) == [int(x) for x in np.round(np.linspace(0, total - 1, n))]
     assert len(plan.indices) % tp == 0 and plan.indices[0] == 0 and (n == 1 or plan.indices[-1] == total - 1)
-    budget = max(min(28 * 28 * 256, total_pixels / n * tp), int(28 * 28 * 4 * 1.05))
+    # qwen-vl-utils 0.0.14: a per-frame ceiling of 768 tokens, then a caller's max_pixels can only lower it
+    budget = min(28 * 28 * max_tokens, max(min(28 * 28 * 768, total_pixels / n * tp), int(28 * 28 * 4 * 1.05)))
     h, w = ref_smart_resize(height, width, 28, 28 * 28 * 4, budget)
     assert (plan.height, plan.width) == (h, w)
     assert plan.grid == (n // tp, h // 14, w // 14)
@@ -135,20 +139,24 @@ def plain_frames(data: bytes) -> list:
         return list(c.decode(video=0))
 
 
+def resized(frame, plan) -> np.ndarray:
+    """A PyAV frame as the reference readers and processors make it: full-size RGB, Pillow BICUBIC resize."""
+    rgb = Image.fromarray(frame.to_ndarray(format="rgb24"))
+    return np.asarray(rgb.resize((plan.width, plan.height), Image.Resampling.BICUBIC))
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: f"{k[0]}-{k[1]}")
 def test_frames_are_the_rule_s_frames(videos, kind):
-    """Each sampled frame equals PyAV's decode of frame `index` resized the same way (swscale BICUBIC)."""
+    """Each sampled frame equals PyAV's decode of frame `index` resized the reference's way."""
     data = videos[kind]
     plan = SMALL.plan(probe(data))
     got = read_frames(data, plan)
     ref = plain_frames(data)
     for k, i in enumerate(plan.indices):
-        want = ref[i].to_ndarray(width=plan.width, height=plan.height, format="rgb24", interpolation="BICUBIC")
-        np.testing.assert_array_equal(got[k], want)
+        np.testing.assert_array_equal(got[k], resized(ref[i], plan))
     # frames differ from their neighbours, so the comparison above tells frame i from i + 1
     i = plan.indices[1]
-    nxt = ref[i + 1].to_ndarray(width=plan.width, height=plan.height, format="rgb24", interpolation="BICUBIC")
-    assert not np.array_equal(got[1], nxt)
+    assert not np.array_equal(got[1], resized(ref[i + 1], plan))
 
 
 def test_seeking_decodes_fewer_frames_than_the_video_holds():
@@ -162,8 +170,7 @@ def test_seeking_decodes_fewer_frames_than_the_video_holds():
     assert FRAME_DECODES.count - before < 200 / 2  # far fewer than the 200 frames
     ref = plain_frames(data)
     for k, i in enumerate(plan.indices):
-        np.testing.assert_array_equal(got[k], ref[i].to_ndarray(width=plan.width, height=plan.height,
-                                                                   format="rgb24", interpolation="BICUBIC"))
+        np.testing.assert_array_equal(got[k], resized(ref[i], plan))
 
 
 def test_variable_frame_rate_takes_the_frame_at_each_time(vfr):
@@ -174,8 +181,7 @@ def test_variable_frame_rate_takes_the_frame_at_each_time(vfr):
     times = np.array([float(f.time) for f in ref])
     for k, i in enumerate(plan.indices):
         j = int(np.flatnonzero(times >= i / info.fps - 0.5 / info.fps)[0])
-        np.testing.assert_array_equal(got[k], ref[j].to_ndarray(width=plan.width, height=plan.height,
-                                                                   format="rgb24", interpolation="BICUBIC"))
+        np.testing.assert_array_equal(got[k], resized(ref[j], plan))
 
 
 def test_patch_layout():
@@ -197,7 +203,7 @@ def test_patch_layout():
 def test_decode_video_rows_match_the_plan(videos):
     data = videos[KINDS[0]]
     plan = SMALL.plan(probe(data))
-    rows = decode_video(data, plan, 14, 2)
+    rows = decode_video(data, plan, SMALL)
     assert rows.shape == (plan.rows, 14 * 14 * 3) and rows.dtype == np.uint8
     assert plan.rows == plan.patches * 2
 

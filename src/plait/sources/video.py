@@ -39,7 +39,7 @@ def video_policy(spec: Spec) -> VideoPolicy | None:
         return None
     return VideoPolicy(fps=v.fps, min_frames=v.min_frames, max_frames=v.max_frames, min_pixels=v.min_pixels,
                        max_pixels=v.max_pixels, total_pixels=v.total_pixels, temporal_patch=v.temporal_patch,
-                       nframes=v.nframes, patch=im.patch, merge=im.merge, clip=v.clip)
+                       nframes=v.nframes, patch=im.patch, merge=im.merge, clip=v.clip, fast_resize=v.fast_resize)
 
 
 def video_list(value, root: str | None) -> list[VideoRef]:
@@ -79,8 +79,7 @@ class VideoDocs:
         """The planned frames as uint8 patch rows [plan.rows, patch*patch*3] (BadVideo on failure)."""
         if vref.plan is None:
             raise BadVideo("a video reference reached the gather unplanned")
-        return decode_video(self.reader.video_input(path, vref.ref), vref.plan, self.policy.patch,
-                            self.policy.temporal_patch)
+        return decode_video(self.reader.video_input(path, vref.ref), vref.plan, self.policy)
 
     def payload_grid(self, plan: VideoPlan) -> tuple[int, int, int]:
         """The grid of its pixel rows in a payload: (frames, h, w), t*temporal_patch frames."""

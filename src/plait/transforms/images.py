@@ -73,6 +73,7 @@ __all__ = [
     "merge_order",
     "patchify",
     "placeholder_run",
+    "resize_bicubic",
     "smart_resize",
 ]
 
@@ -213,6 +214,12 @@ def merge_order(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
     return merge_window_order(grid_h, grid_w, merge)
 
 
+def resize_bicubic(img: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """`img` at `size` (width, height) by Pillow's BICUBIC on 8-bit RGB, as Hugging Face's PIL image
+    processors resize: the one resize of images and (by default) of video frames."""
+    return img if img.size == size else img.resize(size, Image.Resampling.BICUBIC)
+
+
 def upright(img: Image.Image, orient: int) -> Image.Image:
     """`img` turned per EXIF orientation `orient` (ImageOps.exif_transpose's mapping)."""
     return img.transpose(TRANSPOSE[orient]) if orient in TRANSPOSE else img
@@ -244,8 +251,7 @@ def decode(data: ImageData, policy: ImagePolicy, out: np.ndarray | None = None) 
         if plan.thumbnail:  # from the source, as InternVL does (and far cheaper than from the resized grid)
             thumb = upright(rgb.resize((policy.tile, policy.tile), Image.Resampling.BICUBIC), orient)
             patchify(np.asarray(thumb), 1, 1, policy.patch, out=patches[main:])
-        if rgb.size != target:
-            rgb = rgb.resize(target, Image.Resampling.BICUBIC)
+        rgb = resize_bicubic(rgb, target)
         patchify(np.asarray(upright(rgb, orient)), plan.rows, plan.cols, policy.patch, out=patches[:main])
         return Decoded(patches, plan, draft)
     finally:

@@ -7,15 +7,15 @@ decoded (`FRAME_DECODES` counts every frame any decoder here produced, so a test
 indices, the resized frame size, the grid and the placeholder count), and the loader's `decode_video`
 later decodes exactly those frames, once per delivery (`VIDEO_DECODES` counts decode passes).
 
-The Qwen2-VL rule (`policy: qwen2vl`; as qwen-vl-utils' `smart_nframes` and `fetch_video` describe it),
-with tp = temporal_patch (FRAME_FACTOR), factor = patch * merge:
+The Qwen2-VL rule (`policy: qwen2vl`; as qwen-vl-utils 0.0.14's `smart_nframes` and `fetch_video` publish
+it, video_spec.QWEN_VL_UTILS), with tp = temporal_patch (FRAME_FACTOR), factor = patch * merge:
 
     frames  = round(nframes / tp) * tp                             when `nframes` is set, else
     frames  = floor(clamp(total / fps_video * fps,
                           ceil(min_frames / tp) * tp,
                           floor(min(max_frames, total) / tp) * tp) / tp) * tp
     indices = round(linspace(0, total - 1, frames))                (round half to even, as torch.round)
-    budget  = max(min(max_pixels, total_pixels / frames * tp), int(min_pixels * 1.05))
+    budget  = min(max_pixels, max(min(768 * factor**2, total_pixels / frames * tp), int(min_pixels * 1.05)))
     (h', w') = smart_resize(h, w, factor, min_pixels, budget)      (transforms/resize.py)
     grid    = (t, h, w) = (frames / tp, h' / patch, w' / patch);   patches = t*h*w;   tokens = patches / merge**2
 
@@ -30,8 +30,11 @@ and the frame taken is the first whose timestamp reaches the time minus half an 
 
 Decoding (`decode_video`): the sampled times in order; before a time more than SEEK_GAP seconds past the
 last decoded frame (and before the first) the demuxer seeks to the keyframe at or before it, then frames
-are decoded forward; each wanted frame is converted and resized in one swscale pass (`reformat`,
-BICUBIC, to RGB24). Patch layout: frames grouped by tp; rows of patch*patch*3 uint8, ordered (temporal
+are decoded forward. Each wanted frame is converted to full-size RGB24 (PyAV's `to_ndarray`, as the
+reference readers decode) and resized by the image path's resize (`images.resize_bicubic`, Pillow
+BICUBIC), so a frame equals Hugging Face's Qwen2-VL image processor's resize of that RGB frame bit for
+bit. `fast_resize` converts and resizes in one swscale pass instead (`reformat`, BICUBIC): faster, other
+pixels (docs/video.md measures both). Patch layout: frames grouped by tp; rows of patch*patch*3 uint8, ordered (temporal
 group, patch row, patch column, frame in group), so `rows.reshape(t*h*w, tp*patch*patch*3)` gives
 Qwen2-VL's video patches (tp, patch, patch, 3) in raster order. Failures are `BadVideo` (one line).
 """
@@ -40,13 +43,16 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
+from PIL import Image
 
-from plait.transforms.images import DecodeCounter
+from plait.transforms.images import DecodeCounter, resize_bicubic
 from plait.transforms.resize import BadImage, smart_resize
+from plait.video_spec import TOTAL_PIXELS, VIDEO_MAX_TOKENS, VIDEO_MIN_TOKENS
 
 __all__ = ["FRAME_DECODES", "VIDEO_DECODES", "VIDEO_EXTENSIONS", "BadVideo", "VideoInfo", "VideoPlan",
            "VideoPolicy", "VideoRef", "decode_video", "patchify_frames", "probe"]
@@ -122,11 +128,26 @@ def _import_av():
 def open_container(data: VideoData):
     """av.open on bytes, a local path or a file object; BadVideo when FFmpeg cannot read it."""
     av = _import_av()
+    check_file(data)
     source = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
         return av.open(source, mode="r")
     except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types on untrusted bytes
         raise BadVideo(f"not a readable video container: {type(e).__name__}: {e}") from None
+
+
+def check_file(data: VideoData) -> None:
+    """BadVideo for what FFmpeg words badly ('<none>', 'Invalid data'): a missing file, a folder, no bytes."""
+    if isinstance(data, str):
+        if not os.path.exists(data):
+            raise BadVideo(f"missing file: no file at {data}")
+        if os.path.isdir(data):
+            raise BadVideo(f"{data} is a folder, not a video file")
+        empty = os.path.getsize(data) == 0
+    else:
+        empty = isinstance(data, (bytes, bytearray, memoryview)) and not len(data)
+    if empty:
+        raise BadVideo("empty file (0 bytes)")
 
 
 def _stream(container):
@@ -183,24 +204,33 @@ def _check_end(container, stream, duration: float, fps: float) -> None:
 
 @dataclass(frozen=True)
 class VideoPolicy:
-    """The Qwen2-VL video rule (module docstring). Defaults: qwen-vl-utils' (fps 2, 4..768 frames,
-    128*28*28 .. 768*28*28 pixels per frame, 24576*28*28 in total, frames in pairs)."""
+    """The Qwen2-VL video rule (module docstring). Defaults: qwen-vl-utils 0.0.14's (fps 2, 4..768 frames,
+    128*28*28 .. 768*28*28 pixels per frame, 128000*28*28*0.9 in total, frames in pairs). `fast_resize`:
+    decode with the one-pass swscale resize instead of the reference's (planning is the same)."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 768 * 28 * 28
-    total_pixels: int = 24576 * 28 * 28
+    min_pixels: int = VIDEO_MIN_TOKENS * 28 * 28
+    max_pixels: int = VIDEO_MAX_TOKENS * 28 * 28
+    total_pixels: int = TOTAL_PIXELS
     temporal_patch: int = 2
     nframes: int | None = None
     patch: int = 14
     merge: int = 2
     clip: bool = False
+    fast_resize: bool = False
 
     @property
     def factor(self) -> int:
         return self.patch * self.merge
+
+    def frame_budget(self, frames: int) -> float:
+        """Most pixels of one resized frame of a sample of `frames` frames: the total budget shared by the
+        temporal patches, within qwen-vl-utils' per-frame ceiling, never under its 1.05 * min_pixels floor,
+        and never over `max_pixels` (as qwen-vl-utils applies a caller's max_pixels)."""
+        shared = min(VIDEO_MAX_TOKENS * self.factor**2, self.total_pixels / frames * self.temporal_patch)
+        return min(self.max_pixels, max(shared, int(self.min_pixels * 1.05)))
 
     def _floor(self, x: float) -> int:
         return math.floor(x / self.temporal_patch) * self.temporal_patch
@@ -235,9 +265,8 @@ class VideoPolicy:
             if not len(indices):
                 raise BadVideo(f"clip window {window} is past the video's {n} sampled frames")
         frames = len(indices)
-        budget = max(min(self.max_pixels, self.total_pixels / frames * tp), int(self.min_pixels * 1.05))
         try:
-            h, w = smart_resize(info.height, info.width, self.factor, self.min_pixels, budget)
+            h, w = smart_resize(info.height, info.width, self.factor, self.min_pixels, self.frame_budget(frames))
         except BadImage as e:
             raise BadVideo(str(e)) from None
         grid = (frames // tp, h // self.patch, w // self.patch)
@@ -261,7 +290,16 @@ def _frame_time(frame, start: float) -> float:
     return float(frame.time) - start
 
 
-def read_frames(data: VideoData, plan: VideoPlan) -> np.ndarray:
+def resized_frame(frame, plan: VideoPlan, fast_resize: bool = False) -> np.ndarray:
+    """A decoded frame at the plan's size, uint8 [height, width, 3]: full-size RGB then the image path's
+    BICUBIC resize (the reference), or with `fast_resize` one swscale conversion + resize."""
+    if fast_resize:
+        return frame.to_ndarray(width=plan.width, height=plan.height, format="rgb24", interpolation="BICUBIC")
+    rgb = Image.fromarray(frame.to_ndarray(format="rgb24"))  # not frame.to_image(): the same pixels, 20x slower
+    return np.asarray(resize_bicubic(rgb, (plan.width, plan.height)))
+
+
+def read_frames(data: VideoData, plan: VideoPlan, fast_resize: bool = False) -> np.ndarray:
     """The plan's frames, decoded with seeking and resized: uint8 [frames, height, width, 3]."""
     times = np.asarray(plan.indices, dtype=np.float64) / plan.fps_video
     half = 0.5 / plan.fps_video
@@ -282,8 +320,7 @@ def read_frames(data: VideoData, plan: VideoPlan) -> np.ndarray:
                     FRAME_DECODES.add()
                     pos = _frame_time(frame, start)
                     while k < len(times) and pos >= times[k] - half:
-                        out[k] = frame.to_ndarray(width=plan.width, height=plan.height, format="rgb24",
-                                                  interpolation="BICUBIC")
+                        out[k] = resized_frame(frame, plan, fast_resize)
                         k += 1
                     if k == len(times) or (k != sought and times[k] - pos > SEEK_GAP):
                         ended = False
@@ -298,8 +335,9 @@ def read_frames(data: VideoData, plan: VideoPlan) -> np.ndarray:
     return out
 
 
-def decode_video(data: VideoData, plan: VideoPlan, patch: int, temporal_patch: int) -> np.ndarray:
-    """The plan's frames as uint8 patch rows [plan.rows, patch*patch*3] (module docstring). BadVideo on
-    any failure; the caller checks nothing else (the plan came from the same headers)."""
-    return patchify_frames(read_frames(data, plan), patch, temporal_patch)
+def decode_video(data: VideoData, plan: VideoPlan, policy: VideoPolicy) -> np.ndarray:
+    """The plan's frames as uint8 patch rows [plan.rows, patch*patch*3] (module docstring), decoded and
+    cut as `policy` says. BadVideo on any failure; the caller checks nothing else (the plan came from the
+    same headers)."""
+    return patchify_frames(read_frames(data, plan, policy.fast_resize), policy.patch, policy.temporal_patch)
 
