@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import posixpath
 
 import numpy as np
 import pyarrow as pa
@@ -138,7 +139,7 @@ class JsonlReader(FormatReader):
             videos.append(rec.get(self.spec.video_field) if self.spec.video_field else None)
             index.append(i)
         records, kept, more = records_from_values(texts, images, self.spec, [str(i) for i in index],
-                                                  videos if self.spec.video_field else None)
+                                                  videos if self.spec.video_field else None, posixpath.dirname(path))
         bad += [(int(name), why) for name, why in more]
         ok_index = np.asarray(index, dtype=np.int64)[kept] if len(kept) else np.zeros(0, np.int64)
         return RawBlock(0, len(recs), ok_index, pa.array([""] * len(records), pa.string()), sorted(bad), records)

@@ -156,24 +156,33 @@ def image_list(value, root: str | None) -> list[ImageRef]:
     return out
 
 
-def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str], videos: list | None = None):
-    """MMRecords of rows (texts[i], images[i], videos[i]); returns (records, kept indices, bad (name, reason))."""
+def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str], videos: list | None = None,
+                        folder: str | None = None):
+    """MMRecords of rows (texts[i], images[i], videos[i]); returns (records, kept indices, bad (name, reason)).
+    Relative media paths join `image_root`, else `folder` (a LLaVA JSON's own folder), else stay as they are."""
     records, kept, bad = [], [], []
+    root = spec.image_root if spec.image_root is not None else folder
     for i, (text, img) in enumerate(zip(texts, images)):
         try:
             if text is None:
                 raise BadRecord(f"field {spec.text_field!r} is null or missing")
-            vids = None if videos is None else video_list(videos[i], spec.image_root)
-            records.append(make_record(text, image_list(img, spec.image_root), spec.template, names[i], vids))
+            vids = None if videos is None else video_list(videos[i], root)
+            records.append(make_record(text, image_list(img, root), spec.template, names[i], vids))
             kept.append(i)
         except (BadRecord, ValueError) as e:
             bad.append((names[i], str(e)))
     return records, np.asarray(kept, dtype=np.int64), bad
 
 
-def describe_ref(ref: ImageRef) -> str:
+def describe_ref(ref: ImageRef | VideoRef) -> str:
+    """How an error names a media: 'image <path or member>' or 'video <...> (clip window w)'."""
     if isinstance(ref, VideoRef):
-        return "video " + describe_ref(ref.ref) + (f" (clip window {ref.window})" if ref.window else "")
+        window = f" (clip window {ref.window})" if ref.window else ""
+        return f"video {_where(ref.ref)}{window}"
+    return f"image {_where(ref)}"
+
+
+def _where(ref: bytes | str) -> str:
     return f"<{len(ref)} inline bytes>" if isinstance(ref, bytes) else ref
 
 
@@ -251,7 +260,7 @@ class ImageDocs:
                 for ref in rec.images:
                     rec_plans.append(self.plan(path, ref))
             except (BadImage, OSError) as e:
-                self.bad(path, rec.name, f"image {describe_ref(ref)}: {str(e) or type(e).__name__}")
+                self.bad(path, rec.name, f"{describe_ref(ref)}: {str(e) or type(e).__name__}")
                 continue
             plans.append(rec_plans)
             kept.append(i)
@@ -344,7 +353,7 @@ class ImageDocs:
                 raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
             return got.patches, None
         except (BadImage, OSError) as e:
-            return None, f"image {describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
+            return None, f"{describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
 
     def _decode_video(self, path: str, vref: VideoRef, out: np.ndarray | None) -> tuple[np.ndarray | None, str | None]:
         try:

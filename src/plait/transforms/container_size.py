@@ -23,7 +23,7 @@ import struct
 
 import numpy as np
 
-from plait.transforms.video import BadVideo, VideoData, VideoInfo, probe
+from plait.transforms.video import BadVideo, VideoData, VideoInfo, check_file, probe
 
 BMFF_TOP = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid", b"styp", b"moof", b"mfra", b"meta"}
 BMFF_PATH = (b"trak", b"mdia", b"minf", b"stbl")  # where moov's sample tables live
@@ -33,6 +33,7 @@ EBML_ID, SEGMENT_ID = b"\x1a\x45\xdf\xa3", b"\x18\x53\x80\x67"
 
 def probe_whole(data: VideoData) -> VideoInfo:
     """`probe`, after checking that the container is not shorter than its headers say (BadVideo if so)."""
+    check_file(data)  # a missing or empty file is said so before its sizes are read
     check_size(data)
     return probe(data)
 
