@@ -1,7 +1,8 @@
 """`plait bench images`: image throughput of the loader against plain Pillow, and decodes per image.
 
 It writes N images (JPEG and PNG, 64..640 px sides, aspect ratios up to 4:1; `plait demo`'s generator)
-with short captions as a LLaVA-style JSONL source, then in one run:
+with short captions as a LLaVA-style JSONL source, or, with `--path` (a folder or a glob), lists the first
+N of your own image files in one (a file that fails is skipped, counted and named), then in one run:
 
   loader   plans a few global steps of that source on the local runtime (DP --dp) and builds every
            rank's micro-batches with `loading.workers` = N (`--workers`, default: the cores this process
@@ -26,12 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from plait.cli.bench.user_files import find_files
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 HELP = "images/s of the loader (decode, resize, patchify) vs a plain Pillow loop; decodes per delivered image"
 DESCRIPTION = __doc__
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--images", type=int, default=300, help="distinct image files")
+    p.add_argument("--images", type=int, default=300, help="distinct image files (with --path: the first N found)")
+    p.add_argument("--path", help="a folder (searched recursively) or a glob of your image files (jpg, png, webp, "
+                   "gif, bmp, tiff) to measure instead of generated ones")
     p.add_argument("--steps", type=int, default=8, help="global steps the loader plans and builds")
     p.add_argument("--dp", type=int, default=8, help="data-parallel ranks (all built in this process)")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -52,7 +58,8 @@ def image_spec(jsonl: Path, args):
     return load_spec({
         "seed": 7,
         "sources": [{"name": "image", "path": str(jsonl), "format": "jsonl", "text_field": "caption",
-                     "image_field": "image", "image_root": str(jsonl.parent), "eos": 257}],
+                     "image_field": "image", "image_root": str(jsonl.parent), "eos": 257,
+                     "on_error": "skip" if args.path else "raise"}],
         "images": {"policy": "dynamic", "patch": 14, "merge": 2, "min_pixels": 28 * 28 * 4,
                    "max_pixels": args.max_pixels, "image_token_id": 300},
         "packing": {"seq_len": args.seq_len, "microbatches": 1, "max_patches": 4 * args.seq_len},
@@ -90,10 +97,13 @@ def measure_loader(spec, steps: int) -> dict:
             build_wall += time.perf_counter() - w0
             rt.release()
         decodes = DECODES.count - start
+        errors = rt.error_report()
     finally:
         rt.close()
     return {"images": images, "patches": patches, "plan_s": plan_s, "build_cpu_s": build_cpu,
-            "build_wall_s": build_wall, "planning_decodes": planning_decodes, "decodes": decodes}
+            "build_wall_s": build_wall, "planning_decodes": planning_decodes, "decodes": decodes,
+            "skipped": sum(e["skipped"] for e in errors.values()),
+            "errors": [m for e in errors.values() for m in e["messages"][:5]]}
 
 
 def measure_ray(spec, steps: int) -> dict:
@@ -116,8 +126,30 @@ def measure_ray(spec, steps: int) -> dict:
     return {"images": images, "decodes": decodes}
 
 
-def run(args) -> int:
+def source_of(args, folder: Path) -> tuple[Path, list[Path]]:
+    """The JSONL the loader reads and the files the Pillow loop opens: generated images, or the user's
+    files that open as images (absolute paths)."""
     from plait.cli.demo_data import write_image_source
+    from plait.transforms.images import BadImage, image_size
+
+    if not args.path:
+        jsonl = write_image_source(folder / "image", args.images, max_side=args.max_side)
+        return jsonl, sorted((folder / "image" / "img").iterdir())
+    files = find_files(args.path, IMAGE_EXTENSIONS, args.images, "image")
+    jsonl = folder / "captions.jsonl"
+    records = ({"id": f"image-{i}", "image": str(f), "caption": f"a picture: {f.name}"} for i, f in enumerate(files))
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    readable = []
+    for f in files:  # the baseline loop has no skip policy: it opens the files whose headers read
+        try:
+            image_size(f.read_bytes())
+            readable.append(f)
+        except BadImage:
+            pass
+    return jsonl, readable
+
+
+def run(args) -> int:
     from plait.errors import PlaitError
     from plait.sources.workers import available_cpus
     from plait.transforms.images import bench_pillow
@@ -127,9 +159,9 @@ def run(args) -> int:
     if args.workers < 1:
         raise PlaitError(f"--workers must be >= 1, got {args.workers}")
     with tempfile.TemporaryDirectory(prefix="plait-bench-images-") as tmp:
-        jsonl = write_image_source(Path(tmp) / "image", args.images, max_side=args.max_side)
+        jsonl, files = source_of(args, Path(tmp))
+        image_files = len(jsonl.read_text().splitlines())
         spec = image_spec(jsonl, args)
-        files = sorted((Path(tmp) / "image" / "img").iterdir())
         loader = measure_loader(spec, args.steps)
         im = spec.images
         policy = ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
@@ -141,7 +173,8 @@ def run(args) -> int:
     per_core = loader["images"] / max(loader["build_cpu_s"], 1e-9)
     wall = loader["images"] / max(loader["build_wall_s"], 1e-9)
     result = {
-        "images_files": args.images, "steps": args.steps, "dp": args.dp, "max_pixels": args.max_pixels,
+        "images_files": image_files, "path": args.path, "steps": args.steps, "dp": args.dp,
+        "max_pixels": args.max_pixels,
         "delivered_images": loader["images"], "patches": loader["patches"], "workers": args.workers,
         "loader_images_per_cpu_s": per_core, "loader_images_per_s_wall": wall,
         "pillow_images_per_s": pillow, "pillow_images_per_cpu_s": pillow_cpu,
@@ -152,6 +185,7 @@ def run(args) -> int:
         "decodes_per_image_local": loader["decodes"] / max(loader["images"], 1),
         "decodes_per_image_ray": None if on_ray is None else on_ray["decodes"] / max(on_ray["images"], 1),
         "delivered_images_ray": None if on_ray is None else on_ray["images"],
+        "skipped": loader["skipped"], "errors": loader["errors"],
     }
     if not args.quiet:
         _table(result)
@@ -164,7 +198,8 @@ def _table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"images: loader (local, DP {r['dp']}) vs plain Pillow, {r['images_files']} files")
+    t = Table(title=f"images: loader (local, DP {r['dp']}) vs plain Pillow, {r['images_files']} files "
+                    f"({r['path'] or 'generated'})")
     t.add_column("measure")
     t.add_column("value", justify="right")
     t.add_row(f"images delivered (all ranks, {r['steps']} steps)", f"{r['delivered_images']:,}")
@@ -178,4 +213,7 @@ def _table(r: dict) -> None:
     t.add_row("decodes per delivered image, local (target 1)", f"{r['decodes_per_image_local']:.3f}")
     ray = r["decodes_per_image_ray"]
     t.add_row("decodes per delivered image, ray (target 1)", "not run (--ray)" if ray is None else f"{ray:.3f}")
+    t.add_row("bad images skipped", f"{r['skipped']}")
     Console().print(t)
+    for line in r["errors"]:
+        Console(stderr=True).print(f"  {line}", highlight=False, soft_wrap=True, markup=False)
