@@ -173,6 +173,16 @@ def _raise_tops(r, value, occ, top):
 
 
 @jit
+def _lowest(first, top):
+    """The lowest top of the placed bins (inf: none); tops only grow, so an old value stays a lower bound."""
+    low = np.inf
+    for b in range(len(first)):
+        if first[b] >= 0 and top[b] < low:
+            low = top[b]
+    return low
+
+
+@jit
 def _fill(docs, limit, slot, occ, groups, state):
     """The remaining documents, LPT (module docstring, 3.). docs: (order, lengths, costs, urgent); groups:
     (first, size, slope) of the placed bins; state, changed: (tokens, cost and traffic per member of each
@@ -189,6 +199,7 @@ def _fill(docs, limit, slot, occ, groups, state):
     for b in range(nb):
         for r in range(first[b], first[b] + size[b] if first[b] >= 0 else first[b]):
             top[b] = max(top[b], total[r])
+    lowest = _lowest(first, top)  # no bin's option is below its top: while a rank's is, the bins are skipped
     for t in range(len(order)):
         i = order[t]
         L, c = lengths[i], costs[i]
@@ -197,7 +208,9 @@ def _fill(docs, limit, slot, occ, groups, state):
         for r in range(pool):
             if room[r] >= L and total[r] + c < best and total[r] + c <= cap:
                 best, kind, target = total[r] + c, 0, r
-        for b in range(nb):
+        if best > lowest:
+            lowest = _lowest(first, top)
+        for b in range(nb if best > lowest else 0):
             if first[b] < 0:
                 continue
             k = size[b]
