@@ -28,8 +28,9 @@ ring attention passes each member's keys and values around the ring, k - 1 passe
 twice that backward (keys and values again, and their gradients), each paying the link's latency. A group
 inside one node (`cost.interconnect.ranks_per_node`) runs at the node's bandwidth, one across nodes at the
 inter-node bandwidth. Seconds become the cost model's units through `compute_tflops` (with explicit
-linear/quadratic coefficients, scaled by their linear term over the FLOP count of the model's dimensions). Linear in the group's
-tokens T: each member carries slope(k) * T + intercept(k), not overlapped with compute (conservative).
+linear/quadratic coefficients, scaled by their linear term over the FLOP count of the model's
+dimensions). Linear in the group's tokens T: each member carries slope(k) * T + intercept(k), not
+overlapped with compute (conservative).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ largest group: max_degree, at most the pool). With traffic (`CommTable`: a group
 pays the inter-node bandwidth) a larger group lowers what each member carries but adds work (k members
 each pass the traffic), so the documents costing more than theta * m choose jointly: each the size that
 minimises max(c / k + its traffic, theta x the mean rank work with every document at its size) -- without
-traffic, the smallest k with c / k <= theta * m, the rule above. Documents with media keep the smallest degree their tokens
-allow (`minimal`): a chunk boundary then never has to move around a placeholder run when k = 1.
+traffic, the smallest k with c / k <= theta * m, the rule above. Documents with media keep the smallest
+degree their tokens allow (`minimal`): a chunk boundary then never has to move around a placeholder run
+when k = 1.
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ class DynamicCP:
     def chunk_limits(self, seq_len: int) -> np.ndarray:
         """Longest chunk per source: max_chunk where set, else the largest group's micro-batch."""
         longest = self.cap * (seq_len // self.cp)
-        return np.array([min(s.max_chunk or longest, longest) if not s.multimodal else min(s.max_chunk or seq_len, seq_len)
-                         for s in self.spec.sources], dtype=np.int64)
+        limits = [min(s.max_chunk or seq_len, seq_len) if s.multimodal else min(s.max_chunk or longest, longest)
+                  for s in self.spec.sources]
+        return np.array(limits, dtype=np.int64)
 
     def costs(self, items: Items) -> np.ndarray:
         """Each item's whole cost (a group of k members carries it / k): LLM plus its images' encoder."""
@@ -85,7 +86,8 @@ class DynamicCP:
         np.add.at(micro_patches, (plan.rank, plan.micro), plan.items.patches)
         encoder = 0.0
         if self.encoder is not None:
-            encoder = float((self.encoder.linear * plan.items.patches + self.encoder.quadratic * plan.items.patches_sq).sum())
+            items = plan.items
+            encoder = float((self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq).sum())
         return {"micro_patches": micro_patches, "encoder_cost": encoder, "cost": float(plan.cost.sum()),
                 "masked_labels": masked_labels}
 

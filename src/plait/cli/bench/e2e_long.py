@@ -116,7 +116,8 @@ def per_rank_steps(spec, steps: int, clock: Clock):
 
     ranks, mbs, seq = spec.topology.dp, spec.packing.num_microbatches, spec.packing.seq_len
     weights = np.array([s.weight for s in spec.sources], dtype=np.float64)
-    streams = [[_share_lengths(Source.of_job(spec, i), r, ranks) for i in range(len(spec.sources))] for r in range(ranks)]
+    streams = [[_share_lengths(Source.of_job(spec, i), r, ranks) for i in range(len(spec.sources))]
+               for r in range(ranks)]
     packers = [_pack(_interleave(streams[r], weights), seq * mbs) for r in range(ranks)]
     for _ in range(steps):
         pieces = [next(p) for p in packers]
