@@ -23,6 +23,23 @@ def ray_module():
     return ray
 
 
+def use_auth_mode(mode: str) -> None:
+    """Join with Ray's authentication mode `mode` (a RAY_AUTH_MODE the user set wins). Ray reads the
+    variable once per process, when it is imported (Ray's token-auth docs: set it before Ray starts): set
+    it before `import ray`. Where Ray was imported already (by the trainer, by Ray Train), Ray's cached
+    config is read again from the environment, as Ray itself does when it turns token auth on for a local
+    instance (ray._private.authentication.authentication_token_setup._enable_token_auth)."""
+    import sys
+
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    os.environ["RAY_AUTH_MODE"] = mode
+    if "ray" in sys.modules:
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
 def get(refs, timeout: float | None = None):
     """ray.get that re-raises plait's own errors as themselves (a bad spec or shard, not a Ray trace)."""
     ray = ray_module()

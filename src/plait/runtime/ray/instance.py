@@ -18,11 +18,12 @@ from plait.errors import PlaitError
 from plait.runtime.ray import jobs
 from plait.runtime.ray.common import NAMESPACE, long_run_settings, malloc_env, ray_module
 
-def check_reachable(address: str | None, timeout: float = 3.0) -> None:
+def check_reachable(address: str | None, timeout: float = 3.0, told_by: str = "address") -> None:
     """Fail fast on an explicit cluster address nobody listens on (Ray itself retries for a long time).
 
     Only `host:port` and `ray://host:port` are checked (one TCP connect); `auto`, `local` and None are
-    left to Ray.
+    left to Ray. `told_by` says where the address came from (`address`, RAY_ADDRESS, `ray start`'s record):
+    the advice differs.
     """
     if not address or address in ("auto", "local"):
         return
@@ -35,8 +36,44 @@ def check_reachable(address: str | None, timeout: float = 3.0) -> None:
         with socket.create_connection((host, int(port)), timeout=timeout):
             pass
     except OSError as e:
-        raise PlaitError(f"cannot reach the Ray cluster at {address!r}: {e.strerror or e} (is `ray start --head` "
-                         "running there? leave --address unset to start a local instance)") from None
+        raise PlaitError(f"cannot reach the Ray cluster at {address!r} (from {told_by}): {e.strerror or e} "
+                         f"(is `ray start --head` running there? {ADVICE.get(told_by, ADVICE['address'])})") from None
+
+
+ADVICE = {  # how to start a local instance instead, by where the unreachable address came from
+    "address": "leave --address unset to start a local instance",
+    "RAY_ADDRESS": "unset RAY_ADDRESS to start a local instance",
+    "ray start's record": "`ray stop` clears the record of a cluster that is gone",
+}
+
+
+def recorded_cluster() -> str | None:
+    """The cluster `ray start --head` last recorded on this machine (`<RAY_TMPDIR or /tmp>/ray/
+    ray_current_cluster`, Ray's own record, cleared by `ray stop`), None when there is none."""
+    record = os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
+    try:
+        with open(record) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def cluster_to_join(address: str | None) -> tuple[str | None, str]:
+    """(the existing cluster `ray.init(address=address)` joins, where that address came from); None when
+    it starts a local instance. Ray's own order: an explicit address, else RAY_ADDRESS (what `ray start`,
+    `ray job submit` and most clusters set), else, for None and "auto", the cluster `ray start` recorded on
+    this machine. Start-only options (`_system_config`, resources) must not reach a join."""
+    if address == "local":
+        return None, "address"
+    if address not in (None, "auto"):
+        return address, "address"
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return (None if env == "local" else env), "RAY_ADDRESS"
+    recorded = recorded_cluster()
+    if recorded:
+        return recorded, "ray start's record"
+    return ("auto" if address == "auto" else None), "address"
 
 
 class StderrCapture:
@@ -93,6 +130,11 @@ def explain_join_failure(address: str | None, error: Exception, said: str) -> st
     return f"cannot join the Ray cluster at {address!r}: {cause}. Ray said: {str(error).strip()[:300]}"
 
 
+def ray_initialized() -> bool:
+    """Whether this process is connected to Ray, without importing Ray (RAY_AUTH_MODE is read at import)."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
 class LocalInstance:
     """The local Ray instance plait started in this process, shared by every RayRuntime that uses it:
     the last one to close shuts it down (an earlier close must not pull Ray from under the others)."""
@@ -118,12 +160,14 @@ class RayUse:
 
     def __init__(self, address: str | None, attach: bool, job: str | None, init_options: dict | None = None,
                  dashboard: bool = False):
-        ray = ray_module()
         self.job = job
         self.uses_local = self.published = False
+        if address is None and attach and cluster_to_join(None)[0] is None and not ray_initialized():
+            # The job's creator on this machine started Ray: its address, and its authentication mode set
+            # before this process imports Ray (Ray reads RAY_AUTH_MODE once, at import).
+            address = jobs.local_instance_address(job)
+        ray = ray_module()
         if not ray.is_initialized():
-            if address is None and attach:  # the job's creator on this machine started Ray
-                address = jobs.local_instance_address(job)
             self.uses_local = start_ray(address, init_options, dashboard)
             self.published = self.uses_local and job is not None
             if self.published:
@@ -146,16 +190,18 @@ class RayUse:
 
 
 def start_ray(address: str | None, init_options: dict | None = None, dashboard: bool = False) -> bool:
-    """Join the cluster at `address`, or start a local Ray instance; True when one was started.
+    """Join the cluster at `address` (or the one Ray finds without it: cluster_to_join), or start a local
+    Ray instance; True when one was started.
 
     A local instance is set up for a long job (long_run_settings: no dashboard unless `dashboard`, bounded
     task events and logs; its processes start with malloc_env(), daemon_env); `init_options` (ray.init's keyword arguments) override those settings. Ray
     (2.59+) protects its servers with token authentication by default. Ray's own gRPC servers still listen
     on every interface (README, Ray)."""
     ray = ray_module()
-    check_reachable(address)
+    joining, told_by = cluster_to_join(address)
+    check_reachable(joining, told_by=told_by)
     kwargs = {"log_to_driver": False}
-    started = address is None
+    started = joining is None
     if started:
         settings, env = long_run_settings(dashboard)
         for name, value in env.items():  # read by Ray's processes as they start; the user's own values win
@@ -174,11 +220,11 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
             said.failed()
         else:
             error = None
-    if error is not None and address is None:
+    if error is not None and started:
         raise PlaitError(f"cannot start a local Ray instance: {' '.join(str(error).split())[:400]} (is another "
                          f"Ray instance using its ports? `ray stop` ends local ones){said.where_said()}") from None
     if error is not None:
-        raise PlaitError(explain_join_failure(address, error, said.text) + said.where_said()) from None
+        raise PlaitError(explain_join_failure(joining, error, said.text) + said.where_said()) from None
     serialization_without_arrow()
     return started
 

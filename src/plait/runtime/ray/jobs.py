@@ -23,10 +23,11 @@ import time
 import weakref
 
 from plait.errors import PlaitError
-from plait.runtime.ray.common import NAMESPACE, dead_errors, get, job_of, planner_name, ray_module
+from plait.runtime.ray.common import NAMESPACE, dead_errors, get, job_of, planner_name, ray_module, use_auth_mode
 from plait.runtime.ray.liveness import LIVENESS_GROUP, JobNameTaken
 
-ATTACH_WAIT_S = 30.0  # how long attach=True waits for the job's Planner to appear (ranks start unevenly)
+ATTACH_WAIT_S = 120.0  # how long attach=True waits for the job (and its local instance) to appear: ranks start
+# unevenly, and a local Ray instance alone took 24 s to start on a loaded 2-core machine
 LEFTOVER_WAIT_S = 60.0  # how long a new job waits for an ended job of its name to lose its last actors
 
 
@@ -143,18 +144,20 @@ def heartbeat_period(info: dict, default: float) -> float:
     return min(period, max(float(idle) / 4, 0.05)) if idle else period
 
 
-def join(recipe, dp: int, creator: str, attach: bool, member: Membership, run: int = 0):
+def join(recipe, dp: int, creator: str, attach: bool, member: Membership, run: int = 0,
+         joins_after: float | None = None):
     """Attach `member` to job `recipe.job` and return its Planner: find it (attach=True, waiting for another
     process to start it) or create it. A job of that name whose trainers stopped (a restart after a crash,
     under the same name) is waited for until it has ended (JobNameTaken says how long), then started again;
-    a joiner of a later torchrun restart (`run`) does not join the previous run's job meanwhile."""
+    a joiner of a later torchrun restart (`run`), or of a later launch (`joins_after`), does not join the
+    earlier one's job meanwhile."""
     deadline = None
     while True:
         try:
             if not attach:
                 wait_for_leftovers(recipe.job)
             planner = find_planner(recipe.job) if attach else recipe.start()
-            get(planner.attach.remote(recipe.fingerprint, dp, creator, attach, member.token, run))
+            get(planner.attach.remote(recipe.fingerprint, dp, creator, attach, member.token, run, joins_after))
             return planner
         except JobNameTaken as e:
             deadline = deadline or time.monotonic() + e.wait_s
@@ -187,14 +190,17 @@ def wait_for_leftovers(job: str, timeout: float = LEFTOVER_WAIT_S) -> None:
 def torchrun_options(rank: int, options: dict) -> dict:
     """The ray runtime's options for global `rank` of a torchrun job: one job name for every rank (default:
     torchrun's run id, else its master address and port), rank 0 creates the job, the others attach (and
-    wait for it to appear)."""
+    wait for it to appear), only to a job started by this launch (`joins_after`)."""
     out = dict(options)
     if not out.get("job"):
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         key = run_id if run_id not in ("", "none") else (f"{os.environ.get('MASTER_ADDR', 'local')}-"
                                                          f"{os.environ.get('MASTER_PORT', '0')}")
         out["job"] = f"torchrun-{key}"
-    out.setdefault("attach", rank > 0)
+    if "attach" not in out:
+        out["attach"] = rank > 0
+        if rank > 0:  # not the job a crashed earlier launch of that name left (it ends by itself)
+            out.setdefault("joins_after", process_started(os.getpid()))
     return out
 
 
@@ -204,11 +210,13 @@ def address_file(job: str) -> str:
 
 def publish_local_instance(job: str) -> None:
     """The creator of job `job` started a local Ray instance: say where, for the job's other trainer
-    processes on this machine (attach=True without an address)."""
+    processes on this machine (attach=True without an address), and who said it (this process: a file
+    its crash leaves behind is known stale by its owner being gone)."""
     ray = ray_module()
     path = address_file(job)
     with open(path + ".tmp", "w") as f:
-        json.dump({"address": ray.get_runtime_context().gcs_address,
+        json.dump({"address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),
+                   "pid_started": process_started(os.getpid()),
                    "auth_mode": os.environ.get("RAY_AUTH_MODE", "token")}, f)
     os.replace(path + ".tmp", path)
 
@@ -220,21 +228,48 @@ def unpublish_local_instance(job: str) -> None:
         pass
 
 
+def process_started(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds), None when there is no such process: with the pid, it
+    names one process (a pid is reused, its start time is not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def read_published(job: str) -> dict | None:
+    """What job `job`'s creator on this machine published, None when nothing is, or when what is there
+    was left by a creator that is gone (a crashed launch: its instance went with it)."""
+    try:
+        with open(address_file(job)) as f:
+            found = json.load(f)
+        address = found["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    owner = found.get("pid")
+    if owner is not None and process_started(int(owner)) != found.get("pid_started"):
+        return None
+    return found if isinstance(address, str) else None
+
+
 def local_instance_address(job: str, wait: float = ATTACH_WAIT_S) -> str:
     """The address of the local Ray instance job `job`'s creator started on this machine, waiting up to
-    `wait` seconds for it; a PlaitError when none appears."""
+    `wait` seconds for it (a relaunch's creator replaces what a crashed one left); a PlaitError when none
+    appears. Its authentication mode becomes this process's, before Ray is imported (common.use_auth_mode)."""
     deadline = time.monotonic() + wait
     while True:
-        try:
-            with open(address_file(job)) as f:
-                found = json.load(f)
-            os.environ.setdefault("RAY_AUTH_MODE", found.get("auth_mode", "token"))  # its token file is shared
+        found = read_published(job)
+        if found is not None:
+            use_auth_mode(found.get("auth_mode", "token"))  # its token file (~/.ray/auth_token) is shared
             return found["address"]
-        except (OSError, ValueError, KeyError):
-            if time.monotonic() >= deadline:
-                raise PlaitError(f"no trainer process on this machine started job {job!r} (waited {wait:.0f} s): "
-                                 "pass address= (the Ray cluster) on every rank, or start rank 0 too") from None
-            time.sleep(0.1)
+        if time.monotonic() >= deadline:
+            stale = os.path.exists(address_file(job))
+            raise PlaitError(f"no trainer process on this machine started job {job!r} (waited {wait:.0f} s"
+                             + ("; what a crashed one left is ignored" if stale else "") +
+                             "): pass address= (the Ray cluster) on every rank, or start rank 0 too") from None
+        time.sleep(0.1)
 
 
 # ----- leaving at garbage collection and at interpreter exit ------------------------------------------

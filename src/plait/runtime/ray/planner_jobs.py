@@ -17,11 +17,16 @@ from typing import Callable
 
 from plait.errors import PlaitError
 from plait.runtime.ray.common import NAMESPACE, ray_module
-from plait.runtime.ray.liveness import RosterWatch, TrainerRoster
+from plait.runtime.ray.liveness import JobNameTaken, RosterWatch, TrainerRoster
 from plait.runtime.ray.planner_reports import job_memory
 from plait.runtime.ray.planner_requests import CONSTRUCTOR, MEMBERS, Request, planner_call
 
 job_log = logging.getLogger("plait.jobs")
+# A launch's ranks start together (torchrun spawns them at once, after its rendezvous) and its creator needs
+# seconds to start the job: a job started more than this before a joiner's process is an earlier launch's
+# (the clocks of a cluster's machines agree far better than this).
+LAUNCH_SKEW_S = 2.0
+LAUNCH_WAIT_S = 60.0  # after an earlier launch's job ends, how long its joiner waits for its own creator's
 
 
 class JobPresence:
@@ -57,13 +62,22 @@ class JobPresence:
         self.last_seen = time.monotonic()
 
     # ----- trainers and Constructors ------------------------------------------------------------------
-    def attach(self, checks: dict, creator: str | None, joining: bool, trainer: str | None, run: int) -> int:
+    def attach(self, checks: dict, creator: str | None, joining: bool, trainer: str | None, run: int,
+               joins_after: float | None = None) -> int:
         """Trainer process `trainer` (its heartbeat token) joins; `checks` are the Planner's refusals
         ({message: refused?}: another spec, another topology). `joining=False` (a client that means to
         create the job, token `creator`) is refused unless this very actor was started by it: a live job's
-        name is not reused silently (plait.runtime.ray.liveness.JobNameTaken says how long until it ends)."""
+        name is not reused silently (plait.runtime.ray.liveness.JobNameTaken says how long until it ends).
+        A joiner of a launch (`joins_after`: when its process started) is refused by a job started before
+        that: a crashed launch's job, still waiting for its trainers' heartbeats to stop, which the joiner
+        would keep alive, its own launch's creator then refused by it."""
         if not joining and creator != self.creator:
             self.trainers.refuse_creator(self.job, format_age(time.time() - self.started))
+        if joining and joins_after is not None and self.started < joins_after - LAUNCH_SKEW_S:
+            raise JobNameTaken(f"job {self.job!r} was started {format_age(joins_after - self.started)} before this "
+                               "trainer's process: an earlier launch's job, not yet ended (this launch's rank 0 "
+                               "starts the job again once it has)",
+                               wait_s=self.trainers.gone_after + self.trainers.interval + LAUNCH_WAIT_S)
         self.trainers.check_run(self.job, run)  # a later torchrun restart does not join the previous run's job
         for message, refused in checks.items():
             if refused:
@@ -105,14 +119,14 @@ class LifetimeRequests:
 
     @planner_call(MEMBERS)
     def attach(self, fingerprint: str, ranks: int | None = None, creator: str | None = None,
-               joining: bool = True, trainer: str | None = None, run: int = 0) -> int:
+               joining: bool = True, trainer: str | None = None, run: int = 0, joins_after: float | None = None) -> int:
         """Trainer process `trainer` (its heartbeat token) joins the job (planner_jobs.JobPresence.attach)."""
         job, own = self.job, self.planner.ranks
         checks = {f"job {job!r} runs a different spec (data fingerprint differs)":
                   fingerprint != self.spec.data_fingerprint(),
                   f"job {job!r} plans for {own} DP ranks, this client's topology has {ranks}: every trainer "
                   "process of a job must use the same spec and layout": ranks is not None and ranks != own}
-        return self.presence.attach(checks, creator, joining, trainer, run)
+        return self.presence.attach(checks, creator, joining, trainer, run, joins_after)
 
     def touch(self, trainer: str | None = None) -> None:
         """A trainer's heartbeat (on the LIVENESS_GROUP thread, beside planning: not a locked request)."""

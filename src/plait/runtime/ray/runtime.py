@@ -60,7 +60,7 @@ class RayOptions:
       job           name shared by all trainer processes of one job; default: a private job of this process
       attach        False (default): create job `job`; a live job of that name is an error (names are not
                     reused silently: `plait jobs stop NAME` ends the old one). True: join job `job`, which
-                    another trainer process creates; waits up to 30 s for it to appear (ranks start
+                    another trainer process creates; waits up to 120 s for it to appear (ranks start
                     unevenly), then fails; without `address`, it joins the local instance the job's creator
                     started on this machine. `Loader.from_torchrun` sets it on ranks > 0 by itself.
       heartbeat_interval  seconds between a trainer process's heartbeats (default 5); one not heard from for
@@ -74,7 +74,12 @@ class RayOptions:
                     a trainer killed without `close()` does not leave its actors behind (default 600; None:
                     never). The job's creator decides it. A job otherwise ends when every trainer that
                     attached has closed (`Loader.close()`, the `with` block, or interpreter exit).
-      address       Ray address (`auto`, `ray://host:10001`); default: the running one, else a local one
+      joins_after   with attach: join only a job started after this time (epoch seconds, its creator's clock),
+                    waiting for it meanwhile; `Loader.from_torchrun` sets it on the ranks it attaches to when
+                    their process started, so a relaunch after a crash does not join (and keep alive) the
+                    crashed launch's job, which ends by itself
+      address       Ray address (`auto`, `ray://host:10001`); default: RAY_ADDRESS, else the cluster `ray
+                    start` recorded on this machine, else a local instance plait starts
       loaders       "auto" (default) or a number of SourceLoader actors. auto: each source's cost per token
                     is measured (plait.runtime.scaling.probe_costs); loaders follow the total demand (cost x
                     mixture share x tokens per step / step_time), at most one per CPU of the cluster and
@@ -114,6 +119,7 @@ class RayOptions:
 
     job: str | None = None
     attach: bool = False
+    joins_after: float | None = None
     job_idle_timeout: float | None = 600.0
     heartbeat_interval: float = HEARTBEAT_INTERVAL_S
     dashboard: bool = False
@@ -183,7 +189,6 @@ class RayRuntime:
 
     def __init__(self, spec: Spec, **options: Any):
         opts = RayOptions(**options)
-        ray = ray_module()
         self.spec = load_spec(spec)
         # This trainer process's figures (Loader waits); served only when asked (metrics_port), before
         # anything starts (a port in use fails here, leaving nothing behind).
@@ -191,6 +196,7 @@ class RayRuntime:
         port = opts.metrics_port
         self.metrics_port = None if port is None else self.telemetry.serve(port, self.spec.metrics.address)
         self._ray = RayUse(opts.address, opts.attach, opts.job, opts.init_options, opts.dashboard)
+        ray = ray_module()  # imported by RayUse, after the authentication mode of the instance it joins is set
         self.shared = opts.job is not None
         self.job = opts.job or f"job-{uuid.uuid4().hex[:12]}"
         self.prefetch = opts.prefetch
@@ -205,7 +211,7 @@ class RayRuntime:
         # Refused (nothing attached) for another spec or layout, or for a live job's name without attach.
         try:
             planner = jobs.join(recipe, self.dp, planner_options["creator"], opts.attach, self.membership,
-                                planner_options["run"])
+                                planner_options["run"], opts.joins_after if opts.attach else None)
         except JobNameTaken as e:  # in a Loader's terms
             raise JobNameTaken(f"{e.plain}; pass attach=True to join it, or `plait jobs stop {self.job}`",
                                plain=e.plain) from None
