@@ -5,8 +5,6 @@ Clips are generated speech-like signals at several rates and channel counts in e
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
@@ -42,45 +40,70 @@ def test_features_equal_the_whisper_extractor(ext, rate, channels, bins):
     np.testing.assert_array_equal(ours.feature_attention_mask, ref["attention_mask"])
 
 
-def processor_stub(processor_class, bins: int):
-    """The processor's own `_process_audio` on a stand-in `self` with only the extractor (the tokenizer
-    it would load is not needed to count placeholders)."""
-    stub = types.SimpleNamespace(feature_extractor=WhisperFeatureExtractor(feature_size=bins), audio_token="<A>")
-    stub.replace_audio_token = lambda inputs, audio_idx: "<A>" * int(inputs["num_audio_tokens"][audio_idx])
-    return stub
+AUDIO = "<|AUDIO|>"
+
+
+def qwen2_audio_processor(bins: int):
+    """The Hugging Face Qwen2-Audio processor as users call it, over a word-level tokenizer that knows its
+    special tokens (a real checkpoint's vocabulary changes nothing in how placeholders are counted)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2AudioProcessor
+
+    special = [AUDIO, "<|audio_bos|>", "<|audio_eos|>", "<unk>"]
+    words = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*special, "hello"])}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", pad_token="<unk>",
+                                        additional_special_tokens=special[:3])
+    return Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=bins), tokenizer=tokenizer,
+                               chat_template="")
 
 
 def test_windows_masks_and_tokens_equal_the_qwen2_audio_processor():
-    from transformers.models.qwen2_audio.processing_qwen2_audio import Qwen2AudioProcessor
-
     wave = np.tile(speech_like(16000, 1.0, 1, seed=9)[0], 64)[: 63 * 16000 + 77]  # 63 s: 30 + 30 + 3 s
     ours = AudioPolicy("qwen2audio", mel_bins=128).features(wave)
     windows = [wave[i:i + WINDOW_SAMPLES] for i in range(0, len(wave), WINDOW_SAMPLES)]
-    ref, _ = Qwen2AudioProcessor._process_audio(processor_stub(Qwen2AudioProcessor, 128), windows, sampling_rate=16000)
-    assert list(ours.plan.window_tokens) == list(ref["num_audio_tokens"]) == [750, 750, 75]
+    processor = qwen2_audio_processor(128)
+    ref = processor(text=[f"hello {AUDIO}"] * len(windows), audio=windows, sampling_rate=16000,
+                    return_tensors="np", padding=True)
+    placeholders = (ref["input_ids"] == processor.tokenizer.convert_tokens_to_ids(AUDIO)).sum(axis=1)
+    assert list(ours.plan.window_tokens) == placeholders.tolist() == [750, 750, 75]
     np.testing.assert_array_equal(ours.feature_attention_mask, ref["feature_attention_mask"])
     assert np.abs(ours.input_features - ref["input_features"]).max() <= TOLERANCE
 
 
+def omni_audio_processor(bins: int):
+    """Qwen2.5-Omni's processor with its audio part only: its constructor wants image and video processors
+    (the video one needs torchvision), which counting audio placeholders never touches."""
+    from transformers import Qwen2_5OmniProcessor
+
+    class OmniAudio(Qwen2_5OmniProcessor):
+        def __init__(self):  # not the processor's: its audio methods read only these two attributes
+            self.feature_extractor = WhisperFeatureExtractor(feature_size=bins)
+            self.audio_token = AUDIO
+
+        def tokens_for(self, samples: int) -> int:
+            return int(self._get_num_audio_tokens(samples))
+
+        def audio_inputs(self, waves: list[np.ndarray]) -> dict:
+            inputs, _ = self._process_audio(waves, sampling_rate=16000, return_attention_mask=True)
+            return inputs
+
+    return OmniAudio()
+
+
 @pytest.mark.parametrize("seconds", [0.04, 1.0, 2.0, 7.31, 29.99, 30.0])
 def test_chunked_tokens_equal_the_qwen2_5_omni_processor(seconds):
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
     samples = round(seconds * 16000)
-    stub = processor_stub(Qwen2_5OmniProcessor, 128)
-    expected = Qwen2_5OmniProcessor._get_num_audio_tokens(stub, samples)
-    assert AudioPolicy("chunked").plan(samples).tokens == expected
+    assert AudioPolicy("chunked").plan(samples).tokens == omni_audio_processor(128).tokens_for(samples)
 
 
 def test_chunked_mask_equals_the_qwen2_5_omni_processor():
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
     wave = speech_like(16000, 4.53, 1, seed=4)[0]
-    stub = processor_stub(Qwen2_5OmniProcessor, 128)
-    ref, _ = Qwen2_5OmniProcessor._process_audio(stub, [wave], sampling_rate=16000, return_attention_mask=True)
+    ref = omni_audio_processor(128).audio_inputs([wave])
     ours = AudioPolicy("chunked").features(wave)
     np.testing.assert_array_equal(ours.feature_attention_mask, ref["feature_attention_mask"])
     assert list(ours.plan.window_tokens) == list(ref["num_audio_tokens"])
+    assert np.abs(ours.input_features - ref["input_features"]).max() <= TOLERANCE
 
 
 @pytest.mark.slow  # imports the whole Qwen2.5-Omni model code (torch.nn and its kernels)
