@@ -35,6 +35,8 @@ class ImagePayload(NamedTuple):
     kind: np.ndarray | None = None
     video_token_id: int = -1
     temporal_patch: int = 1
+    # each video's sampled source frame indices (grid[0] of them), concatenated in entry order; images none
+    frames: np.ndarray | None = None
 
 
 class Payload(NamedTuple):
@@ -90,8 +92,20 @@ def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePa
     first = next((p for _, p in parts if p.kind is not None), parts[0][1])
     kind = None if first.kind is None else np.concatenate(
         [p.kind if p.kind is not None else np.zeros(len(p.item), np.int64) for _, p in parts])[order]
+    frames = None
+    if any(p.frames is not None for _, p in parts):
+        counts = np.concatenate([frame_counts(p) for _, p in parts])
+        flat = np.concatenate([p.frames for _, p in parts if p.frames is not None])
+        frames = flat[ragged_arange((np.cumsum(counts) - counts)[order], counts[order])]
     return ImagePayload(pixels[rows], grid[order], item[order], first.token_id, first.patch, kind,
-                        first.video_token_id, first.temporal_patch)
+                        first.video_token_id, first.temporal_patch, frames)
+
+
+def frame_counts(p: ImagePayload) -> np.ndarray:
+    """Per entry of `p`, how many of `p.frames` are its own: a video's frames, none for an image."""
+    if p.frames is None or p.kind is None:
+        return np.zeros(len(p.item), np.int64)
+    return np.where(p.kind != 0, p.grid[:, 0], 0).astype(np.int64)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plait.batch import ImagePayload
+from plait.batch import ImagePayload, frame_counts
 from plait.ragged import ragged_arange
 
 
@@ -22,7 +22,11 @@ def _subset(p: ImagePayload, keep: np.ndarray, kind) -> ImagePayload:
     sizes = p.grid.prod(axis=1)
     starts = np.cumsum(sizes) - sizes
     rows = ragged_arange(starts[keep], sizes[keep])
-    return p._replace(pixels=p.pixels[rows], grid=p.grid[keep], item=p.item[keep], kind=kind)
+    frames = None
+    if kind is not None and p.frames is not None:
+        counts = frame_counts(p)
+        frames = p.frames[ragged_arange((np.cumsum(counts) - counts)[keep], counts[keep])]
+    return p._replace(pixels=p.pixels[rows], grid=p.grid[keep], item=p.item[keep], kind=kind, frames=frames)
 
 
 def split_videos(p: ImagePayload | None) -> tuple[ImagePayload | None, ImagePayload | None]:
@@ -50,3 +54,15 @@ def video_fields(videos: ImagePayload | None, a: int, b: int) -> dict:
     np.cumsum(seqs, out=cu[1:])
     return {"pixel_values_videos": pixels.reshape(len(pixels) // tp, tp * pixels.shape[1]), "video_grid": grid,
             "video_cu_seqlens": cu, "video_document": videos.item[lo:hi] - a}
+
+
+def video_stats(videos: ImagePayload | None, a: int, b: int) -> dict:
+    """The micro-batch's `stats["video_frames"]` (items a..b-1): per video, in `video_grid`'s order, the
+    source frame indices the rule sampled (what a trainer logs or checks against its own reader); none
+    when the rank fetched no video."""
+    if videos is None or videos.frames is None:
+        return {}
+    lo, hi = np.searchsorted(videos.item, [a, b])
+    ends = np.cumsum(videos.grid[:, 0])
+    starts = ends - videos.grid[:, 0]
+    return {"video_frames": [videos.frames[starts[k]:ends[k]].tolist() for k in range(lo, hi)]}

@@ -10,11 +10,15 @@ from rich.table import Table
 from plait.cli.common import table_console
 from plait.roles.source_loader import SourceLoader
 from plait.spec import load_spec
+from plait.transforms.video import VideoRef
+
+SHOWN_FRAMES = 6  # sampled frame indices shown before "..." and the last one
 
 HELP = "show a spec's sources, files and a few documents"
 DESCRIPTION = (
     "Validate SPEC and show each source's files, format, first block and "
-    "document-length statistics, without streaming."
+    "document-length statistics, without streaming; for video sources, the previewed documents' videos "
+    "(sampled frames, size, grid, tokens)."
 )
 
 
@@ -32,7 +36,7 @@ def run(args) -> int:
     for col in ("source", "format", "files", "weight", "first block docs", "median len", "max len", "tokenizer",
                 "tokenizer vocab", "max id (first block)"):
         table.add_column(col)
-    previews = []
+    previews, videos = [], []
     for i, s in enumerate(spec.sources):
         src = loader.sources[i]
         key = loader.first_key(i)
@@ -49,6 +53,7 @@ def run(args) -> int:
         for d in range(min(args.docs, len(lens))):
             toks = block.tokens[block.starts[d] : block.starts[d] + block.lengths[d]]
             previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]), len(toks), toks[:12].tolist()))
+        videos += video_rows(s.name, block, min(args.docs, len(lens)))
     out.print(table)
     prev = Table(title="first documents in order")
     for col in ("source", "shard", "row", "tokens", "first ids"):
@@ -56,4 +61,34 @@ def run(args) -> int:
     for name, shard, row, n, ids in previews:
         prev.add_row(name, shard, str(row), str(n), " ".join(map(str, ids)))
     out.print(prev)
+    if videos:
+        table = Table(title="videos of the first documents (the rule's plan, from the headers)")
+        for col in ("source", "row", "video", "frames sampled", "size", "grid (t, h, w)", "tokens"):
+            table.add_column(col)
+        for row in videos:
+            table.add_row(*row)
+        out.print(table)
     return 0
+
+
+def video_rows(source: str, block, docs: int) -> list[tuple[str, ...]]:
+    """Per video of the block's first `docs` documents: where it is and what the rule makes of it."""
+    t = block.images
+    rows = []
+    for d in range(docs if t is not None else 0):
+        for j in range(int(t.start[d]), int(t.start[d] + t.count[d])):
+            ref = t.refs[j]
+            if not isinstance(ref, VideoRef) or ref.plan is None:
+                continue
+            p = ref.plan
+            where = ref.ref if isinstance(ref.ref, str) else f"<{len(ref.ref)} inline bytes>"
+            rows.append((source, str(int(block.rows[d])), where + (f" (clip window {ref.window})" if ref.window else ""),
+                         frames_text(p.indices), f"{p.width}x{p.height}", " x ".join(map(str, p.grid)), f"{p.tokens:,}"))
+    return rows
+
+
+def frames_text(indices: tuple[int, ...]) -> str:
+    """'n: i0 i1 ... i_last' with the first SHOWN_FRAMES indices."""
+    shown = " ".join(map(str, indices[:SHOWN_FRAMES]))
+    more = f" ... {indices[-1]}" if len(indices) > SHOWN_FRAMES else ""
+    return f"{len(indices)}: {shown}{more}"

@@ -72,6 +72,8 @@ def stream(
                     log.write(step_record(plan, w, spec) + "\n")
                 bar.update(task, advance=1, rate=f"{stats.tokens / max(stats.elapsed, 1e-9) / 1e6:.2f} M tok/s")
         summary = stats.summary()
+        if any(s.video_field is not None for s in spec.sources):  # 0 too: a video source that delivered none
+            summary.update(videos=stats.videos, videos_per_s=stats.videos / max(stats.elapsed, 1e-9))
         errors = rt.error_report()
         summary["errors"] = {k: v["skipped"] for k, v in errors.items()}
         summary["error_messages"] = {k: v["messages"][:20] for k, v in errors.items() if v["messages"]}
@@ -155,10 +157,11 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     head.add_row("padding, worst micro-batch", f"{s['padding_fraction_worst_microbatch']:.4f}")
     if "images" in s:
         head.add_row("images delivered", f"{s['images']:,}")
-        if s.get("videos"):
-            head.add_row("videos delivered", f"{s['videos']:,}")
         head.add_row("images/s", f"{s['images_per_s']:,.1f}")
         head.add_row("encoder share of the cost", f"{s['encoder_share']:.4f}")
+    if "videos_per_s" in s:
+        head.add_row("videos delivered", f"{s['videos']:,}")
+        head.add_row("videos/s", f"{s['videos_per_s']:,.1f}")
     skipped = sum(s.get("errors", {}).values())
     head.add_row("bad records skipped", str(skipped))
     head.add_row("empty documents (0 tokens) drawn", str(s.get("empty_documents", 0)))

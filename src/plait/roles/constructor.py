@@ -24,7 +24,7 @@ import numpy as np
 
 from plait.batch import ImagePayload, MicroBatch, Payload, merge_payloads
 from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields
-from plait.video_batch import split_videos, video_fields
+from plait.video_batch import split_videos, video_fields, video_stats
 from plait.plan import Items, RankPlan
 
 
@@ -126,7 +126,8 @@ class Constructor:
                     step=plan.step, microbatch=m, num_microbatches=plan.microbatches, dp_rank=plan.dp_rank,
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
-                    stats={**stats, "dropped_samples": int(short[m]), "dropped_label_tokens": int(lost[m])},
+                    stats={**stats, "dropped_samples": int(short[m]), "dropped_label_tokens": int(lost[m]),
+                           **video_stats(videos, a, b)},
                     **image_fields(images, a, b), **video_fields(videos, a, b),
                 )
             )

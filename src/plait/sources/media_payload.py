@@ -21,10 +21,11 @@ from plait.sources.workers import WorkerPool
 
 class ImageWork:
     """A gather's images and videos to decode: (item, source index, block, media index, source, payload
-    grid, kind) per media, and the sources' placeholder ids, patch size and temporal patch."""
+    grid, kind, sampled frame indices (a video's; () for an image)) per media, and the sources'
+    placeholder ids, patch size and temporal patch."""
 
     def __init__(self):
-        self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int]] = []
+        self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int, tuple[int, ...]]] = []
         self.token_id = self.patch = 0
         self.video_token_id, self.temporal_patch = -1, 1
 
@@ -52,14 +53,15 @@ class ImageWork:
             first, count = int(block.images.start[d]), int(block.images.count[d])
             for j in range(first, first + count):
                 grid, kind = src.images.payload_entry(block.images, j)
-                self.tasks.append((int(i), source, block, j, src, grid, kind))
+                frames = src.images.frame_indices(block.images, j)
+                self.tasks.append((int(i), source, block, j, src, grid, kind, frames))
 
 
 def decode_task(task: tuple, out: np.ndarray) -> tuple[float, bool]:
     """Decode one media of ImageWork into `out` (on a worker thread): the seconds it took, and whether it
     decoded (False: skipped under on_error skip, its sample is dropped)."""
     t0 = time.perf_counter()
-    _, _, block, j, src, _, _ = task
+    _, _, block, j, src, *_ = task
     ok = src.image_pixels(block, j, out) is not None
     return time.perf_counter() - t0, ok
 
@@ -78,6 +80,8 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
     done = pool.map(lambda k: decode_task(work.tasks[k], pixels[bounds[k]:bounds[k + 1]]), range(len(work.tasks)))
     owner = np.asarray([t[0] for t in work.tasks], np.int64)
     kinds = np.asarray([t[6] for t in work.tasks], np.int64)
+    frame_counts = np.asarray([len(t[7]) for t in work.tasks], np.int64)
+    frames = np.fromiter((f for t in work.tasks for f in t[7]), np.int64, int(frame_counts.sum()))
     gone = None
     failed = np.asarray([not ok for _, ok in done])
     lost_labels = None
@@ -90,11 +94,13 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
         tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
         kept = keep_item[owner]
         pixels = pixels[np.repeat(kept, rows)]
+        frames = frames[np.repeat(kept, frame_counts)]
         grids, owner, kinds = grids[kept], owner[kept], kinds[kept]
         if not kept.any():
             return Payload(tokens, None, gone, lost_labels), done
     images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
-                          kinds if kinds.any() else None, work.video_token_id, work.temporal_patch)
+                          kinds if kinds.any() else None, work.video_token_id, work.temporal_patch,
+                          frames if kinds.any() else None)
     return Payload(tokens, images, gone, lost_labels), done
 
 

@@ -365,6 +365,11 @@ class ImageDocs:
         out[...] = rows
         return out, None
 
+    def frame_indices(self, table: ImageTable, j: int) -> tuple[int, ...]:
+        """Media j's sampled source frame indices: a video's (its plan's), none for an image."""
+        ref = table.refs[j]
+        return ref.plan.indices if isinstance(ref, VideoRef) else ()
+
     def payload_entry(self, table: ImageTable, j: int) -> tuple[np.ndarray, int]:
         """Media j's grid in a payload and its kind (0 image; VIDEO_KIND: a video, grid (frames, h, w))."""
         ref = table.refs[j]
