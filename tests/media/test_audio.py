@@ -119,7 +119,17 @@ def test_policy_and_clip_mistakes_are_plait_errors():
     with pytest.raises(PlaitError, match="chunk_seconds"):
         AudioPolicy("chunked", chunk_seconds=0.001)
     with pytest.raises(PlaitError, match="too short to give one token"):
-        AudioPolicy().plan(200)
+        AudioPolicy().plan(320)  # 20 ms: 2 frames, no token
+    assert AudioPolicy().plan(321).tokens == 1
+    assert AudioPolicy("chunked", chunk_seconds=0.3).plan(16000).spans == (15, 15, 15, 5)
+
+
+def test_a_last_window_too_short_for_a_token_is_left_out():
+    policy = AudioPolicy("qwen2audio", mel_bins=80)
+    plan = policy.plan(WINDOW_SAMPLES + 300)
+    assert plan.windows == 1 and plan.samples == WINDOW_SAMPLES and plan.tokens == 750
+    out = policy.features(np.ones(WINDOW_SAMPLES + 300, dtype=np.float32) * 0.1)
+    assert out.input_features.shape == (1, 80, 3000) and out.plan == plan
 
 
 def video_only() -> bytes:

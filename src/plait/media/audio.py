@@ -53,9 +53,9 @@ AUDIO_DECODES = DecodeCounter()  # decode passes (one per delivered clip)
 FRAME_DECODES = DecodeCounter()  # frames produced by a decoder (planning must add none)
 SLACK_SECONDS = 0.05  # decoded vs header length: any codec's priming or end padding, or a short last page
 SLACK_SOURCE_SAMPLES = 2048  # ...or two AAC frames at the source rate, larger at 8 kHz
-FRAMES_PER_SECOND = SAMPLE_RATE // HOP
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP  # feature frames: 100 per second
 OGG_MAX_PAGE = 27 + 255 + 255 * 255  # header, lacing values, payload
-OGG_END_OF_STREAM = 0x04  # header_type flag of a stream's last page  # feature frames: 100 per second
+OGG_END_OF_STREAM = 0x04  # header_type flag of a stream's last page
 
 
 @dataclass(frozen=True)
@@ -221,12 +221,13 @@ class AudioPolicy:
         if self.mel_bins < 1:
             raise PlaitError(f"audio mel_bins must be positive, got {self.mel_bins}")
         chunk = self.chunk_seconds * FRAMES_PER_SECOND
-        if chunk < 1 or chunk != int(chunk):
+        if chunk < 0.5 or abs(chunk - round(chunk)) > 1e-6:
             raise PlaitError(f"audio chunk_seconds must be a positive multiple of 0.01 s, got {self.chunk_seconds}")
 
     def plan(self, clip: AudioInfo | int) -> AudioPlan:
-        """The plan of a clip (its AudioInfo, or its length in 16 kHz samples). A clip too short to give
-        one token (under ~25 ms) is a PlaitError: it would reach the model as nothing."""
+        """The plan of a clip (its AudioInfo, or its length in 16 kHz samples). A clip of 20 ms or less
+        gives no token and is a PlaitError (it would reach the model as nothing); a last window that short
+        is left out, its samples with it (`samples` then counts what the windows hold)."""
         samples = clip.samples if isinstance(clip, AudioInfo) else int(clip)
         full, rest = divmod(samples, WINDOW_SAMPLES)
         window_samples = np.array([WINDOW_SAMPLES] * full + ([rest] if rest or not full else []), dtype=np.int64)
@@ -234,8 +235,10 @@ class AudioPolicy:
         tokens = tokens_for_frames(frames)
         if tokens.sum() < 1:
             raise PlaitError(f"audio clip of {samples / SAMPLE_RATE:.3f} s is too short to give one token")
-        return AudioPlan(samples, tuple(window_samples.tolist()), tuple(frames.tolist()), tuple(tokens.tolist()),
-                         tuple(self._spans(frames).tolist()))
+        if tokens[-1] < 1:
+            window_samples, frames, tokens = window_samples[:-1], frames[:-1], tokens[:-1]
+        return AudioPlan(int(window_samples.sum()), tuple(window_samples.tolist()), tuple(frames.tolist()),
+                         tuple(tokens.tolist()), tuple(self._spans(frames).tolist()))
 
     def _spans(self, frames: np.ndarray) -> np.ndarray:
         if self.kind == "qwen2audio":  # the whole padded window, 3,000 frames after a stride-2 conv
@@ -249,8 +252,8 @@ class AudioPolicy:
 
     def features(self, waveform: np.ndarray) -> AudioFeatures:
         """The clip's windows, zero-padded to 30 s, through the Whisper log-mel, with the attention mask."""
-        waveform = np.asarray(waveform, dtype=np.float32)
         plan = self.plan(len(waveform))
+        waveform = np.asarray(waveform[: plan.samples], dtype=np.float32)
         windows = np.zeros((plan.windows, WINDOW_SAMPLES), dtype=np.float32)
         windows.reshape(-1)[: len(waveform)] = waveform
         mask = (np.arange(WINDOW_FRAMES)[None, :] < np.array(plan.frames)[:, None]).astype(np.int32)
