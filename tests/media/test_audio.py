@@ -57,6 +57,13 @@ def test_inputs_by_path_file_like_and_fsspec(clips, tmp_path):
     np.testing.assert_array_equal(decode(handle), expected)
     with fsspec.open(f"file://{path}", "rb") as f:
         np.testing.assert_array_equal(decode(f, probe(f)), expected)
+    cut = io.BytesIO(b"prefix" + clips["wav"][: len(clips["wav"]) // 4 * 2])
+    cut.seek(6)  # a file-like is read from where it stands: the framing checks too
+    with pytest.raises(MediaError, match="truncated: the WAV header"):
+        probe(cut, "cut.wav")
+    ogg = io.BytesIO(clips["ogg"][:-100])
+    with pytest.raises(MediaError, match="truncated: the Ogg stream"):
+        decode(ogg, name="cut.ogg")
 
 
 def test_down_mix_is_the_mean_of_the_channels():

@@ -42,7 +42,7 @@ import numpy as np
 
 from plait.errors import PlaitError
 from plait.media.audio_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel
-from plait.media.base import DecodeCounter, MediaData, MediaError, describe, ends, ffmpeg_reason, open_container
+from plait.media.base import DecodeCounter, MediaData, MediaError, describe, ffmpeg_reason, open_container, peek
 
 __all__ = ["AUDIO_DECODES", "AUDIO_EXTENSIONS", "FRAME_DECODES", "POLICIES", "AudioFeatures", "AudioInfo",
            "AudioPlan", "AudioPolicy", "decode", "encoder_cost", "probe", "tokens_for_frames"]
@@ -109,15 +109,16 @@ def _check_framing(data: MediaData, name: str) -> None:
     without the end-of-stream page its muxer writes last, yet its duration comes from the last granule
     found. Both would pass as shorter clips; other containers' truncation shows in `decode`'s length check
     (FLAC's STREAMINFO, MP3's Xing frame count, MP4's sample table hold the true length)."""
-    found = ends(data, 12, OGG_MAX_PAGE)
+    found = peek(data, 0, 12)
     if found is None:
         return
-    head, tail, size = found
+    head, size = found
     if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
         declared = int.from_bytes(head[4:8], "little") + 8
         if 8 < declared < 0xFFFFFFFF and declared > size + 1:  # 0 / 0xFFFFFFFF: written while streaming
             raise MediaError(name, f"truncated: the WAV header declares {declared} bytes, the file holds {size}")
     elif head[:4] == b"OggS":
+        tail = peek(data, -OGG_MAX_PAGE, OGG_MAX_PAGE)[0]
         last = tail.rfind(b"OggS")
         segments = tail[last + 26] if 0 <= last and last + 27 <= len(tail) else None
         complete = segments is not None and last + 27 + segments <= len(tail) and (

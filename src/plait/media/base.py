@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from plait.errors import PlaitError
 
-__all__ = ["DecodeCounter", "MediaData", "MediaError", "describe", "ends", "ffmpeg_reason", "open_container"]
+__all__ = ["DecodeCounter", "MediaData", "MediaError", "describe", "ffmpeg_reason", "open_container", "peek"]
 
 MediaData = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO  # bytes, a local path, or a file-like
 
@@ -69,26 +69,27 @@ def _size(data: MediaData) -> int | None:
         return None
 
 
-def ends(data: MediaData, head: int, tail: int) -> tuple[bytes, bytes, int] | None:
-    """The first `head` and last `tail` bytes of `data` and its size, for checks of a container's framing
-    that its headers cannot make (None for a stream that cannot seek). A file-like is put back as it was."""
+def peek(data: MediaData, start: int, length: int) -> tuple[bytes, int] | None:
+    """`length` bytes of `data` from `start` (negative: from the end) and its size, for checks of a
+    container's framing its headers cannot make; None for a stream that cannot seek. A file-like is put
+    back where it was, and counts from there."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         view = memoryview(data).cast("B")
-        return bytes(view[:head]), bytes(view[max(0, view.nbytes - tail):]), view.nbytes
+        begin = max(0, view.nbytes + start if start < 0 else start)
+        return bytes(view[begin:begin + length]), view.nbytes
     if isinstance(data, (str, os.PathLike)):
         try:
             with open(data, "rb") as f:
-                return ends(f, head, tail)
+                return peek(f, start, length)
         except OSError:  # open_container names what is wrong
             return None
     try:
         here = data.tell()
-        first = data.read(head)
-        size = data.seek(0, io.SEEK_END)
-        data.seek(max(here, size - tail))
-        last = data.read(tail)
+        size = data.seek(0, io.SEEK_END) - here
+        data.seek(here + max(0, size + start if start < 0 else start))
+        chunk = data.read(length)
         data.seek(here)
-        return first, last, size - here
+        return chunk, size
     except (AttributeError, OSError, ValueError):
         return None
 
