@@ -290,3 +290,46 @@ def test_one_process_serving_every_rank_builds_each_group_once(demo_spec_path):
         ids = np.concatenate([unshard_group([m[i] for i in range(len(m))]).sample_ids
                               for (s, _), m in groups.items() if s == step])
         assert len(np.unique(ids, axis=0)) == len(ids) > 0
+
+
+def test_image_documents_over_a_group_keep_their_placeholder_runs_whole(tmp_path):
+    """A LLaVA source under dynamic CP (dp 2 x cp 2, slots of 128 tokens): image documents longer than a slot run
+    over groups of 2; each image's placeholder run lands on one member, and the group reassembles exactly."""
+    import mm_data
+
+    import plait
+    from plait.runtime.local import LocalRuntime
+
+    spec = plait.load_spec(mm_data.mm_spec([mm_data.llava(tmp_path, n=40)], seq_len=256, max_patches=400,
+                                           topology={"dp": 2, "cp": 2}, steps=2,
+                                           context_parallel={"mode": "dynamic", "max_degree": 4}))
+    rt = LocalRuntime(spec)
+    media_groups = 0
+    try:
+        for _ in range(spec.steps):
+            plan = rt.plan()
+            groups: dict[int, dict[int, MicroBatch]] = {}
+            for p in range(plan.ranks):
+                for mb in rt.build(plan, p):
+                    groups.setdefault(mb.stats["cp"]["group_id"], {})[mb.stats["cp"]["rank"]] = mb
+            for members in groups.values():
+                shards = [members[i] for i in range(len(members))]
+                whole = unshard_group(shards)
+                if len(shards) == 1 or not whole.num_images:
+                    continue
+                media_groups += 1
+                placeholder = whole.stats["image_token_id"]
+                for d in np.unique(whole.image_document).tolist():
+                    length = int(whole.cu_seqlens[d + 1] - whole.cu_seqlens[d])
+                    owner = np.full(length, -1)
+                    for m, s in enumerate(shards):
+                        a, b = s.cu_seqlens[d], s.cu_seqlens[d + 1]
+                        pos = s.position_ids[a:b]
+                        owner[pos[pos < length]] = m
+                    ids = whole.input_ids[whole.cu_seqlens[d]:whole.cu_seqlens[d + 1]]
+                    edges = np.diff(np.concatenate([[0], (ids == placeholder).astype(np.int8), [0]]))
+                    for start, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+                        assert len(set(owner[start:end].tolist())) == 1
+    finally:
+        rt.close()
+    assert media_groups > 0  # image documents did run over groups
