@@ -139,3 +139,15 @@ def test_long_tail_step_is_near_its_bound():
     a = plan.assignment
     assert (a.size > 1).any() and a.padding < 0.02 * lengths.sum()
     assert lengths[a.item_group >= 0].sum() > 0.95 * lengths.sum()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 16), st.integers(0, 2**16))
+def test_easy_steps_certify_near_one(pool, seed):
+    """Many short documents and room for them: every rank within a few percent of the bound."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(50, 500, size=40 * pool).astype(np.int64)
+    layout = CPLayout(pool=pool, slot=int(lengths.sum()) // pool * 2, waves=1, cap=1 << (pool.bit_length() - 1))
+    plan = plan_dynamic_cp(lengths, MODEL.text(lengths), layout, comm_table(layout.cap))
+    check_plan(layout, lengths, plan)
+    assert (plan.assignment.item_group >= 0).all() and plan.max_over_lb < 1.05
