@@ -152,6 +152,22 @@ def video_only() -> bytes:
     return out.getvalue()
 
 
+def raw_aac() -> bytes:
+    """One second of AAC in a bare ADTS stream (no container: no duration anywhere but the bitrate)."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="adts") as c:
+        s = c.add_stream("aac", rate=16000, layout="mono")
+        wave = speech_like(16000, 1.0, 1)[0]
+        for start in range(0, len(wave), 1024):
+            frame = av.AudioFrame.from_ndarray(wave[None, start:start + 1024], format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = 16000, start
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode(None):
+            c.mux(p)
+    return out.getvalue()
+
+
 def damaged(data: bytes, seed: int) -> bytes:
     """`data` with 40 runs of random bytes written over its second half (its headers intact)."""
     rng = np.random.default_rng(seed)
@@ -165,6 +181,7 @@ def damaged(data: bytes, seed: int) -> bytes:
     ("empty", r"^empty\.wav: empty file \(0 bytes\)$"),
     ("random bytes", r"^noise\.mp3: not a readable media file"),
     ("video only", r"^clip\.mp4: no audio stream"),
+    ("raw aac", r"^clip\.aac: raw AAC \(ADTS\) has no duration in its headers"),
     ("wav cut", r"^cut\.wav: truncated: the WAV header declares"),
     ("ogg cut", r"^cut\.ogg: truncated: the Ogg stream does not end"),
     ("mp3 cut", r"^cut\.mp3: truncated or corrupt: decoded"),
@@ -177,7 +194,7 @@ def test_bad_files_are_named_never_silence(clips, case, pattern):
     half = {ext: clips[ext][: len(clips[ext]) // 2 // 2 * 2] for ext in clips}  # even: whole WAV samples
     data, name = {
         "empty": (b"", "empty.wav"), "random bytes": (np.random.default_rng(0).bytes(4000), "noise.mp3"),
-        "video only": (video_only(), "clip.mp4"), "wav cut": (half["wav"], "cut.wav"),
+        "video only": (video_only(), "clip.mp4"), "raw aac": (raw_aac(), "clip.aac"), "wav cut": (half["wav"], "cut.wav"),
         "ogg cut": (half["ogg"], "cut.ogg"), "mp3 cut": (half["mp3"], "cut.mp3"), "flac cut": (half["flac"], "cut.flac"),
         "m4a cut": (half["m4a"], "cut.m4a"), "flac damaged": (damaged(clips["flac"], 1), "bad.flac"),
         "mp3 damaged": (damaged(clips["mp3"], 2), "bad.mp3"),

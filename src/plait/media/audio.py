@@ -3,7 +3,9 @@
 Planning calls `probe`: PyAV opens the container and reads its headers (duration, sample rate, channels,
 codec); no packet is decoded (`FRAME_DECODES` counts every frame a decoder here produced, `AUDIO_DECODES`
 every decode pass, so a test can assert planning adds none). WAV, FLAC, MP3, Ogg (Opus, Vorbis) and
-M4A/AAC, from a path, bytes or a seekable file-like (an fsspec file).
+M4A/AAC, from a path, bytes or a seekable file-like (an fsspec file). Raw AAC (ADTS, .aac) is refused
+with a clear error: its demuxer only guesses the duration from the bitrate (off by 2-3% in practice), and
+planning needs it exact.
 
 The clip's length at 16 kHz is taken from the headers, `round(duration * 16000)` samples, and that count
 is the truth both sides use: planning derives windows and tokens from it, and `decode` fits the waveform
@@ -47,13 +49,14 @@ from plait.media.base import DecodeCounter, MediaData, MediaError, describe, ffm
 __all__ = ["AUDIO_DECODES", "AUDIO_EXTENSIONS", "FRAME_DECODES", "POLICIES", "AudioFeatures", "AudioInfo",
            "AudioPlan", "AudioPolicy", "decode", "encoder_cost", "probe", "tokens_for_frames"]
 
-AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "oga", "m4a", "aac")
+AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "oga", "m4a")
 POLICIES = ("qwen2audio", "chunked")
 AUDIO_DECODES = DecodeCounter()  # decode passes (one per delivered clip)
 FRAME_DECODES = DecodeCounter()  # frames produced by a decoder (planning must add none)
 SLACK_SECONDS = 0.05  # decoded vs header length: any codec's priming or end padding, or a short last page
 SLACK_SOURCE_SAMPLES = 2048  # ...or two AAC frames at the source rate, larger at 8 kHz
 FRAMES_PER_SECOND = SAMPLE_RATE // HOP  # feature frames: 100 per second
+DURATION_BY_BITRATE = {"aac": "raw AAC (ADTS)"}  # demuxers whose duration is always an estimate
 OGG_MAX_PAGE = 27 + 255 + 255 * 255  # header, lacing values, payload
 OGG_END_OF_STREAM = 0x04  # header_type flag of a stream's last page
 
@@ -86,6 +89,9 @@ def _header_info(container, name: str) -> AudioInfo:
     if not container.streams.audio:
         kinds = sorted({s.type for s in container.streams}) or ["none"]
         raise MediaError(name, f"no audio stream (unsupported: {container.format.name} with {', '.join(kinds)})")
+    if container.format.name in DURATION_BY_BITRATE:
+        raise MediaError(name, f"{DURATION_BY_BITRATE[container.format.name]} has no duration in its headers, only a "
+                               "guess from its bitrate, and planning needs the exact length: store it in .m4a")
     stream = container.streams.audio[0]
     ctx = stream.codec_context
     if ctx is None or ctx.codec is None:
@@ -160,8 +166,9 @@ def _fit(waveform: np.ndarray, samples: int, source_rate: int, name: str) -> np.
     slack = max(SLACK_SECONDS * SAMPLE_RATE, SLACK_SOURCE_SAMPLES * SAMPLE_RATE / source_rate)
     got = len(waveform)
     if abs(got - samples) > slack:
-        what = "truncated or corrupt" if got < samples else "longer than its headers say (a wrong header?)"
-        raise MediaError(name, f"{what}: decoded {got / SAMPLE_RATE:.3f} s, headers give {samples / SAMPLE_RATE:.3f} s")
+        what = "truncated or corrupt" if got < samples else "longer than its headers say"
+        raise MediaError(name, f"{what}: decoded {got / SAMPLE_RATE:.3f} s, headers give {samples / SAMPLE_RATE:.3f} s"
+                               " (an MP3 without a Xing header has only an estimate there)")
     if got >= samples:
         return waveform[:samples]
     return np.concatenate([waveform, np.zeros(samples - got, dtype=np.float32)])
