@@ -5,6 +5,15 @@ prove it), the decode at gather (once per delivery), its placeholder-token rule,
 arrays its batch fields carry. `audio` is the first medium here (`audio_features` holds its log-mel); images
 and video join when the media seam replaces their current homes in transforms/ (issue 42).
 
+Audio, as the seam will call it:
+
+    info = audio.probe(data, name)                  # planning: headers only (AUDIO_DECODES unchanged)
+    plan = policy.plan(info)                        # windows, frames, placeholder tokens (plan.tokens)
+    cost = audio.encoder_cost(plan, linear, quad)   # the encoder's share of the sample's cost
+    feats = policy.load(data, info, name)           # gather: one decode, input_features + feature_attention_mask
+
+A bad file raises base.MediaError naming it; the reader wraps it in a SourceError and applies its policy.
+
 This package sits beside sources/transforms/state in the layers: it imports only plait.errors (and the spec
 sections), never roles, runtime or the face, so a reader or the balancer can take from it without a cycle.
 """
