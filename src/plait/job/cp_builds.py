@@ -52,7 +52,7 @@ class GroupBuilds:
     pool rank reads, the plan window bounds what is kept. `builds`: groups built here."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: a plan's finalizer (`plan_scope`) may run in a thread holding it
         self.groups: dict[tuple[Hashable, int], Future] = {}  # (scope, group id) -> the group micro-batch
         self.cuts: dict[tuple[Hashable, int], int] = {}  # members that cut it so far
         self.scopes: set[int] = set()
