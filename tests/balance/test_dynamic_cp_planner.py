@@ -145,3 +145,22 @@ def test_plait_plan_shows_the_degrees_chosen_per_step(tmp_path, capsys):
     rows = json.loads(out.read_text())["steps"]
     assert all(r["waves"] >= 1 and sum(r["cp_degrees"].values()) == r["docs"] for r in rows)
     assert any(int(k) > 1 for r in rows for k in r["cp_degrees"])
+
+
+def test_loader_resume_mid_step_gives_the_same_stream(tmp_path):
+    """A trainer (dp, cp) in dynamic mode checkpoints after some micro-batches (waves) and resumes: the
+    micro-batches that follow are the ones it would have read (sample ids and tokens)."""
+    ds = token_parquet(tmp_path / "a", files=2, docs_per_file=40, lo=1, hi=300)
+    spec = plait.load_spec(make_spec([ds], seq_len=64, microbatches=1, dp=2, topology={"dp": 2, "cp": 2},
+                                     context_parallel={"mode": "dynamic"}, steps=4))
+    whole = list(plait.Loader(spec, dp_rank=1, cp_rank=1, read_ahead=0))
+    with plait.Loader(spec, dp_rank=1, cp_rank=1, read_ahead=0) as first:
+        it = iter(first)
+        head = [next(it) for _ in range(3)]
+        state = json.loads(json.dumps(first.state_dict()))
+    with plait.Loader(spec, dp_rank=1, cp_rank=1, read_ahead=0) as second:
+        second.load_state_dict(state)
+        tail = list(second)
+    assert len(whole) == len(head) + len(tail) > 3
+    for a, b in zip(whole, head + tail):
+        assert np.array_equal(a.sample_ids, b.sample_ids) and np.array_equal(a.input_ids, b.input_ids)
