@@ -8,7 +8,9 @@ server per Constructor actor. Every call carries the job's token (`authorization
 `token=`, `PLAIT_TOKEN` or the file named by `PLAIT_TOKEN_FILE`); a wrong one is refused.
 
 Protocol (version `PROTOCOL`; requests and replies of actions are JSON):
-  rendezvous  action `hello`    -> {protocol, job, fingerprint, ranks, cp, endpoints: {dp_rank: location}}
+  rendezvous  action `hello`    -> {protocol, job, fingerprint, mixture, ranks, cp, endpoints: {dp_rank: location}}
+              (`fingerprint`: Spec.data_fingerprint, `mixture`: Spec.mixture_fingerprint; a client whose
+              spec differs in either is refused)
               actions `base`, `seek`, `seek_with_changes`, `state_at`, `set_weights`, `report`,
               `error_report`: the job's Planner's methods of the same name
               action `attach` {dp_rank, node} -> location: the rank's Constructor on the asking trainer's
@@ -283,8 +285,9 @@ class FlightRuntime:
     Options: `job_address` (the served job's rendezvous `host:port`; default PLAIT_ADDRESS), `token`
     (default PLAIT_TOKEN or PLAIT_TOKEN_FILE), `job` (checked against the served job's name),
     `call_timeout` (seconds a control call may take, default 60; a step's stream has none). `address`
-    and `timeout` are their deprecated names. Checks that the served job runs this spec (data fingerprint) on the
-    same number of DP ranks. Ray is never imported.
+    and `timeout` are their deprecated names. Checks that the served job runs this spec (its data and its
+    mixture: a spec that differs only in weights is refused too) on the same number of DP ranks. Ray is
+    never imported.
     """
 
     hints = SERVE_HINTS  # a client of another server (a node's data host) says its own
@@ -333,6 +336,14 @@ class FlightRuntime:
             raise PlaitError(f"the job at {self.address} is {info['job']!r}, not {job!r}")
         if info["fingerprint"] != self.spec.data_fingerprint():
             raise PlaitError(f"job {info['job']!r} at {self.address} runs a different spec (data fingerprint differs)")
+        mixture = info.get("mixture")  # absent from a server of plait before it was checked
+        if mixture is not None and mixture != self.spec.mixture_fingerprint():
+            raise PlaitError(
+                f"job {info['job']!r} at {self.address} runs another mixture than this client's spec (weights, "
+                "schedule, source windows or online policy differ), and a thin client reads the served job's "
+                "stream: give every trainer the served spec. To change the mixture, serve the new spec and resume "
+                "every rank with load_state_dict(state, allow_spec_change=True); set_weights changes it while it runs"
+            )
         if int(info["ranks"]) != self.spec.topology.dp:
             raise PlaitError(f"job {info['job']!r} plans for {info['ranks']} DP ranks, this client's topology has "
                              f"{self.spec.topology.dp}: every trainer process of a job must use the same spec and layout")

@@ -71,7 +71,8 @@ class LocalJobServer(ServedJob):
         self.service = JobService(LocalRoles(self.spec, dp=dp, metrics_port=metrics_port), expected=expected,
                                   build_ahead=BUILD_AHEAD if build_ahead is None else build_ahead)
         self.ranks = self.service.ranks
-        info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.ranks,
+        info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "mixture": self.spec.mixture_fingerprint(),
+                "ranks": self.ranks,
                 "cp": self.spec.topology.cp, "protocol": PROTOCOL}
         self.front = OneServer(info, self.ranks)
         try:

@@ -65,7 +65,7 @@ class JobServer(ServedJob):
         try:
             self.endpoints = self._serve_constructors()
             self.info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "ranks": self.runtime.dp,
-                         "cp": self.spec.topology.cp, "protocol": PROTOCOL}
+                         "cp": self.spec.topology.cp, "protocol": PROTOCOL, "mixture": self.spec.mixture_fingerprint()}
             self.rendezvous = RendezvousFlight(self.runtime.ask_planner, self, grpc_location(host, port), self.token)
         except BaseException:
             self.close()
