@@ -183,3 +183,21 @@ def test_the_layout_names_a_document_whose_placeholders_do_not_match_its_media()
     unnamed = MicroBatch(**{**mb.__dict__, "stats": {}})
     with pytest.raises(ValueError, match="needs the image placeholder id"):
         token_layout(unnamed, 2)
+
+
+def test_the_accelerator_path_normalises_as_the_host_path():
+    """to_torch on a CUDA device gathers the uint8 rows in torch there; on the host numpy does: the same
+    values, for image rows (one frame, repeated over the temporal patch) and video rows (two frames)."""
+    torch = pytest.importorskip("torch")
+    from plait.qwen2vl_layout import CLIP_MEAN, CLIP_STD, normalize_table, processor_rows, torch_processor_rows, \
+        video_normalize_table
+
+    rng = np.random.default_rng(5)
+    for frames, lut in ((1, normalize_table(CLIP_MEAN, CLIP_STD)), (2, video_normalize_table(CLIP_MEAN, CLIP_STD))):
+        rows = rng.integers(0, 256, (37, frames * 14 * 14 * 3), dtype=np.uint8)
+        host = processor_rows(rows, lut, 14, 2)
+        assert host.shape == (37, 1176)
+        assert np.array_equal(torch_processor_rows(torch.from_numpy(rows), lut, 14, 2).numpy(), host)
+        # (C, T, p, p) rows: channel c of frame f at patch pixel (i, j) is lut[c, rows (f, i, j, c)]
+        block = rows.reshape(37, frames, 14, 14, 3)
+        assert host.reshape(37, 3, 2, 14, 14)[4, 2, 1, 3, 5] == lut[2, block[4, frames - 1, 3, 5, 2]]
