@@ -110,6 +110,10 @@ def test_video_layout_is_the_video_processors_on_the_frames_plait_sampled(batch)
     t = batch.to_torch(layout="qwen2vl")
     assert t["pixel_values_videos"].dtype == torch.float32 and torch.equal(t["pixel_values_videos"], ref)
     assert t["video_grid_thw"].tolist() == grids
+    # normalize= applies to the videos too (the video processor's fused rule with those mean / std)
+    other = batch.to_torch(layout="qwen2vl", normalize=((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)))["pixel_values_videos"]
+    assert np.array_equal(other.numpy(), batch.qwen2vl((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))["pixel_values_videos"])
+    assert not torch.equal(other, ref)
     # the old layout (uint8 rows in plait's order) is not it
     assert not torch.equal(batch.to_torch()["pixel_values_videos"].float(), ref)
 
