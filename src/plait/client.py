@@ -26,6 +26,7 @@ from typing import Iterator
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.runtime import make_runtime
+from plait.runtime.error_reports import job_error_report
 from plait.runtime.options import renamed
 from plait.spec import Spec, load_spec
 from plait.state.log import diff_state, resolved
@@ -145,6 +146,7 @@ class Loader:
             topo = self.spec.topology
             options.setdefault("metrics_port", port + Layout(dp=topo.dp, tp=topo.tp, pp=topo.pp,
                                                              cp=topo.cp).global_rank(self.ranks))
+        self._runtime_kind = runtime  # which runtime serves it decides where error_report() gathers from
         return make_runtime(self.spec, runtime, **options)
 
     # ----- iteration ---------------------------------------------------------------------------
@@ -265,10 +267,13 @@ class Loader:
 
     def error_report(self) -> dict:
         """The bad records skipped so far under `on_error: skip`, per source: `{source: {"skipped": n,
-        "messages": [...]}}`, each message naming the source, file and record (the first 100 per source).
-        Each bad record counts once however often it is read again (later epochs, a resume). The local
-        runtime reports this process's loader; node-shared, flight and ray report the job's."""
-        return self._runtime.error_report()
+        "messages": [...]}}`, each message naming the source, file, record and epoch (the first 100 per
+        source). One rule, wherever a record failed (while planning, or decoding its media for a batch):
+        each bad sample counts once per epoch, over the whole job, on every runtime. Where the job's
+        batches are built by processes that never talk (torchrun with `share="process"`, or node-shared
+        on several nodes) this process group gathers their reports: call it on every rank there
+        (plait.runtime.error_reports)."""
+        return job_error_report(self._runtime.error_report(), self._runtime_kind)
 
     def scaling_report(self) -> dict:
         """How the job's SourceLoaders were re-partitioned while it ran (the ray runtime with `autoscale`,

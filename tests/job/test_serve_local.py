@@ -149,7 +149,7 @@ def test_a_wrong_token_is_refused_and_actions_answer(spec, monkeypatch):
         with pytest.raises(plait.PlaitError, match=f"is '{JOB}', not 'other'"):
             plait.Loader(spec, runtime="flight", job_address=server.address, token=server.token, job="other")
         with thin(spec, server) as loader:
-            assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}
+            assert loader.error_report() == {"tok": {"skipped": 0, "bad_records": 0, "messages": []}}
             loader.set_weights({"tok": 1.0}, at_step=4)
             assert server.service.roles.state_dict()["overrides"]  # applied by the server's one Planner
             with pytest.raises(plait.PlaitError, match="dp_rank 9 is not one of this job's 2 DP ranks"):

@@ -84,7 +84,7 @@ def test_corrupt_compressed_file_is_a_named_skip(corrupt_compressed):
     assert got.keys() == expected.keys()
     for k, v in expected.items():
         np.testing.assert_array_equal(got[k], v)
-    assert report["tokj"]["skipped"] == 1
+    assert report["tokj"]["bad_records"] == 1
     [msg] = report["tokj"]["messages"]
     assert "part-001" in msg and "cannot decompress" in msg
 
@@ -102,7 +102,7 @@ def test_corrupt_file_alone_names_the_file(tmp_path, codec, how):
     else:  # a plain file cut in the middle of a line: that record is malformed, the rest streams
         assert err.record is not None and "malformed JSON" in err.reason
         got, report = run(ds.with_options(on_error="skip"), steps=4)
-        assert got and report["tokj"]["skipped"] == 1
+        assert got and report["tokj"]["bad_records"] == 1
         assert f"record {err.record}: malformed JSON" in report["tokj"]["messages"][0]
 
 
@@ -157,7 +157,7 @@ def test_empty_file_is_reported(tmp_path, kind):
     assert err.source == "e" and err.shard == str(empty) and "no records" in err.reason
     got, report = run(ds.with_options(on_error="skip"), steps=8)
     assert {row for (_, row) in got} == set(range(10))
-    assert report["e"]["skipped"] == 1
+    assert report["e"]["bad_records"] == 1
     [msg] = report["e"]["messages"]
     assert empty.name in msg and "no records" in msg
 
@@ -197,7 +197,9 @@ def test_skip_keeps_going_across_epochs_with_one_bad_file(tmp_path, kind, seed):
     report = loader.error_report()
     loader.close()
     assert len(epochs) > 3, "the run must cover several epochs"
-    assert report["tok"]["skipped"] == 1 and "part-bad.parquet" in report["tok"]["messages"][0]
+    assert report["tok"]["bad_records"] == 1 and "part-bad.parquet" in report["tok"]["messages"][0]
+    # counted in every epoch whose order passed it (the last epoch's order may stop before it)
+    assert report["tok"]["skipped"] >= len(epochs) - 1
 
 
 def test_all_files_bad_under_skip_names_them(tmp_path):

@@ -217,7 +217,7 @@ def test_megatron_bad_index_is_a_bad_file(tmp_path, damage):
         epoch_docs(source_of(ds))
     assert info.value.shard == ds.files[1]
     src, got = errors_of(ds)
-    assert src.errors["skipped"] == 1 and set(got) == {k for k in ds.docs if k[0] == 0}
+    assert len(src.bad.distinct) == 1 and set(got) == {k for k in ds.docs if k[0] == 0}
 
 
 def test_arrow_truncated_and_missing_column(tmp_path):
@@ -228,7 +228,7 @@ def test_arrow_truncated_and_missing_column(tmp_path):
         epoch_docs(source_of(ds))
     assert info.value.shard == ds.files[1] and "truncated" in info.value.reason
     src, got = errors_of(ds)
-    assert src.errors["skipped"] == 1 and set(got) == {k for k in ds.docs if k[0] != 1}
+    assert len(src.bad.distinct) == 1 and set(got) == {k for k in ds.docs if k[0] != 1}
     with pytest.raises(SourceError, match="no column 'nope'"):
         epoch_docs(source_of(ds.with_options(tokens_field="nope")))
 
@@ -277,7 +277,7 @@ def test_mds_corrupt_zstd_is_a_bad_file(tmp_path):
     with pytest.raises(SourceError, match="cannot decompress"):
         epoch_docs(source_of(ds))
     src, got = errors_of(ds)
-    assert src.errors["skipped"] == 1 and set(got) == {k for k in ds.docs if k[0] != 1}
+    assert len(src.bad.distinct) == 1 and set(got) == {k for k in ds.docs if k[0] != 1}
 
 
 def test_out_of_vocab_found_on_decode_under_index_lengths(tmp_path):

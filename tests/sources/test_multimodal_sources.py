@@ -236,7 +236,7 @@ def test_bad_image_headers_follow_on_error(tmp_path, monkeypatch, what):
     assert e.value.record == "5" and e.value.shard.endswith("data.json")
     rt, batches = run_all(mm_spec([{**src, "on_error": "skip"}]))
     report = rt.error_report()["llava"]
-    assert report["skipped"] == 1 and "record 5" in report["messages"][0] and message in report["messages"][0]
+    assert report["bad_records"] == 1 and "record 5" in report["messages"][0] and message in report["messages"][0]
     rows = {int(r) for b in batches for r in b.sample_ids[:, 3]}
     assert 5 not in rows and 6 in rows
 
@@ -269,7 +269,7 @@ def test_webdataset_bad_members(tmp_path):
         run_all(mm_spec([src]))
     rt, batches = run_all(mm_spec([{**src, "on_error": "skip"}]))
     messages = " | ".join(rt.error_report()["wds"]["messages"])
-    assert rt.error_report()["wds"]["skipped"] == 4
+    assert rt.error_report()["wds"]["bad_records"] == 4
     assert "record lonely: sample 'lonely' has no 'txt' member" in messages
     assert "record orphan" in messages and "no image member" in messages
     assert "record odd" in messages and "has: heic, txt" in messages

@@ -75,7 +75,8 @@ def stream(
         if any(s.video_field is not None for s in spec.sources):  # 0 too: a video source that delivered none
             summary.update(videos=stats.videos, videos_per_s=stats.videos / max(stats.elapsed, 1e-9))
         errors = rt.error_report()
-        summary["errors"] = {k: v["skipped"] for k, v in errors.items()}
+        summary["errors"] = {k: v["skipped"] for k, v in errors.items()}  # samples lost, once per epoch each
+        summary["bad_records"] = {k: v.get("bad_records", v["skipped"]) for k, v in errors.items()}  # distinct
         summary["error_messages"] = {k: v["messages"][:20] for k, v in errors.items() if v["messages"]}
         summary["runtime"] = runtime
         summary["scaling"] = rt.scaling_report()  # the loader layout's changes (ray; empty elsewhere)
@@ -163,7 +164,8 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
         head.add_row("videos delivered", f"{s['videos']:,}")
         head.add_row("videos/s", f"{s['videos_per_s']:,.1f}")
     skipped = sum(s.get("errors", {}).values())
-    head.add_row("bad records skipped", str(skipped))
+    bad = sum(s.get("bad_records", s.get("errors", {})).values())
+    head.add_row("bad records skipped (distinct; samples lost, once per epoch)", f"{bad} ({skipped})")
     head.add_row("empty documents (0 tokens) drawn", str(s.get("empty_documents", 0)))
     console.print(head)
     mix = Table(title="mixture: token share per source")
@@ -173,7 +175,8 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
         mix.add_row(name, f"{m['target']:.4f}", f"{m['achieved']:.4f}", f"{m['achieved'] - m['target']:+.4f}")
     console.print(mix)
     if skipped:  # skipped records are reported, never silent: say which
-        console.print(f"[bold yellow]{skipped} bad record(s) skipped[/] (on_error: skip); first ones:", highlight=False)
+        console.print(f"[bold yellow]{bad} bad record(s) skipped[/] ({skipped} sample(s) lost, once per epoch each; "
+                      "on_error: skip); first ones:", highlight=False)
         for name, messages in s.get("error_messages", {}).items():
             for m in messages[:5]:
                 console.print(f"  {escape(m)}", highlight=False, soft_wrap=True)

@@ -280,12 +280,13 @@ class SourceLoader:
                 "skipped": {s.name: s.errors.get("skipped", 0) for s in self.sources.values()},
                 "produced": {int(s): list(map(float, v)) for s, v in self.__dict__.get("produced", {}).items()}}
 
-    def error_report(self, records: bool = False) -> dict[str, dict]:
-        """{source: {"skipped", "messages"}}; with `records`, also where each skip was ([file, record]), so
-        the reports of several processes that read the same block (a replaced or re-partitioned loader
-        decodes it again) can count every bad record once."""
-        out = {s.name: {"skipped": s.errors.get("skipped", 0), "messages": list(s.error_log)}
-               for s in self.sources.values()}
+    def error_report(self, records: bool = True) -> dict[str, dict]:
+        """{source: {"skipped", "messages"}} and, with `records`, what each skip was ([file, record, epoch]),
+        so that the reports of several processes that read the same block (a replaced or re-partitioned
+        loader decodes it again, every process of a torchrun job plans every step) merge into the job's,
+        each bad sample once per epoch (plait.sources.bad_records.merge_reports)."""
+        out = {s.name: {"skipped": s.errors.get("skipped", 0), "bad_records": len(s.bad.distinct),
+                        "messages": list(s.error_log)} for s in self.sources.values()}
         if records:
             for s in self.sources.values():
                 out[s.name]["records"] = [list(w) for w in s.bad_records]
@@ -345,7 +346,8 @@ class SkipWarnings:
         self.epochs_said: set[tuple[int, int]] = set()  # (source, epoch) warned about
 
     def say(self, src: Source, source: int, epoch: int) -> None:
-        count = src.errors.get("skipped", 0)
+        # distinct bad records: one met again in a later epoch counts again in the report, but is not news
+        count = len(src.bad.distinct)
         if count <= self.said.get(source, 0) or (source, epoch) in self.epochs_said:
             return
         self.said[source] = count

@@ -162,10 +162,12 @@ class Source:
             if fpos >= len(self.files):
                 epoch, fpos, bpos = epoch + 1, 0, 0
             file_idx = int(self.file_order(epoch)[fpos])
-            n = self.num_blocks(file_idx)
+            with self.bad.reading(epoch):
+                n = self.num_blocks(file_idx)
             if bpos < n:
                 return (epoch, fpos, bpos)
             if n == 0:
+                self.bad.passed_file(self.files[file_idx], epoch)  # a bad file counts in every epoch it is met
                 empty.add(file_idx)
                 if len(empty) == len(self.files):
                     raise SourceError(self.name, None, None, "no readable blocks in any file" + self.bad.hint())
@@ -181,6 +183,10 @@ class Source:
         cached = self._lengths.get(key)
         if cached is not None:
             return cached
+        with self.bad.reading(key[0]):  # what is bad here counts for this epoch (bad_records.py)
+            return self._read_lengths(key)
+
+    def _read_lengths(self, key: BlockKey) -> BlockLengths:
         epoch, file_idx, block_idx, path = self._locate(key)
         try:
             raw = self.reader.read_lengths(path, block_idx)
@@ -200,10 +206,11 @@ class Source:
 
     # ----- decoding ----------------------------------------------------------------------------
     def read_block(self, key: BlockKey) -> DocBlock:
-        block = self._decode(key)
-        if not self.reads_lengths(key):
-            return block
-        return reconcile(block, self.read_lengths(key), self.spec, self.files[block.shard], self.bad.record)
+        with self.bad.reading(key[0]):  # what is bad here counts for this epoch (bad_records.py)
+            block = self._decode(key)
+            if not self.reads_lengths(key):
+                return block
+            return reconcile(block, self.read_lengths(key), self.spec, self.files[block.shard], self.bad.record)
 
     def _locate(self, key: BlockKey) -> tuple[int, int, int, str]:
         epoch, fpos, bpos = key
@@ -279,22 +286,21 @@ class Source:
     def image_pixels(self, block: DocBlock, image: int, out: np.ndarray | None = None) -> np.ndarray | None:
         """Image `image` (an index into block.images) decoded to uint8 patches (into `out` when given), once
         per delivery. A body that does not decode: an error under `raise`; under `skip` None (its sample is
-        not delivered), counted once per delivery attempt (per epoch: a later epoch plans it again) and
+        not delivered), counted once per epoch (a later epoch plans it again; bad_records.py) and
         named. Thread-safe: a SourceLoader decodes a gather's images on its worker pool."""
         path = self.files[block.shard]
         pixels, why = self.images.decode_pixels(path, block.images, image, out)
         if why is not None:
-            record = str(block.images.records[image])
             if self.spec.on_error != "raise":
-                record, why = f"{record} (epoch {block.key[0]})", f"{why}; its sample is dropped from its micro-batch"
+                why = f"{why}; its sample is dropped from its micro-batch"
             with self.report_lock:
-                self.bad.record(path, record, why)
+                self.bad.record(path, str(block.images.records[image]), why, epoch=int(block.key[0]))
         return pixels
 
     # ----- errors (bad_records.py) ------------------------------------------------------------------
     @property
-    def bad_records(self) -> list[tuple[str, str | None]]:
-        """(file, record) of every bad record (or shard: record None) this process met, each once."""
+    def bad_records(self) -> list[tuple[str, str | None, int | None]]:
+        """(file, record, epoch) of every bad record (or shard: record None) this process counted."""
         return self.bad.records
 
     def close(self) -> None:

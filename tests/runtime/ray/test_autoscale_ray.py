@@ -231,12 +231,13 @@ def test_plait_run_autoscale_writes_the_report_and_plot(ray_session, data, tmp_p
 
 def test_error_reports_of_retired_and_current_loaders_count_each_bad_record_once():
     """After a rescale the new owner decodes a block again and meets its bad records again: the job's
-    report names each once (by file and record), and keeps what retired loaders found."""
+    report counts each once per epoch (by file, record and epoch), and keeps what retired loaders found."""
     from plait.runtime.ray.planner_actor import merge_error_reports
 
-    retired = {"a": {"skipped": 2, "messages": ["a/0: bad", "a/1: bad"], "records": [["f0", "0"], ["f0", "1"]]}}
-    current = [{"a": {"skipped": 2, "messages": ["a/1: bad", "a/7: bad"], "records": [["f0", "1"], ["f1", "7"]]}},
+    retired = {"a": {"skipped": 2, "messages": ["a/0: bad", "a/1: bad"], "records": [["f0", "0", 0], ["f0", "1", 0]]}}
+    current = [{"a": {"skipped": 3, "messages": ["a/1: bad", "a/7: bad"],
+                      "records": [["f0", "1", 0], ["f0", "1", 1], ["f1", "7", 1]]}},
                {"b": {"skipped": 0, "messages": [], "records": []}}]
     merged = merge_error_reports(current + [retired])
-    assert merged == {"a": {"skipped": 3, "messages": ["a/1: bad", "a/7: bad", "a/0: bad"]},
-                      "b": {"skipped": 0, "messages": []}}
+    assert merged == {"a": {"skipped": 4, "bad_records": 3, "messages": ["a/1: bad", "a/7: bad", "a/0: bad"]},
+                      "b": {"skipped": 0, "bad_records": 0, "messages": []}}

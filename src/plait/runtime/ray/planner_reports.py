@@ -4,27 +4,10 @@ its actors use (`plait jobs`). Both gather from many actors; neither is on the p
 from __future__ import annotations
 
 from plait.runtime.ray.common import NAMESPACE, process_rss, ray_module
+from plait.sources.bad_records import merge_reports as merge_error_reports  # the one rule (bad_records.py)
 from plait.runtime.ray.planner_requests import planner_call
 
 MEMORY_TIMEOUT_S = 10  # an actor that does not answer by then is left out (counted as asked, not answered)
-
-
-def merge_error_reports(reports: list[dict]) -> dict:
-    """{source: {"skipped", "messages"}} of several loaders' reports: messages once each; skipped is the
-    number of distinct bad records when the reports name them (else the sum)."""
-    out: dict[str, dict] = {}
-    where: dict[str, set] = {}
-    for rep in reports:
-        for name, r in rep.items():
-            agg = out.setdefault(name, {"skipped": 0, "messages": []})
-            agg["messages"].extend(m for m in r["messages"] if m not in agg["messages"])
-            if "records" in r:
-                where.setdefault(name, set()).update(tuple(w) for w in r["records"])
-            else:
-                agg["skipped"] += r["skipped"]
-    for name, records in where.items():
-        out[name]["skipped"] += len(records)
-    return out
 
 
 def job_memory(handles: list, constructor_names: list[str]) -> dict:
@@ -56,8 +39,9 @@ class ReportRequests:
 
     @planner_call()
     def error_report(self) -> dict:
-        """Records skipped, over the current loaders and those of retired layouts; a bad record that
-        several loaders met (a block decoded again after a replacement or a rescale) counts once."""
+        """Records skipped, over the current loaders and those of retired layouts, per sample per epoch; a
+        bad record that several loaders met in one epoch (a block decoded again after a replacement or a
+        rescale) counts once."""
         reports = self.loaders.each("error_report") + [
             rep for routing in self.routes.retired for rep in routing.fleet.final_errors]
         return merge_error_reports(reports)

@@ -1,0 +1,92 @@
+"""One rule for bad records (plait.sources.bad_records): each bad sample counts once per epoch, whether it
+failed while planning or when its media were decoded for a batch, and `error_report()` gives the whole
+job's on every rank, also where each torchrun process builds only its own rank (share="process")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mm_data import image_bytes, llava, mm_spec
+
+import plait
+from plait.runtime import make_runtime
+
+STEPS = 6
+
+
+def source_with_two_bad_records(folder: Path) -> dict:
+    """A LLaVA JSONL source: record 5's JPEG is cut after its header (it fails at gather, after planning),
+    record 7's image is missing (it fails while planning)."""
+    src = llava(folder, n=12, max_images=1, jsonl=True)
+    recs = [json.loads(line) for line in (folder / "data.jsonl").read_text().splitlines()]
+    body = image_bytes(90, 70, "JPEG", seed=11)
+    (folder / recs[5]["image"]).write_bytes(body[: len(body) // 2])
+    (folder / recs[7]["image"]).unlink()
+    return {**src, "on_error": "skip"}
+
+
+def job_run(spec_dict: dict):
+    """The whole job in one process: every rank built, so its report is the job's by construction."""
+    rt = make_runtime(plait.load_spec(spec_dict), "local")
+    dropped, epochs = 0, set()
+    try:
+        for _ in range(STEPS):
+            plan = rt.plan()
+            for rank in range(plan.ranks):
+                for mb in rt.build(plan, rank):
+                    dropped += mb.stats["dropped_samples"]
+                    epochs.update(int(e) for e in mb.sample_ids[:, 1])
+            rt.release()
+        counted = set(rt.loader.sources[0].bad.seen)
+        return rt.error_report(), counted, dropped, epochs
+    finally:
+        rt.close()
+
+
+def test_each_bad_sample_counts_once_per_epoch_wherever_it_failed(tmp_path):
+    report, counted, dropped, epochs = job_run(mm_spec([source_with_two_bad_records(tmp_path / "l")]))
+    late = sorted(e for _, record, e in counted if record == "5")
+    early = sorted(e for _, record, e in counted if record == "7")
+    assert len(epochs) >= 3, "the run must cover several epochs"
+    assert len(late) == dropped >= 2 and len(set(late)) == len(late)  # one per epoch it was planned in
+    assert early == list(range(len(early))) and len(early) >= len(epochs)  # every epoch planning read it in
+    rep = report["llava"]
+    assert rep["skipped"] == len(late) + len(early) and rep["bad_records"] == 2
+    assert len(rep["messages"]) == 2 and any("record 5 (epoch" in m for m in rep["messages"])
+
+
+def rank_main(rank: int, spec_dict: dict, init: str, out: str) -> None:
+    """One torchrun-like trainer process loading alone: its Loader builds only its own rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        with plait.Loader(spec_dict, dp_rank=rank, share="process", steps=STEPS, read_ahead=0) as loader:
+            dropped = sum(mb.stats["dropped_samples"] for mb in loader)
+            report = loader.error_report()  # a collective here: every rank calls it
+    finally:
+        dist.destroy_process_group()
+    Path(out).write_text(json.dumps({"report": report, "dropped": dropped}))
+
+
+@pytest.mark.subprocess
+def test_two_processes_each_building_its_rank_report_the_whole_job(tmp_path):
+    mp = pytest.importorskip("torch.multiprocessing")
+    spec = mm_spec([source_with_two_bad_records(tmp_path / "l")], dp=2)
+    job, _, job_dropped, _ = job_run(spec)
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, spec, init, outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    ranks = [json.loads(Path(o).read_text()) for o in outs]
+    assert sum(r["dropped"] for r in ranks) == job_dropped >= 2
+    for r in ranks:  # the job's counts, not this rank's share of the late failures nor twice the planning ones
+        assert r["report"]["llava"]["skipped"] == job["llava"]["skipped"]
+        assert r["report"]["llava"]["bad_records"] == job["llava"]["bad_records"] == 2
+        assert set(r["report"]["llava"]["messages"]) >= set(job["llava"]["messages"])
