@@ -31,7 +31,7 @@ from plait.runtime.options import renamed
 from plait.spec import Spec, load_spec
 from plait.state.log import diff_state, resolved
 from plait.state.overrides import merge_pending, report_effect_step
-from plait.state.schema import CLIENT_STATE_VERSION, after_consumed_step, check_client_state, seal
+from plait.state.schema import CLIENT_STATE_VERSION, ClientState, after_consumed_step, check_client_state, seal
 from plait.state.spec_change import warn_changes
 from plait.topology import Layout, ParallelRanks, env_int, layout_for_world
 
@@ -232,12 +232,7 @@ class Loader:
                 "load_state_dict() was called while this Loader is being iterated; the running stream would "
                 "ignore it. Load the state before the loop (or after the loop has ended)"
             )
-        if isinstance(state, dict) and set(state) == {"data"}:  # a `plait run --save-state` file of plait <= 0.x
-            state = {"version": 1, "data": state["data"], "next_microbatch": 0}
-        parsed = check_client_state(state, self._max_microbatches(), self.spec)
-        if allow_spec_change or state.get("layout") not in (None, layout_of(self.spec)):
-            state = after_consumed_step(state, parsed.at_step_boundary)
-        data, micro = elastic_start(state, self.spec, self._runtime)
+        data, micro, parsed = resume_start(state, self.spec, self._runtime, allow_spec_change)
         self.resume_report = []
         if allow_spec_change:
             data = self._load_changed(data, micro)
@@ -260,10 +255,6 @@ class Loader:
             warn_changes(changes)
         self.resume_report = changes
         return data
-
-    def _max_microbatches(self) -> int:
-        per_rank = self.spec.packing.num_microbatches
-        return 2 * per_rank if self.spec.balance.mode == "variable" else per_rank
 
     def error_report(self) -> dict:
         """The bad records skipped so far under `on_error: skip`, per source: `{source: {"skipped": n,
@@ -368,6 +359,23 @@ def spec_for_process(spec: Spec, rank: int, world_size: int, given: dict) -> tup
 def layout_of(spec: Spec) -> dict:
     """What shapes a step (not which samples come): a checkpoint's step was planned on this."""
     return {"dp": spec.topology.dp, "microbatches": spec.packing.num_microbatches, "seq_len": spec.packing.seq_len}
+
+
+def resume_start(state: dict, spec: Spec, runtime, allow_spec_change: bool = False) -> tuple[dict, int, ClientState]:
+    """(data state to load, next micro-batch, the parsed state): where a saved Loader state resumes on
+    `spec`. The one reading of a state to resume, for `Loader.load_state_dict` and `plait run --resume`,
+    so that both refuse the same states: its shape, ranges and checksum (check_client_state); the state
+    after a finished step (`next`) only under a spec or layout change; on another layout the consumed step
+    re-planned (elastic_start). The runtime's load_state_dict then checks the data state against the spec
+    and the sources (cursors, carried chunks, sources)."""
+    if isinstance(state, dict) and set(state) == {"data"}:  # a `plait run --save-state` file of plait <= 0.x
+        state = {"version": 1, "data": state["data"], "next_microbatch": 0}
+    per_rank = spec.packing.num_microbatches
+    parsed = check_client_state(state, 2 * per_rank if spec.balance.mode == "variable" else per_rank, spec)
+    if allow_spec_change or state.get("layout") not in (None, layout_of(spec)):
+        state = after_consumed_step(state, parsed.at_step_boundary)
+    data, micro = elastic_start(state, spec, runtime)
+    return data, micro, parsed
 
 
 def elastic_start(state: dict, spec: Spec, runtime) -> tuple[dict, int]:

@@ -12,10 +12,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.markup import escape
 from rich.table import Table
 
+from plait.client import resume_start
 from plait.errors import PlaitError
 from plait.metrics import RECENT_STEPS, RunStats, ShareWindows
 from plait.mixture import MixtureSchedule
-from plait.state.schema import after_consumed_step, boundary_state, check_client_state
+from plait.state.schema import boundary_state
 from plait.runtime import make_runtime
 from plait.spec import Spec
 
@@ -112,13 +113,12 @@ def _resume(rt, resume: dict, allow_spec_change: bool = False) -> list[str]:
 
     A Loader state names the step in progress and how many of its micro-batches were consumed. This
     driver streams whole steps, so it continues after that step when it was fully consumed, and
-    refuses a mid-step state rather than deliver the consumed micro-batches again.
+    refuses a mid-step state rather than deliver the consumed micro-batches again. The state is read as
+    `Loader.load_state_dict` reads it (plait.client.resume_start): both refuse the same states.
     """
-    if "next_microbatch" in resume:  # a Loader state: check its shape, ranges and checksum before reading it
-        parsed = check_client_state(resume, 2 * rt.spec.packing.num_microbatches, rt.spec)
-        resume = after_consumed_step(resume, parsed.at_step_boundary)  # the state after the consumed step
-    data = resume.get("data", resume)
-    consumed = int(resume.get("next_microbatch", 0))
+    if "next_microbatch" not in resume and "data" not in resume:  # a bare data state
+        resume = {"version": 1, "data": resume, "next_microbatch": 0}
+    data, consumed, _ = resume_start(resume, rt.spec, rt, allow_spec_change)
     if allow_spec_change:
         changes = rt.load_state_dict(data, allow_spec_change=True) or []
         if changes and consumed:
