@@ -109,6 +109,17 @@ class SourceSpec(_Model):
         "(which changes the order of that row group's rows: set it when you create a job, not mid-run)",
         exclude_if=lambda v: v is None,  # unset: fingerprints as before
     )
+    placeholder_ids: Literal["refuse", "replace"] | None = Field(
+        None, description="media placeholder ids (images.image_token_id, videos.video_token_id) in a document "
+        "without media, which a vision-language model's forward takes for media positions: unset, counted "
+        "(error_report's placeholder_documents) and warned about; refuse: such a document is a bad record "
+        "(on_error decides); replace: each such id becomes placeholder_replacement",
+        exclude_if=lambda v: v is None,  # unset: fingerprints as before
+    )
+    placeholder_replacement: int | None = Field(
+        None, ge=0, le=2**31 - 1, description="the id that replaces them under placeholder_ids: replace (an id "
+        "the model embeds as text, e.g. the tokenizer's pad)", exclude_if=lambda v: v is None,
+    )
 
     buffer_bytes = property(lambda self: int((self.buffer_mb or DEFAULT_BUFFER_MB) * 2**20))
 
@@ -141,6 +152,9 @@ class SourceSpec(_Model):
             raise ValueError("tokenizer only applies to text_field sources")
         if self.start_step is not None and self.stop_step is not None and self.stop_step <= self.start_step:
             raise ValueError("stop_step must be after start_step")
+        if (self.placeholder_ids == "replace") != (self.placeholder_replacement is not None):
+            raise ValueError("placeholder_ids: replace takes placeholder_replacement (the id to put instead), and "
+                             "placeholder_replacement only applies with it")
         self._image_checks()
         return self
 

@@ -36,7 +36,7 @@ def run(args) -> int:
     for col in ("source", "format", "files", "weight", "first block docs", "median len", "max len", "tokenizer",
                 "tokenizer vocab", "max id (first block)"):
         table.add_column(col)
-    previews, videos = [], []
+    previews, videos, placeholders = [], [], []
     for i, s in enumerate(spec.sources):
         src = loader.sources[i]
         key = loader.first_key(i)
@@ -54,7 +54,10 @@ def run(args) -> int:
             toks = block.tokens[block.starts[d] : block.starts[d] + block.lengths[d]]
             previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]), len(toks), toks[:12].tolist()))
         videos += video_rows(s.name, block, min(args.docs, len(lens)))
+        placeholders += placeholder_lines(s.name, src)
     out.print(table)
+    for line in placeholders:
+        out.print(line, highlight=False)
     prev = Table(title="first documents in order")
     for col in ("source", "shard", "row", "tokens", "first ids"):
         prev.add_column(col)
@@ -69,6 +72,19 @@ def run(args) -> int:
             table.add_row(*row)
         out.print(table)
     return 0
+
+
+def placeholder_lines(name: str, src) -> list[str]:
+    """A warning per source whose first block has documents without media holding a media placeholder id
+    (plait.sources.placeholder_ids: found while the block was read)."""
+    found = sorted(src.placeholders.documents)
+    if not found:
+        return []
+    ids = ", ".join(f"{i} ({field})" for i, field in src.placeholders.names.items())
+    rows = ", ".join(str(row) for _, row in found[:5]) + (", ..." if len(found) > 5 else "")
+    return [f"[bold yellow]warning:[/] source {name!r}: {len(found)} document(s) of its first block without media "
+            f"hold a media placeholder id ({ids}; rows {rows}): a vision-language model's forward takes it for a "
+            "media position and fails; set the source's placeholder_ids: refuse or replace"]
 
 
 def video_rows(source: str, block, docs: int) -> list[tuple[str, ...]]:

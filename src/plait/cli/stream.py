@@ -78,6 +78,8 @@ def stream(
         errors = rt.error_report()
         summary["errors"] = {k: v["skipped"] for k, v in errors.items()}  # samples lost, once per epoch each
         summary["bad_records"] = {k: v.get("bad_records", v["skipped"]) for k, v in errors.items()}  # distinct
+        summary["placeholder_documents"] = {k: v["placeholder_documents"] for k, v in errors.items()
+                                            if v.get("placeholder_documents")}  # media ids without media
         summary["error_messages"] = {k: v["messages"][:20] for k, v in errors.items() if v["messages"]}
         summary["runtime"] = runtime
         summary["scaling"] = rt.scaling_report()  # the loader layout's changes (ray; empty elsewhere)
@@ -174,6 +176,10 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     for name, m in s["mixture"].items():
         mix.add_row(name, f"{m['target']:.4f}", f"{m['achieved']:.4f}", f"{m['achieved'] - m['target']:+.4f}")
     console.print(mix)
+    for name, n in s.get("placeholder_documents", {}).items():
+        console.print(f"[bold yellow]source {name!r}: {n} document(s) without media hold a media placeholder id[/] "
+                      "(a vision-language model's forward takes it for media; set the source's placeholder_ids: "
+                      "refuse or replace)", highlight=False)
     if skipped:  # skipped records are reported, never silent: say which
         console.print(f"[bold yellow]{bad} bad record(s) skipped[/] ({skipped} sample(s) lost, once per epoch each; "
                       "on_error: skip); first ones:", highlight=False)

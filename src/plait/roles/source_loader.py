@@ -281,15 +281,21 @@ class SourceLoader:
                 "produced": {int(s): list(map(float, v)) for s, v in self.__dict__.get("produced", {}).items()}}
 
     def error_report(self, records: bool = True) -> dict[str, dict]:
-        """{source: {"skipped", "messages"}} and, with `records`, what each skip was ([file, record, epoch]),
+        """{source: {"skipped", "bad_records", "messages"}} (and "placeholder_documents" where documents
+        without media hold media placeholder ids) and, with `records`, what each skip was ([file, record, epoch]),
         so that the reports of several processes that read the same block (a replaced or re-partitioned
         loader decodes it again, every process of a torchrun job plans every step) merge into the job's,
         each bad sample once per epoch (plait.sources.bad_records.merge_reports)."""
         out = {s.name: {"skipped": s.errors.get("skipped", 0), "bad_records": len(s.bad.distinct),
                         "messages": list(s.error_log)} for s in self.sources.values()}
+        for s in self.sources.values():  # documents without media holding placeholder ids (placeholder_ids.py)
+            if s.placeholders.documents:
+                out[s.name]["placeholder_documents"] = len(s.placeholders.documents)
         if records:
             for s in self.sources.values():
                 out[s.name]["records"] = [list(w) for w in s.bad_records]
+                if s.placeholders.documents:
+                    out[s.name]["placeholder_records"] = sorted(map(list, s.placeholders.documents))
         return out
 
     def close(self) -> None:

@@ -38,7 +38,8 @@ def job_error_report(report: dict, runtime_kind: str) -> dict:
         reports: list = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report)
         report = merge_reports(reports)
-    return {name: {k: r[k] for k in ("skipped", "bad_records", "messages") if k in r} for name, r in report.items()}
+    kept = ("skipped", "bad_records", "messages", "placeholder_documents")
+    return {name: {k: r[k] for k in kept if k in r} for name, r in report.items()}
 
 
 def _initialized_dist():

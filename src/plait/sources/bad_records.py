@@ -114,10 +114,15 @@ def merge_reports(reports: list[dict]) -> dict:
     else both are sums."""
     out: dict[str, dict] = {}
     where: dict[str, set] = {}
+    placeholders: dict[str, set] = {}  # documents without media holding placeholder ids (placeholder_ids.py)
     for rep in reports:
         for name, r in rep.items():
             agg = out.setdefault(name, {"skipped": 0, "bad_records": 0, "messages": []})
             agg["messages"].extend(m for m in r["messages"] if m not in agg["messages"])
+            if "placeholder_records" in r:
+                placeholders.setdefault(name, set()).update(tuple(w) for w in r["placeholder_records"])
+            elif r.get("placeholder_documents"):
+                agg["placeholder_documents"] = agg.get("placeholder_documents", 0) + r["placeholder_documents"]
             if "records" in r:
                 where.setdefault(name, set()).update(tuple(w) for w in r["records"])
             else:
@@ -126,4 +131,6 @@ def merge_reports(reports: list[dict]) -> dict:
     for name, records in where.items():
         out[name]["skipped"] += len(records)
         out[name]["bad_records"] += len({w[:2] for w in records})
+    for name, documents in placeholders.items():
+        out[name]["placeholder_documents"] = out[name].get("placeholder_documents", 0) + len(documents)
     return out

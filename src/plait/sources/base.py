@@ -32,6 +32,7 @@ from plait.ragged import ragged_arange
 from plait.sources.formats import EXTENSIONS, FORMATS, infer_format, reader_for, supported
 from plait.sources.mds import shard_files
 from plait.sources.multimodal import ImageDocs
+from plait.sources.placeholder_ids import PlaceholderCheck, placeholder_id_names
 from plait.sources.bad_records import BadRecords
 from plait.sources.blocks import BlockKey, BlockLengths, DocBlock, reconcile
 from plait.sources.reader import FormatReader, RawBlock, RawLengths, describe
@@ -103,6 +104,9 @@ class Source:
             if job is None or job.images is None:
                 raise SourceError(self.name, None, None, "an image source needs the spec's `images` section")
             self.images = ImageDocs(job, spec, self.encoder, self.reader, self.bad.record)
+        # media placeholder ids in documents without media: counted, refused or replaced (placeholder_ids.py)
+        self.placeholders = PlaceholderCheck(spec.name, spec.placeholder_ids, spec.placeholder_replacement,
+                                             placeholder_id_names(job), self.bad)
 
     # ----- order -------------------------------------------------------------------------------
     def file_order(self, epoch: int) -> np.ndarray:
@@ -248,7 +252,7 @@ class Source:
         for record, reason in raw.bad:
             self.bad.record(path, str(record), reason)
         if self.images is not None:
-            return self._decode_images(key, raw, path, (epoch, file_idx, block_idx))
+            return self.placeholders.apply(self._decode_images(key, raw, path, (epoch, file_idx, block_idx)), path)
         values, ok_index = self.column.clean(raw.values, raw.ok_index, path, raw.first_row)
         try:
             tokens, offsets = self.column.tokens(values, path)
@@ -259,7 +263,7 @@ class Source:
         if self.vocab_size is not None:
             tokens, offsets, ok_index = self.column.drop_out_of_vocab(tokens, offsets, ok_index, path, raw.first_row)
         kept_pos, order = self._shuffle(epoch, file_idx, block_idx, raw.num_records, ok_index)
-        return DocBlock(
+        return self.placeholders.apply(DocBlock(
             source=self.index,
             key=key,
             shard=file_idx,
@@ -269,7 +273,7 @@ class Source:
             starts=offsets[:-1][order],
             lengths=np.diff(offsets)[order],
             num_positions=raw.num_records,
-        )
+        ), path)
 
     def _decode_images(self, key: BlockKey, raw: RawBlock, path: str, where: tuple[int, int, int]) -> DocBlock:
         """An image source's block: documents with placeholder runs, and their image table (headers only)."""
