@@ -72,3 +72,29 @@ def test_frames_stay_aligned_when_a_sample_is_dropped_at_gather(tmp_path):
             dropped += mb.stats["dropped_samples"]
             assert [list(f) for f in mb.stats["video_frames"]] == [llava_indices(src, mb, d) for d in mb.video_document]
     assert dropped > 0
+
+
+def frames_of(rt, steps: int) -> list:
+    out = []
+    for _ in range(steps):
+        plan = rt.plan()
+        out += [(mb.stats["video_frames"], mb.video_grid.tolist()) for r in range(plan.ranks) for mb in rt.build(plan, r)]
+        rt.release()
+    return out
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_frames_cross_ray_s_loader_actors(tmp_path, ray_session):
+    """The payload's frame indices travel from Ray's SourceLoader actors, merged over two loaders."""
+    from plait.runtime import make_runtime
+
+    spec = plait.load_spec(video_spec([llava_video(tmp_path / "l", n=4, with_images=True),
+                                       webdataset_video(tmp_path / "w", shards=2, per_shard=2)]))
+    local = frames_of(LocalRuntime(spec), 2)
+    rt = make_runtime(spec, "ray", loaders=2)
+    try:
+        remote = frames_of(rt, 2)
+    finally:
+        rt.close()
+    assert remote == local and sum(len(f) for f, _ in local) > 4
