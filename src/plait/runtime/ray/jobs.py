@@ -25,6 +25,7 @@ import weakref
 from plait.errors import PlaitError
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, job_of, planner_name, ray_module, use_auth_mode
 from plait.runtime.ray.liveness import LIVENESS_GROUP, JobNameTaken
+from plait.runtime.ray.recovery_news import RecoveryNews
 
 ATTACH_WAIT_S = 120.0  # how long attach=True waits for the job (and its local instance) to appear: ranks start
 # unevenly, and a local Ray instance alone took 24 s to start on a loaded 2-core machine
@@ -61,6 +62,7 @@ class Membership:
         self.lock = threading.Lock()
         self.left = False
         self.heartbeat: Heartbeat | None = None
+        self.news = RecoveryNews(job)  # the job's recoveries, told in this process's log
 
     def start_heartbeat(self, planner, interval: float) -> None:
         self.planner = planner
@@ -130,8 +132,11 @@ class Heartbeat(threading.Thread):
                 pass
 
     def beat(self, planner) -> None:
-        get(planner.touch.options(concurrency_group=LIVENESS_GROUP).remote(self.member.token),
-            timeout=max(self.period, 5.0))
+        news = self.member.news
+        answer = get(planner.touch.options(concurrency_group=LIVENESS_GROUP).remote(self.member.token,
+                                                                                    news.heard_from(planner)),
+                     timeout=max(self.period, 5.0))
+        news.hear(planner, *answer)
 
     def stop(self) -> None:
         self.stopped.set()

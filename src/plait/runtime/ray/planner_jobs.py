@@ -128,9 +128,14 @@ class LifetimeRequests:
                   "process of a job must use the same spec and layout": ranks is not None and ranks != own}
         return self.presence.attach(checks, creator, joining, trainer, run, joins_after)
 
-    def touch(self, trainer: str | None = None) -> None:
-        """A trainer's heartbeat (on the LIVENESS_GROUP thread, beside planning: not a locked request)."""
+    def touch(self, trainer: str | None = None, heard: int = 0) -> tuple[int, list[dict]]:
+        """A trainer's heartbeat (on the LIVENESS_GROUP thread, beside planning: not a locked request).
+        Answers with the job's recovery events after the first `heard` (all of them when there are fewer:
+        a new Planner's) and how many there are, for the trainer to tell in its own log
+        (plait.runtime.ray.recovery_news). Read without the lock: a beat never waits for planning."""
         self.presence.touch(trainer)
+        events = list(self.loaders.events)
+        return len(events), events[heard:] if heard <= len(events) else events
 
     @planner_call(CONSTRUCTOR)
     def register_constructor(self, name: str) -> None:

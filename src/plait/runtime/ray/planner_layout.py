@@ -20,8 +20,8 @@ from plait.runtime.ray.autoscaler import Autoscaler, ControlLoop, ScalingRecord,
 from plait.runtime.ray.common import dead_errors, get
 from plait.runtime.ray.layout_probe import layout_for
 from plait.runtime.ray.loader_actor import LoaderConfig
-from plait.runtime.ray.planner_requests import LAYOUT, planner_call
-from plait.runtime.ray.recovery import LoaderFleet
+from plait.runtime.ray.planner_requests import LAYOUT, LOADERS, planner_call
+from plait.runtime.ray.recovery import LoaderFleet, end_unused_loaders
 from plait.runtime.ray.routing import Routing, RoutingTable, check_layout
 from plait.spec import Spec
 
@@ -79,6 +79,8 @@ class LayoutControl:
         self.metadata = LoaderMetadata(fleet, pmap, first)
         if "takeover" not in options:  # a successor's start later (plait.runtime.ray.standby_planner)
             fleet.start_shadows()
+        if options.get("lifetime") == "detached":  # a successor's or a recreated Planner's: no loader of the
+            end_unused_loaders(fleet)  # job it does not use runs on (a fresh job's name had none left)
         self.scaling: ScalingRecord | None = None
         self.autoscaler: Autoscaler | None = None
         self.control: ControlLoop | None = None
@@ -229,7 +231,7 @@ class LayoutRequests:
         """One control interval (called by the control thread through this actor's queue)."""
         return self.layouts.tick(figures)
 
-    @planner_call()
+    @planner_call(LOADERS)
     def replace_loader(self, k: int, dead, version: int | None = None) -> dict:
         """Called by a Constructor whose gather found loader k (handle `dead`) of layout `version` dead;
         returns the current routing. A loader of an older layout was retired, not lost: nothing to replace."""

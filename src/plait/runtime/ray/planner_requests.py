@@ -46,6 +46,9 @@ STATE = Request(trainer=True, state=True)
 MEMBERS = Request(trainer=True, facts=True)
 CONSTRUCTOR = Request(facts=True)
 LAYOUT = Request(state=True)
+# A loader replaced on a Constructor's word: a successor must start from the new loader's name (else it
+# starts the dead one's again beside it), and nothing is planned until that Constructor's build goes on.
+LOADERS = Request(state=True)
 BUILT = Request(built=True)
 
 

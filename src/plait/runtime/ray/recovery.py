@@ -172,7 +172,7 @@ class LoaderFleet:
             self._respawn.append((k, step + self.respawn_delay))
         took = time.perf_counter() - t0
         log.warning("recovery: SourceLoader %s replaced by %s (%s) in %.3f s", dead, self.names[k], how, took)
-        self._record({"role": "loader", "actor": dead, "replacement": self.names[k], "step": step,
+        self.record({"role": "loader", "actor": dead, "replacement": self.names[k], "step": step,
                       "at": time.time(), "recovery_s": took, "how": how, "reread_blocks": info.get("reread_blocks")})
 
     def after_planning(self, step: int) -> None:
@@ -190,7 +190,7 @@ class LoaderFleet:
             sh.sync.remote(self.handles[k].checkpoint_snapshot.remote(step))
             self.shadows[k].append(sh)
             log.info("standby: a new shadow of %s starts at step %d", self.names[k], step)
-            self._record({"role": "shadow-start", "actor": self.names[k], "step": step, "at": time.time()})
+            self.record({"role": "shadow-start", "actor": self.names[k], "step": step, "at": time.time()})
         if step - self._last_delta_step < self.checkpoint_interval:
             return
         self._last_delta_step = step
@@ -227,11 +227,11 @@ class LoaderFleet:
                 self.shadows[k] = [x for x in self.shadows[k] if x != sh]
                 log.warning("failure: a shadow of SourceLoader %s is dead; detected at step %d; a new one starts "
                             "in %d steps", self.names[k], step, self.respawn_delay)
-                self._record({"role": "shadow", "actor": self.names[k], "step": step, "at": time.time(),
+                self.record({"role": "shadow", "actor": self.names[k], "step": step, "at": time.time(),
                               "recovery_s": 0.0})
                 self._respawn.append((k, step + self.respawn_delay))
 
-    def _record(self, event: dict) -> None:
+    def record(self, event: dict) -> None:
         self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
@@ -283,6 +283,31 @@ class LoaderFleet:
                 ray.kill(ld)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+def end_unused_loaders(fleet: LoaderFleet) -> list[str]:
+    """End every named loader actor of the job that `fleet` does not hold. A new Planner of a shared job (a
+    successor, or one recreated without a standby) starts from the loader names it was told; a replacement
+    the dead Planner started after its standby last heard, or the loaders of a layout it was retiring, would
+    otherwise run on, decoding for nobody (detached: they outlive their Planner). Returns the names ended."""
+    ray = ray_module()
+    prefix = f"{fleet.config.job}/loader-"
+    ended = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry.get("namespace") != NAMESPACE or not name.startswith(prefix) or name in fleet.names:
+            continue
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:  # gone meanwhile
+            continue
+        ended.append(name)
+    if ended:
+        log.warning("recovery: ended %d loader actor(s) of job %r that its new Planner does not use: %s",
+                    len(ended), fleet.config.job, ", ".join(sorted(ended)))
+        fleet.record({"role": "stray-loaders", "actors": sorted(ended), "step": None, "at": time.time(),
+                      "recovery_s": 0.0})
+    return ended
 
 
 class ShadowUpkeep:

@@ -448,6 +448,7 @@ class PlannerFailover:
         self.membership.planner, event = successor
         self.info = get(self.membership.planner.info.remote())
         self.recovery_log.append(event)  # counted once on the job's endpoint, by the successor
+        self.membership.news.tell(event)
         return True
 
     def replace(self, step: int) -> int | None:
