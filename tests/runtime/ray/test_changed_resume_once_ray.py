@@ -1,0 +1,53 @@
+"""The Ray-attached layout's changed-spec resume (issue 39, item 13): both ranks of one Ray job load the same
+step-boundary checkpoint with allow_spec_change=True, rank 0 reading before rank 1 has loaded. The job's
+Planner actor applies the change once (job.window.PlanWindow.change_once: the second rank joins the first
+one's generation), and each rank reads the single-process stream."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import plait  # noqa: E402
+from plait.state.spec_change import SpecChangeWarning  # noqa: E402
+from resume_matrix import boundary_state, make_data, sample_ids, spec_after, spec_before  # noqa: E402
+
+TAIL = 12  # micro-batches read after the resume: 6 steps, past what a rank asks for ahead (prefetch)
+
+
+def read(loader, state, stream=None) -> list:
+    if stream is None:
+        loader.load_state_dict(state, allow_spec_change=True)
+        stream = iter(loader)
+    return [next(stream) for _ in range(TAIL)]
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_every_ray_rank_resuming_under_a_changed_spec_reads_the_single_process_stream(ray_session, tmp_path):
+    data = make_data(tmp_path)
+    with plait.Loader(spec_before(data), 0, read_ahead=0, share="process") as loader:
+        saved = boundary_state(loader)
+    spec = spec_after(data, "weights", 2)
+    reference = {}
+    for r in range(2):
+        with pytest.warns(SpecChangeWarning), plait.Loader(spec, r, read_ahead=0, share="process") as loader:
+            reference[r] = sample_ids(read(loader, saved))
+    first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job="changed-once", loaders=1)
+    try:
+        second = plait.Loader(spec, 1, read_ahead=0, runtime="ray", job="changed-once", attach=True)
+        try:
+            with pytest.warns(SpecChangeWarning):
+                first.load_state_dict(saved, allow_spec_change=True)
+                stream0 = iter(first)
+                head0 = next(stream0)  # rank 0 reads before rank 1 loads
+                second.load_state_dict(saved, allow_spec_change=True)
+            got0 = [head0] + read(first, saved, stream0)[:TAIL - 1]
+            got1 = read(second, saved, iter(second))
+            assert first.resume_report == second.resume_report != []
+            assert sample_ids(got0) == reference[0] and sample_ids(got1) == reference[1]
+        finally:
+            second.close()
+    finally:
+        first.close()
