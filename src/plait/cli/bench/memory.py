@@ -1,21 +1,22 @@
-"""`plait bench memory`: resident memory of data loading for R ranks over S sources, per-rank vs plait.
+"""`plait bench memory`: memory of data loading for R ranks over S sources, per-rank vs plait, by PSS and RSS.
 
 Both setups stream the same spec (S pre-tokenized Parquet sources, equal weights, written to a temp
-dir) for a job of R data-parallel ranks, each rank a real trainer process, with the same readers and
-buffers per source (the same SourceLoader code and cache limits):
+dir) for a job of R data-parallel ranks, each rank a real trainer process with torch imported, with the
+same readers and buffers per source (the same SourceLoader code and cache limits):
 
-  per-rank  each trainer starts one worker process (spawned, as a torch DataLoader worker) that runs
-            the local runtime over all S sources and hands the trainer its micro-batches by a queue.
-  plait     the ray runtime: one Planner, the SourceLoaders and one Constructor per node are Ray
-            actors; each trainer holds a plait.Loader attached to the job.
+  per-rank  each trainer iterates a torch DataLoader (multiprocessing_context "fork", persistent
+            workers: what users run) whose W workers each run the local runtime over all S sources.
+  plait     --client node: the local runtime as torchrun starts it (LOCAL_RANK 0's trainer hosts the
+            node's data plane); ray/flight/flight-local: the job's own processes (actors, `plait serve`).
 
-After every rank has consumed `--steps` steps (all processes still alive, holding their buffers) it
-sums resident memory (psutil RSS; PSS alongside, which splits shared library pages fairly):
-  per-rank total = every worker process + what the loader added to each trainer process
-  plait total    = every plait actor process + what the client added to each trainer process
-                   (importing and connecting Ray included)
-Ray's own daemons (GCS, raylet, agents, idle workers) are reported separately; the ratio is given
-without and with them. Only processes started by this benchmark are counted.
+Every trainer first imports torch and waits until all have; the harness then takes each one's baseline
+(so shared library pages are split the same way at baseline and at measurement), and after every rank
+has consumed `--steps` steps (all processes still alive, holding their buffers) it sums, per role:
+  per-rank  (trainer + its forked workers) - the trainer's baseline
+  plait     what each trainer added over its baseline + every plait process (actors, server)
+PSS splits a page shared by n processes n ways: a forked worker's pages shared with its trainer count
+once, where RSS counts them in both (so the ratio by PSS comes first). Ray's own daemons (GCS, raylet,
+agents, idle workers) are reported separately. Only processes started by this benchmark are counted.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--files", type=int, default=2, help="files per source")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch (default 2048; 8192 with --realistic)")
     p.add_argument("--workers", type=int, default=1,
-                   help="per-rank: loader worker processes per rank (torch DataLoader num_workers; each holds "
-                        "every source's state and serves every W-th step)")
+                   help="per-rank: DataLoader workers per rank (num_workers, forked; each holds every source's "
+                        "state and serves every W-th step)")
     p.add_argument("--loaders", type=int, default=None, help="ray: SourceLoader actors (default: the runtime's)")
     p.add_argument("--only", choices=["per-rank", "plait"], default=None, help="measure one setup only")
     p.add_argument("--client", choices=["ray", "flight", "flight-local", "node"], default="ray",
@@ -90,54 +91,52 @@ def make_spec_dict(root: Path, sources: int, ranks: int, *, seq_len: int = 2048,
 
 
 # ----- trainer processes ---------------------------------------------------------------------------------
-def _rank_worker(spec_dict: dict, rank: int, steps: int, q, worker: int = 0, workers: int = 1) -> None:
-    """A per-rank loader worker: the local runtime over every source, batches to the trainer by a queue.
-    With W workers per rank (DataLoader style), worker k delivers the steps t with t % W == k."""
+def _per_rank_loader(spec_dict: dict, rank: int, steps: int, workers: int):
+    """The per-rank baseline: a torch DataLoader as users start it (forked, persistent workers), each
+    worker running the local runtime over every source; worker k delivers the steps t with t % W == k.
+    A worker keeps its runtime (every source's state and buffers) until it is killed, so it is measured
+    holding them."""
+    import torch.utils.data as tud
+
     from plait.runtime.local import LocalRuntime
     from plait.spec import load_spec
 
-    rt = LocalRuntime(load_spec(spec_dict))
-    rt.loader.max_cached_blocks = CACHED_BLOCKS  # the same cache limit as the ray runtime's loaders
-    for _, mb in rt.iter_rank(rank, rt.state_dict(), 0, steps):
-        if mb.step % workers == worker:
-            q.put(mb)
-    q.put(None)
-    time.sleep(3600)  # keep the loader's state alive until measured (killed by the trainer)
+    class PerRankSteps(tud.IterableDataset):
+        def __iter__(self):
+            info = tud.get_worker_info()
+            worker, count = (info.id, info.num_workers) if info is not None else (0, 1)
+            self.runtime = LocalRuntime(load_spec(spec_dict))
+            self.runtime.loader.max_cached_blocks = CACHED_BLOCKS  # the ray runtime's loaders' cache limit
+            for _, mb in self.runtime.iter_rank(rank, self.runtime.state_dict(), 0, steps):
+                if mb.step % count == worker:
+                    yield mb
+
+    return tud.DataLoader(PerRankSteps(), batch_size=None, num_workers=workers, multiprocessing_context="fork",
+                          persistent_workers=True)
 
 
 def _trainer() -> None:
-    """One trainer process (`python -m plait.cli.bench.memory --trainer JSON`): loads, reports, waits."""
+    """One trainer process (`python -m plait.cli.bench.memory --trainer JSON`): imports torch, says ready,
+    waits for the harness to take its baseline, loads, reports, waits to be measured."""
     import psutil
+    import torch
 
+    torch.zeros(1)
     cfg = json.loads(sys.argv[2])
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    sys.stdin.readline()  # every trainer's baseline taken
     import plait
     from plait.spec import load_spec
 
     spec = load_spec(cfg["spec"])
-    me = psutil.Process()
-    base = me.memory_full_info()
     workers: list = []
     if cfg["mode"] == "per-rank":
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        nw = int(cfg.get("workers", 1))
-        queues = [ctx.Queue(maxsize=2) for _ in range(nw)]
-        workers = [ctx.Process(target=_rank_worker, args=(cfg["spec"], cfg["rank"], cfg["steps"], queues[k], k, nw),
-                               daemon=True) for k in range(nw)]
-        for w in workers:
-            w.start()
-        n, live = 0, set(range(nw))
-        while live:  # steps in order: step t comes from worker t % W
-            for k in sorted(live):
-                while True:
-                    mb = queues[k].get()
-                    if mb is None:
-                        live.discard(k)
-                        break
-                    n += 1
-                    if mb.microbatch == mb.num_microbatches - 1:
-                        break
+        loader = _per_rank_loader(cfg["spec"], cfg["rank"], cfg["steps"], int(cfg.get("workers", 1)))
+        n = sum(1 for _ in loader)
+        me = psutil.Process()
+        children = me.children()  # the DataLoader's workers, alive (persistent) with their state
+        workers = [c.pid for c in children]
+        forked = all(c.cmdline() == me.cmdline() for c in children)  # a spawned worker runs another command
     elif cfg["mode"] == "node":  # torchrun's local processes: LOCAL_RANK 0 hosts the node's data plane
         os.environ.update(cfg["torchrun"])
         loader = plait.Loader(spec, dp_rank=cfg["rank"], steps=cfg["steps"])
@@ -153,12 +152,10 @@ def _trainer() -> None:
                               steps=cfg["steps"], max_cached_blocks=CACHED_BLOCKS,
                               **({"loaders": cfg["loaders"]} if cfg.get("loaders") else {}))
         n = sum(1 for _ in loader)
-    print(json.dumps({"pid": os.getpid(), "workers": [w.pid for w in workers], "batches": n,
-                      "base_rss": base.rss, "base_pss": base.pss}), flush=True)
+    print(json.dumps({"pid": os.getpid(), "workers": workers, "batches": n,
+                      **({"forked": forked} if workers else {})}), flush=True)
     sys.stdin.readline()  # the harness measures, then tells us to go
-    for w in workers:
-        w.kill()
-    if cfg["mode"] != "per-rank":
+    if cfg["mode"] != "per-rank":  # a DataLoader stops its workers when it is collected
         loader.close()
 
 
@@ -173,29 +170,50 @@ def _mem(pid: int) -> tuple[int, int]:
 
 
 def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dict) -> tuple[list, list]:
+    """Starts the trainers; once all have imported torch takes each one's baseline (base_rss, base_pss in
+    its report), lets them load, and returns them with their reports (they wait for `finish`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run_id = f"bench-memory-{os.getpid()}"
     cfgs = [{"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra,
              **({"torchrun": memory_realistic.torchrun_env(r, ranks, run_id)} if mode == "node" else {})}
             for r in range(ranks)]
-    return memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
+    procs, ready = memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
+    bases = [_mem(r["pid"]) for r in ready]
+    reports = []
+    try:
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for cfg, p, (base_rss, base_pss) in zip(cfgs, procs, bases):
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a {cfg['mode']} trainer failed (exit {p.wait()})")
+            reports.append({**json.loads(line), "base_rss": base_rss, "base_pss": base_pss})
+    except BaseException:
+        memory_realistic.finish(procs)
+        raise
+    return procs, reports
+
+
+def _role(sizes: list[tuple[int, int]]) -> dict:
+    """A role's processes (or what they added): count and summed RSS and PSS, bytes."""
+    return {"count": len(sizes), "rss": int(sum(r for r, _ in sizes)), "pss": int(sum(p for _, p in sizes))}
 
 
 def measure_per_rank(spec_dict: dict, ranks: int, steps: int, workers: int = 1) -> dict:
     procs, reports = _run_trainers("per-rank", spec_dict, ranks, steps, {"workers": workers})
     try:
-        rss = pss = 0
-        workers = []
+        trainers, forked = [], []
         for rep in reports:
             t_rss, t_pss = _mem(rep["pid"])
-            w_rss = w_pss = 0
-            for pid in rep["workers"]:
-                r_, p_ = _mem(pid)
-                w_rss, w_pss = w_rss + r_, w_pss + p_
-                workers.append(r_)
-            rss += max(0, t_rss - rep["base_rss"]) + w_rss
-            pss += max(0, t_pss - rep["base_pss"]) + w_pss
-        return {"total_rss": rss, "total_pss": pss, "worker_rss_mean": float(np.mean(workers)),
+            trainers.append((t_rss - rep["base_rss"], t_pss - rep["base_pss"]))  # < 0: pages now shared with workers
+            forked += [_mem(pid) for pid in rep["workers"]]
+        roles = {"trainer": _role(trainers), "worker": _role(forked)}
+        return {"total_rss": roles["trainer"]["rss"] + roles["worker"]["rss"],
+                "total_pss": roles["trainer"]["pss"] + roles["worker"]["pss"], "roles": roles,
+                "worker_rss_mean": float(np.mean([r for r, _ in forked])),
+                "worker_pss_mean": float(np.mean([p for _, p in forked])),
+                "workers_forked": all(r.get("forked", False) for r in reports),
                 "batches": sum(r["batches"] for r in reports)}
     finally:
         memory_realistic.finish(procs)
@@ -230,11 +248,8 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
         procs, reports = _run_trainers("plait" if client == "ray" else "flight", spec_dict, ranks, steps, extra)
         try:
             trainer_pids = {r["pid"] for r in reports}
-            client_rss = client_pss = 0
-            for rep in reports:
-                t_rss, t_pss = _mem(rep["pid"])
-                client_rss += max(0, t_rss - rep["base_rss"])
-                client_pss += max(0, t_pss - rep["base_pss"])
+            clients = [(r_ - rep["base_rss"], p_ - rep["base_pss"]) for rep in reports for r_, p_ in [_mem(rep["pid"])]]
+            client_rss, client_pss = sum(r for r, _ in clients), sum(p for _, p in clients)
             actors: dict[str, list[int]] = {}
             daemons: dict[str, list[int]] = {}
             for child in psutil.Process().children(recursive=True):
@@ -260,9 +275,10 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
             actor_pss = sum(p for v in actors.values() for _, p in v)
             return {
                 "total_rss": actor_rss + client_rss, "total_pss": actor_pss + client_pss,
-                "actors": {k: {"count": len(v), "rss": sum(r for r, _ in v), "pss": sum(p for _, p in v)}
-                           for k, v in actors.items()},
+                "actors": {k: _role(v) for k, v in actors.items()},
+                "roles": {**{k: _role(v) for k, v in actors.items()}, "trainer": _role(clients)},
                 "client_rss": client_rss, "client_rss_per_rank": client_rss / ranks,
+                "client_pss_per_rank": client_pss / ranks,
                 "daemons_rss": sum(r for v in daemons.values() for r, _ in v),
                 "daemons_pss": sum(p for v in daemons.values() for _, p in v),
                 "daemons": {k: {"count": len(v), "rss": sum(r for r, _ in v)} for k, v in daemons.items()},
@@ -280,16 +296,16 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
 
 def measure_node(spec_dict: dict, ranks: int, steps: int) -> dict:
     """plait's local runtime as torchrun starts it: LOCAL_RANK 0's trainer hosts the node's data plane,
-    every trainer reads over Flight on loopback; no Ray, no other process."""
+    every trainer reads from it; no Ray, no other process."""
     procs, reports = _run_trainers("node", spec_dict, ranks, steps, {})
     try:
-        added = [(max(0, r_ - rep["base_rss"]), max(0, p_ - rep["base_pss"]))
-                 for rep in reports for r_, p_ in [_mem(rep["pid"])]]
-        host_rss, host_pss = added[0]
-        client_rss = sum(a for a, _ in added[1:])
-        return {"total_rss": sum(a for a, _ in added), "total_pss": sum(p for _, p in added),
-                "actors": {"host trainer (LOCAL_RANK 0)": {"count": 1, "rss": host_rss, "pss": host_pss}},
-                "client_rss": client_rss, "client_rss_per_rank": client_rss / max(1, ranks - 1),
+        added = [(r_ - rep["base_rss"], p_ - rep["base_pss"]) for rep in reports for r_, p_ in [_mem(rep["pid"])]]
+        host, clients = _role(added[:1]), _role(added[1:])
+        return {"total_rss": host["rss"] + clients["rss"], "total_pss": host["pss"] + clients["pss"],
+                "actors": {"host trainer (LOCAL_RANK 0)": host},
+                "roles": {"host": host, "rank": clients},
+                "client_rss": clients["rss"], "client_rss_per_rank": clients["rss"] / max(1, ranks - 1),
+                "client_pss_per_rank": clients["pss"] / max(1, ranks - 1),
                 "daemons_rss": 0, "daemons_pss": 0, "daemons": {},
                 "batches": sum(r["batches"] for r in reports)}
     finally:
@@ -313,7 +329,8 @@ def run(args) -> int:
         console.print(f"{args.sources} sources written in {time.perf_counter() - t0:.1f} s; "
                       f"{args.ranks} trainer processes per setup, {args.steps} steps each")
         result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb,
-                        "workers_per_rank": args.workers, "max_cached_blocks": CACHED_BLOCKS, "client": args.client}
+                        "workers_per_rank": args.workers, "max_cached_blocks": CACHED_BLOCKS, "client": args.client,
+                        "per_rank_start": "fork"}  # as a torch DataLoader starts its workers
         if args.only != "plait":
             a = measure_per_rank(spec_dict, args.ranks, args.steps, args.workers)
             result["per_rank"] = a
@@ -323,6 +340,9 @@ def run(args) -> int:
             result["plait"] = b
             result["plait_total_bytes"] = b["total_rss"]
             result["ray_daemons_bytes"] = b["daemons_rss"]
+            if args.client == "node":
+                result["host_pss_mib"] = b["roles"]["host"]["pss"] / 2**20
+                result["host_rss_mib"] = b["roles"]["host"]["rss"] / 2**20
     if "per_rank" in result and "plait" in result:
         a, b = result["per_rank"], result["plait"]
         result["ratio"] = a["total_rss"] / max(1, b["total_rss"])
@@ -331,27 +351,29 @@ def run(args) -> int:
         result["ratio_pss_with_daemons"] = a["total_pss"] / max(1, b["total_pss"] + b["daemons_pss"])
         assert a["batches"] == b["batches"], (a["batches"], b["batches"])
     table = Table(title=f"data-loading memory, {args.sources} sources x {args.ranks} ranks")
-    for col in ("what", "RSS MiB", "PSS MiB", "note"):
+    for col in ("what", "PSS MiB", "RSS MiB", "note"):
         table.add_column(col, justify="left" if col in ("what", "note") else "right")
     if "per_rank" in result:
         a = result["per_rank"]
-        table.add_row("per-rank loaders", f"{a['total_rss'] / mb:,.0f}", f"{a['total_pss'] / mb:,.0f}",
-                      f"{args.ranks * args.workers} workers, {a['worker_rss_mean'] / mb:.0f} MiB RSS each")
+        table.add_row("per-rank loaders", f"{a['total_pss'] / mb:,.0f}", f"{a['total_rss'] / mb:,.0f}",
+                      f"{args.ranks * args.workers} forked DataLoader workers, {a['worker_pss_mean'] / mb:.0f} MiB "
+                      f"PSS ({a['worker_rss_mean'] / mb:.0f} RSS) each")
     if "plait" in result:
         b = result["plait"]
         roles = ", ".join(f"{v['count']} {k.replace('Actor', '')} {v['rss'] / mb:.0f} MiB"
                           for k, v in sorted(b["actors"].items()))
         setup = {"flight-local": "one-process server, flight client",
                  "node": "local runtime, one data plane per node"}.get(args.client, f"ray runtime, {args.client} client")
-        table.add_row(f"plait ({setup})", f"{b['total_rss'] / mb:,.0f}", f"{b['total_pss'] / mb:,.0f}",
-                      f"{roles}; client {b['client_rss_per_rank'] / mb:.0f} MiB/rank")
-        table.add_row("Ray daemons (separate)", f"{b['daemons_rss'] / mb:,.0f}", f"{b['daemons_pss'] / mb:,.0f}",
+        table.add_row(f"plait ({setup})", f"{b['total_pss'] / mb:,.0f}", f"{b['total_rss'] / mb:,.0f}",
+                      f"{roles}; client {b['client_pss_per_rank'] / mb:.0f} MiB PSS "
+                      f"({b['client_rss_per_rank'] / mb:.0f} RSS)/rank")
+        table.add_row("Ray daemons (separate)", f"{b['daemons_pss'] / mb:,.0f}", f"{b['daemons_rss'] / mb:,.0f}",
                       ", ".join(f"{v['count']} {k}" for k, v in b["daemons"].items()))
     console.print(table)
     if "ratio" in result:
-        console.print(f"ratio per-rank / plait: {result['ratio']:.1f}x RSS ({result['ratio_pss']:.1f}x PSS) without "
-                      f"Ray's daemons; {result['ratio_with_daemons']:.1f}x RSS "
-                      f"({result['ratio_pss_with_daemons']:.1f}x PSS) with them")
+        console.print(f"plait / per-rank: {1 / result['ratio_pss']:.2f} by PSS ({1 / result['ratio']:.2f} by RSS) "
+                      f"without Ray's daemons, {1 / result['ratio_pss_with_daemons']:.2f} by PSS "
+                      f"({1 / result['ratio_with_daemons']:.2f} by RSS) with them")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
