@@ -81,7 +81,7 @@ def test_the_hosts_trainer_raising_ends_the_job_and_names_the_host(tmp_path):
     """Rank 0 (LOCAL_RANK 0, the node's data host) raises at micro-batch 10 while rank 1 waits for it in
     the all-reduce. The host stops serving instead of serving on at exit, so torchrun ends the job
     (before the fix it ran until gloo's 30-minute timeout); rank 1's log names the host and why it stopped.
-    The 90 s bound detects a hang, it measures nothing (here the job ends ~4 s after the raise; the launch
+    The 90 s bound detects a hang, it measures nothing (here the job ends 2-4 s after the raise; the launch
     itself takes 20-40 s on a busy 2-core machine)."""
     ds = make_data(tmp_path / "data")
     spec = spec_before(ds)  # no `steps`: the stream never ends by itself
