@@ -23,7 +23,7 @@ from plait.state.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.heap import HEAP_TRIM
 from plait.sources import BlockKey, DocBlock, Source
-from plait.sources.buffer_budget import FullKey, fit_budgets
+from plait.sources.buffer_budget import FullKey, fit_budgets, retain_blocks, window_limit
 from plait.sources.media_payload import ImageWork, decode_payload
 from plait.sources.reader import OpenStreams
 from plait.sources.workers import WorkerPool, resolve_workers
@@ -106,9 +106,9 @@ class SourceLoader:
         self.counts_lock = threading.Lock()  # the counts: media decode outside the caller's lock (decode_gathered)
         self.max_cached_blocks = max_cached_blocks
         self._blocks: OrderedDict[FullKey, DocBlock] = OrderedDict()
-        # Byte budgets (spec: each source's buffer_mb, this loader's share of loading.max_buffer_mb);
-        # `_window`: blocks some plan still needs (the last `retain`, plus every block read since).
-        self.source_budget = {i: spec.sources[i].buffer_bytes for i in self.sources}
+        # One budget shared by the sources (buffer_budget; a source's buffer_mb caps it when the spec sets
+        # it). `_window`: blocks the next steps draw from (the last `retain`'s, plus every block read since).
+        self.source_budget = {i: spec.sources[i].buffer_bytes for i in self.sources if spec.sources[i].buffer_mb}
         self.loader_budget = loader_budget(spec, self.sources, self.partitions)
         self.dropped_bytes = 0  # since the last heap trim
         self.buffer_over_budget = 0  # blocks kept although they alone put a budget over (never a deadlock)
@@ -211,11 +211,11 @@ class SourceLoader:
             self.busy_seconds += max(time.perf_counter() - t0, float(sum(seconds for seconds, _ in done)))
         return payload
 
-    def retain(self, live: set[FullKey]) -> None:
-        """Drop cached blocks that no pending or future step needs."""
-        for k in [k for k in self._blocks if k not in live]:
-            self.dropped_bytes += self._blocks.pop(k).nbytes
-        self._window = set(live)
+    def retain(self, live: set[FullKey], drawn: set[FullKey] | None = None) -> None:
+        """Drop cached blocks that no pending or future step needs; `drawn` (default: all of `live`): those
+        the planned steps draw from, the plan window the shared budget is sized to."""
+        self._window = set(live if drawn is None else drawn)
+        self.dropped_bytes += retain_blocks(self._blocks, live, self._window, self.loader_budget)
         if self.dropped_bytes >= TRIM_EVERY:  # once a step at most, outside the read path
             HEAP_TRIM.now()
             self.dropped_bytes = 0
@@ -257,9 +257,10 @@ class SourceLoader:
         return block
 
     def _fit_budgets(self, newest: FullKey) -> None:
-        """Keep the buffer within the source's budget and the loader's (buffer_budget.fit_budgets); a
-        block alone over a budget stays, counted in `buffer_over_budget`."""
-        budgets = ((self.source_budget[newest[0]], newest[0]), (self.loader_budget, None))
+        """Keep the buffer within the shared budget and the source's cap (buffer_budget); a block alone over
+        a budget stays, counted in `buffer_over_budget`."""
+        shared = window_limit(self._blocks, self._window, self.loader_budget)
+        budgets = ((self.source_budget.get(newest[0]), newest[0]), (shared, None))
         dropped, over = fit_budgets(self._blocks, newest, budgets, self._window)
         self.dropped_bytes += dropped
         self.buffer_over_budget += over

@@ -71,12 +71,14 @@ class LocalRoles:
         return batches
 
     def release(self, *in_flight: StepPlan) -> None:
-        """Let the loader drop blocks that neither the Planner nor the given plans still need."""
+        """Let the loader drop blocks that neither the Planner nor the given plans still need; the plans'
+        blocks and the carried chunks' are what the next steps draw from (the shared buffer budget's)."""
         with self._lock:
             live = self.planner.live_blocks()
+            drawn = set(self.planner.carry.block_keys()[0])
             for plan in in_flight:
-                live.update(plan.items.block_keys()[0])
-            self.loader.retain(live)
+                drawn.update(plan.items.block_keys()[0])
+            self.loader.retain(live | drawn, drawn)
 
     def state_dict(self) -> dict:
         return self.planner.state_dict()

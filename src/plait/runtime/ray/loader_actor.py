@@ -69,10 +69,10 @@ class LoaderActor:
             gathered = self.loader.gather_media(*request)
         return self.loader.decode_gathered(gathered)
 
-    def retain(self, live) -> None:
+    def retain(self, live, drawn=None) -> None:
         with self.lock:
             mine = {k for k in live if k[0] in self.loader.sources}
-            self.loader.retain(mine)
+            self.loader.retain(mine, None if drawn is None else {k for k in drawn if k[0] in self.loader.sources})
 
     def stats(self) -> dict:
         with self.lock:

@@ -238,11 +238,12 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
     def _release(self) -> None:
         """Tell loaders which blocks are still live: the Planner's own, and those of unbuilt steps."""
         live = self.planner.live_blocks()
+        drawn = set(self.planner.carry.block_keys()[0])  # what the next steps draw from: the loaders' budget
         for step, plan in self.window.steps.items():
             if len(self.built.get(step, ())) < build_ranks(self.spec, self.planner.ranks):
-                live.update(plan.items.block_keys()[0])
+                drawn.update(plan.items.block_keys()[0])
         for ld in self.loaders.handles:
-            ld.retain.remote(live)
+            ld.retain.remote(live | drawn, drawn)
 
     @planner_call()
     def stats(self) -> dict:
