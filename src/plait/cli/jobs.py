@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -89,13 +88,9 @@ def join_cluster(address: str) -> bool:
 def running_cluster() -> str | None:
     """The address `--address auto` means: RAY_ADDRESS, else the one Ray records for this machine's
     latest cluster (`<RAY_TMPDIR or /tmp>/ray/ray_current_cluster`); None when neither is set."""
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    record = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
-    try:
-        return record.read_text().strip() or None
-    except OSError:
-        return None
+    from plait.runtime.ray.instance import recorded_cluster
+
+    return os.environ.get("RAY_ADDRESS") or recorded_cluster()
 
 
 def print_jobs(rows: list[dict], address: str) -> None:

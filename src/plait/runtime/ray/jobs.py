@@ -338,18 +338,22 @@ def list_jobs(timeout: float = 30.0) -> list[dict]:
     (bytes, summed over the actors that answered), `actors`; a job whose Planner does not answer (or is
     gone, leaving named actors behind) has `state` "no planner" and what is known."""
     ray = ray_module()
-    rows = []
+    rows, asked = [], {}
     for job, names in sorted(actor_names_by_job().items()):
-        row = {"job": job, "state": "running", "named_actors": len(names)}
-        if planner_name(job) in names:
-            try:
-                row.update(get(ray.get_actor(planner_name(job), namespace=NAMESPACE).job_info.remote(),
-                               timeout=timeout))
-            except (ValueError, ray.exceptions.GetTimeoutError, *dead_errors()):
-                row["state"] = "not answering"
-        else:
-            row["state"] = "no planner"
-        rows.append(row)
+        rows.append({"job": job, "state": "running", "named_actors": len(names)})
+        if planner_name(job) not in names:
+            rows[-1]["state"] = "no planner"
+            continue
+        try:  # every job asked at once: the answers take one job's time, not the sum of them
+            asked[len(rows) - 1] = ray.get_actor(planner_name(job), namespace=NAMESPACE).job_info.remote()
+        except ValueError:
+            rows[-1]["state"] = "not answering"
+    deadline = time.monotonic() + timeout
+    for i, ref in asked.items():
+        try:
+            rows[i].update(get(ref, timeout=max(0.0, deadline - time.monotonic())))
+        except (ray.exceptions.GetTimeoutError, *dead_errors()):
+            rows[i]["state"] = "not answering"
     return rows
 
 
