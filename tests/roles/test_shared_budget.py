@@ -1,7 +1,8 @@
-"""One buffer budget for the job: a SourceLoader's sources share a budget sized to the plan window (the
-blocks the next steps draw from, plus WINDOW_SLACK), not a buffer_mb each, so the decoded data it holds
-does not grow with the number of sources; a source's buffer_mb is a cap only where the spec sets it.
-The stream never depends on the budget: a dropped block is read again when a step draws from it."""
+"""One buffer budget for the job: a SourceLoader's sources share one budget (its share of
+loading.max_buffer_mb, applied at release too), blocks outside the plan window (those no planned step
+draws from, e.g. a source's cursor block) dropped first; sized to the plan window (WINDOW_SLACK set), the
+decoded data held no longer grows with the number of sources. A source's buffer_mb is a cap only where the
+spec sets it. The stream never depends on the budget: a dropped block is read again when a step draws from it."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_sources_share_one_budget_sized_to_the_plan_window(many, monkeypatch):
     spec = plait.load_spec(make_spec(many, seq_len=512, microbatches=1, dp=2))
     roomy_batches, roomy_held, roomy = run(spec)
     roomy.close()
-    assert max(roomy_held) >= SOURCES  # room for every source's cursor block: all kept, as before
+    assert max(roomy_held) >= SOURCES  # the default: every source's cursor block kept within the cap
     monkeypatch.setattr(buffer_budget, "WINDOW_SLACK", 0)  # only what the planned steps draw from
     tight_batches, tight_held, tight = run(spec)
     try:
