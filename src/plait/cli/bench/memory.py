@@ -123,6 +123,7 @@ def _trainer() -> None:
 
     torch.zeros(1)
     cfg = json.loads(sys.argv[2])
+    cfg["spec"] = json.loads(Path(cfg.pop("spec_path")).read_text())
     print(json.dumps({"pid": os.getpid()}), flush=True)
     sys.stdin.readline()  # every trainer's baseline taken
     import plait
@@ -174,7 +175,9 @@ def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dic
     its report), lets them load, and returns them with their reports (they wait for `finish`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run_id = f"bench-memory-{os.getpid()}"
-    cfgs = [{"mode": mode, "spec": spec_dict, "rank": r, "steps": steps, **extra,
+    spec_path = Path(spec_dict["sources"][0]["path"]).parent.parent / f"spec-{mode}.json"  # 1,000 sources: too
+    spec_path.write_text(json.dumps(spec_dict))  # long for a command line
+    cfgs = [{"mode": mode, "spec_path": str(spec_path), "rank": r, "steps": steps, **extra,
              **({"torchrun": memory_realistic.torchrun_env(r, ranks, run_id)} if mode == "node" else {})}
             for r in range(ranks)]
     procs, ready = memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
