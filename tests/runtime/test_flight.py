@@ -249,7 +249,7 @@ def test_a_wrong_token_or_address_is_refused_in_one_sentence(served, spec, monke
     with pytest.raises(plait.PlaitError, match="no plait job answers at"):
         plait.Loader(spec, runtime="flight", job_address=f"127.0.0.1:{free_port()}", token="x", call_timeout=5)
     with plait.Loader(spec, runtime="flight", job_address=served["address"], token=served["token"]) as loader:
-        assert loader.error_report() == {"tok": {"skipped": 0, "messages": []}}  # forwarded to the Planner
+        assert loader.error_report() == {"tok": {"skipped": 0, "bad_records": 0, "messages": []}}  # forwarded to the Planner
         assert not hasattr(loader.runtime, "plan")  # a stream, not a driver (plait.runtime.JobDriver)
         with pytest.raises(plait.PlaitError, match="drives no job"):
             make_driver(spec, "flight")
