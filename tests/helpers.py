@@ -500,3 +500,22 @@ def local_resume_ids(spec, state: dict, dp_rank: int, steps: int) -> list[list]:
     with plait.Loader(spec, dp_rank=dp_rank, steps=steps, read_ahead=0) as local:
         local.load_state_dict(state)
         return [mb.sample_ids.tolist() for mb in local]
+
+
+def run_spawned_ranks(target, spec, tmp_path, ranks: int = 2, timeout: float = 120) -> list:
+    """`target(rank, spec, init_method, out_path)` in `ranks` spawned processes (a gloo job's ranks, joined by
+    a file rendezvous in tmp_path); each writes its JSON result to out_path: the results in rank order."""
+    import json
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(ranks)]
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=target, args=(r, spec, init, outs[r])) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0
+    return [json.loads(Path(o).read_text()) for o in outs]

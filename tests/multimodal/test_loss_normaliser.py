@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_spawned_ranks
 from mm_data import image_bytes, llava, mm_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,21 +55,13 @@ def rank_main(rank: int, spec_dict: dict, init: str, out: str) -> None:
 
 @pytest.mark.subprocess
 def test_docs_loss_recipe_gives_the_delivered_label_count(tmp_path):
-    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("torch.multiprocessing")
     src = llava(tmp_path / "l", n=12, max_images=1, jsonl=True)
     rec = [json.loads(line) for line in (tmp_path / "l" / "data.jsonl").read_text().splitlines()][5]
     body = image_bytes(90, 70, "JPEG", seed=11)
     (tmp_path / "l" / rec["image"]).write_bytes(body[: len(body) // 2])  # header intact, body cut: fails at gather
     spec = mm_spec([{**src, "on_error": "skip"}], dp=2)
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, spec, init, outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    ranks = [json.loads(Path(o).read_text()) for o in outs]
+    ranks = run_spawned_ranks(rank_main, spec, tmp_path)
     dropped_steps = 0
     for step, (a, b) in enumerate(zip(*ranks)):
         assert a[0] == b[0], f"step {step}: the ranks disagree on the normaliser"

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_spawned_ranks
 from mm_data import image_bytes, llava, mm_spec
 
 import plait
@@ -73,18 +74,10 @@ def rank_main(rank: int, spec_dict: dict, init: str, out: str) -> None:
 
 @pytest.mark.subprocess
 def test_two_processes_each_building_its_rank_report_the_whole_job(tmp_path):
-    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("torch.multiprocessing")
     spec = mm_spec([source_with_two_bad_records(tmp_path / "l")], dp=2)
     job, _, job_dropped, _ = job_run(spec)
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, spec, init, outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    ranks = [json.loads(Path(o).read_text()) for o in outs]
+    ranks = run_spawned_ranks(rank_main, spec, tmp_path)
     assert sum(r["dropped"] for r in ranks) == job_dropped >= 2
     for r in ranks:  # the job's counts, not this rank's share of the late failures nor twice the planning ones
         assert r["report"]["llava"]["skipped"] == job["llava"]["skipped"]
