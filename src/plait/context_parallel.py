@@ -42,6 +42,19 @@ from plait.packing import IGNORE_INDEX, ragged_arange
 from plait.batch import MicroBatch
 
 
+# Per-build counts that the loss recipe sums over every rank (docs/multimodal-correctness.md): a build's
+# shards carry them on their first member only, so the sum counts each dropped sample once.
+BUILD_COUNTS = ("dropped_samples", "dropped_label_tokens")
+
+
+def member_stats(stats: dict, member: int) -> dict:
+    """A shard's copy of its build's stats: the per-build counts kept on member 0, zero on the others."""
+    out = dict(stats)
+    if member:
+        out.update({k: 0 for k in BUILD_COUNTS if k in out})
+    return out
+
+
 def chunk_bounds(lengths: np.ndarray, cp: int) -> np.ndarray:
     """[docs, 2cp+1] chunk boundaries inside each document (offsets from the document's start)."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -75,7 +88,7 @@ def shard_for_cp(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
     index = ragged_arange((starts + cu[:-1, None]).reshape(-1), sizes.reshape(-1))
     local = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(sizes.sum(axis=1), out=local[1:])
-    stats = dict(mb.stats)
+    stats = member_stats(mb.stats, cp_rank)
     stats["cp"] = {"size": cp, "rank": cp_rank, "cu_seqlens": np.asarray(mb.cu_seqlens).copy()}
     return dataclasses.replace(
         mb, input_ids=mb.input_ids[index], labels=mb.labels[index], position_ids=mb.position_ids[index],
@@ -165,7 +178,7 @@ def shard_for_group(mb: MicroBatch, k: int, member: int, *, group: list[int] | N
         raise ValueError("context parallelism needs a packed micro-batch whose documents cover every token")
     info = {"size": k, "rank": member, "group": list(range(k)) if group is None else [int(g) for g in group],
             "group_id": int(group_id), "cu_seqlens": cu.astype(np.int32)}
-    stats = dict(mb.stats)
+    stats = member_stats(mb.stats, member)
     if k == 1:
         stats["cp"] = {**info, "cu_seqlens_padded": info["cu_seqlens"], "padding": 0}
         return dataclasses.replace(mb, stats=stats)

@@ -44,14 +44,15 @@ def plan_dynamic_cp(lengths: np.ndarray, costs: np.ndarray, layout: CPLayout, co
     degrees = cp_degrees(lengths, costs, layout, comm, minimal)
     lengths, costs = np.asarray(lengths, dtype=np.int64), np.asarray(costs, dtype=np.float64)
     every = splitting_lower_bound(lengths, costs, pool=layout.pool, cap=layout.cap, pow2=layout.pow2, comm=comm)
-    place = dict(bound=every, priority=priority, asked=layout.waves, score=lambda a: _score(a, costs, every))
+    place = dict(bound=every, priority=priority, asked=layout.waves, score=lambda a: _score(a, costs, every),
+                 whole=minimal)
     best, best_ratio = _fewest_waves(lengths, costs, degrees, layout, comm, place)
     best_degrees, tried = degrees.copy(), best
     for _ in range(PROMOTIONS):  # each round at the best plan's waves; stops at the first that does not help
-        if best_ratio <= WAVE_TARGET or not _promote(tried, lengths, costs, degrees, layout, comm):
+        if best_ratio <= WAVE_TARGET or not _promote(tried, (lengths, costs, minimal), degrees, layout, comm):
             break
         tried = place_waves(lengths, costs, degrees, replace(layout, waves=best.waves), comm, bound=every,
-                            priority=priority, slacks=(np.inf,))
+                            priority=priority, slacks=(np.inf,), whole=minimal)
         ratio = place["score"](tried)
         if ratio >= best_ratio - 1e-12:
             break
@@ -59,7 +60,7 @@ def plan_dynamic_cp(lengths: np.ndarray, costs: np.ndarray, layout: CPLayout, co
     assignment = best
     if best_ratio > 1 + CAP_SLACKS[0]:
         assignment = place_waves(lengths, costs, best_degrees, replace(layout, waves=best.waves), comm, bound=every,
-                                 priority=priority)
+                                 priority=priority, whole=minimal)
     placed = assignment.item_group >= 0
     bound = splitting_lower_bound(lengths[placed], costs[placed], pool=layout.pool, cap=layout.cap,
                                   pow2=layout.pow2, comm=comm)
@@ -73,7 +74,7 @@ def _fewest_waves(lengths, costs, degrees, layout: CPLayout, comm: CommTable, pl
     start = layout.waves
     for waves in range(start, max(start, 2 * place["asked"] + 1) + 1):
         tried = place_waves(lengths, costs, degrees, replace(layout, waves=waves), comm, bound=place["bound"],
-                            priority=place["priority"], slacks=(np.inf,))
+                            priority=place["priority"], slacks=(np.inf,), whole=place["whole"])
         ratio = place["score"](tried)
         if best is None or ratio < best_ratio - 1e-12:
             best, best_ratio = tried, ratio
@@ -89,12 +90,17 @@ def _score(plan: WaveAssignment, costs: np.ndarray, bound: float) -> float:
     return max_over_lb(plan.rank_cost, bound) * (total / placed if placed > 0 else (1.0 if total <= 0 else np.inf))
 
 
-def _promote(plan: WaveAssignment, lengths, costs, degrees, layout: CPLayout, comm: CommTable) -> bool:
+def _promote(plan: WaveAssignment, docs_of_step, degrees, layout: CPLayout, comm: CommTable) -> bool:
     """Give the costliest document on the slowest rank the next degree of the vocabulary, when that lowers
-    what its members carry (module docstring); False when no document qualifies. Changes `degrees`."""
+    what its members carry (module docstring); False when no document qualifies. Changes `degrees`.
+    `docs_of_step`: (lengths, costs, whole); a `whole` document (media) is never promoted."""
+    lengths, costs, whole = docs_of_step
     slowest = int(np.argmax(plan.rank_cost))
     groups = np.flatnonzero((plan.first <= slowest) & (slowest < plan.first + plan.size))
-    docs = np.flatnonzero(np.isin(plan.item_group, groups))
+    in_groups = np.isin(plan.item_group, groups)
+    if whole is not None:
+        in_groups &= ~np.asarray(whole, dtype=bool)
+    docs = np.flatnonzero(in_groups)
     if not len(docs):
         return False
     sizes = np.unique(vocabulary(layout.cap, layout.pow2))

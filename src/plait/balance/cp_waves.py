@@ -187,7 +187,7 @@ def _fill(docs, limit, slot, occ, groups, state):
     """The remaining documents, LPT (module docstring, 3.). docs: (order, lengths, costs, urgent); groups:
     (first, size, slope) of the placed bins; state, changed: (tokens, cost and traffic per member of each
     bin, rank totals, slot tokens and cost [P, W], each item's bin, rank and wave)."""
-    order, lengths, costs, urgent = docs
+    order, lengths, costs, urgent, whole = docs
     first, size, slope = groups
     tokens, bin_cost, traffic, total, slot_tokens, slot_cost, item_bin, item_rank, item_wave = state
     pool, W = occ.shape
@@ -210,7 +210,7 @@ def _fill(docs, limit, slot, occ, groups, state):
                 best, kind, target = total[r] + c, 0, r
         if best > lowest:
             lowest = _lowest(first, top)
-        for b in range(nb if best > lowest else 0):
+        for b in range(nb if best > lowest and not whole[i] else 0):  # a whole (media) document: one rank
             if first[b] < 0:
                 continue
             k = size[b]
@@ -247,10 +247,12 @@ def _fill(docs, limit, slot, occ, groups, state):
 
 
 def place_waves(lengths: np.ndarray, costs: np.ndarray, degrees: np.ndarray, layout: CPLayout, comm: CommTable, *,
-                bound: float, priority: np.ndarray | None = None, slacks: tuple = CAP_SLACKS) -> WaveAssignment:
+                bound: float, priority: np.ndarray | None = None, slacks: tuple = CAP_SLACKS,
+                whole: np.ndarray | None = None) -> WaveAssignment:
     """Place a step's documents in `layout.waves` waves or a few more (module docstring; at most 2 x waves,
     at least one more). `degrees` from cp_degrees; `bound` the step's lower bound (cp_bound.py: the fill's
-    caps); `priority` >= 1 marks carried documents (first among their kind, never held back by a cap)."""
+    caps); `priority` >= 1 marks carried documents (first among their kind, never held back by a cap); `whole`
+    marks documents that stay on one rank (media: a shard would cut or duplicate their placeholder runs)."""
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     degrees = np.ascontiguousarray(degrees, dtype=np.int64)
@@ -272,7 +274,8 @@ def place_waves(lengths: np.ndarray, costs: np.ndarray, degrees: np.ndarray, lay
     in_bin = np.where(wide & (first[bin_of] >= 0 if len(first) else False), bin_of, -1)
     narrow = order[~wide[order]]
     narrow = narrow[np.lexsort((narrow, -costs[narrow], rank_urgent[narrow]))]
-    docs = (narrow, lengths, costs, urgent)
+    whole = np.zeros(n, bool) if whole is None else np.ascontiguousarray(whole, dtype=bool)
+    docs = (narrow, lengths, costs, urgent, whole)
     for slack in slacks:
         state = (tokens.copy(), bin_cost.copy(), traffic.copy(), total.copy(), np.zeros((pool, W), np.int64),
                  np.zeros((pool, W)), in_bin.copy(), np.full(n, -1, np.int64), np.full(n, -1, np.int64))

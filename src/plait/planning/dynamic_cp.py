@@ -8,8 +8,9 @@ seq_len / cp, cp_groups and item_group). What does not fit waits in the carry, f
 
 Chunks. A document is cut into chunks of at most max_degree x slot tokens (the largest group's micro-batch;
 at least seq_len, so chunk numbers stay unique: packing_phases.py) instead of seq_len, unless its source
-sets max_chunk. Documents with media keep the least degree their tokens allow (one rank when they fit a
-slot): a chunk boundary then never has to move around a placeholder run.
+sets max_chunk. Documents with media stay on one rank (chunks of at most a slot, degree 1, never filled
+into a group): a shard would cut a placeholder run, or every member would run the encoder over the
+group's media while the plan charged it 1/k.
 
 The plan is a pure function of the data state and the layout: exact resume replays it, and a resume on
 another dp plans the carried and new documents over the new pool (every document once).
@@ -45,9 +46,11 @@ class DynamicCP:
         return CPLayout(self.pool, seq_len // self.cp, microbatches, self.cap, self.theta, self.pow2)
 
     def chunk_limits(self, seq_len: int) -> np.ndarray:
-        """Longest chunk per source: max_chunk where set, else the largest group's micro-batch."""
-        longest = self.cap * (seq_len // self.cp)
-        limits = [min(s.max_chunk or seq_len, seq_len) if s.multimodal else min(s.max_chunk or longest, longest)
+        """Longest chunk per source: max_chunk where set, else the largest group's micro-batch; a media
+        source's chunks fit one rank's slot (its documents are never sharded over a group: a shard would cut
+        a placeholder run, or every member would run the encoder over the group's media)."""
+        longest, slot = self.cap * (seq_len // self.cp), seq_len // self.cp
+        limits = [min(s.max_chunk or slot, slot) if s.multimodal else min(s.max_chunk or longest, longest)
                   for s in self.spec.sources]
         return np.array(limits, dtype=np.int64)
 
