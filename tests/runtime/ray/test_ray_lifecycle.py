@@ -125,3 +125,24 @@ def test_the_allocator_of_rays_processes_is_rays_jemalloc_unless_the_user_says_g
     monkeypatch.setenv(ALLOCATOR_VARIABLE, "tcmalloc")
     with pytest.raises(PlaitError, match="PLAIT_RAY_ALLOCATOR='tcmalloc': expected one of jemalloc, glibc"):
         malloc_env()
+
+
+def test_ray_start_record_is_found_where_ray_looks(tmp_path, monkeypatch):
+    """Ray keeps `ray start`'s record under RAY_TMPDIR, else TMPDIR on Linux, else /tmp: plait looks in the
+    same place, so a job under a scheduler that sets TMPDIR joins the cluster instead of starting one."""
+    import sys
+
+    from plait.runtime.ray.instance import cluster_to_join
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("TMPDIR's rule is Linux's")
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6390\n")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert cluster_to_join(None) == ("127.0.0.1:6390", "ray start's record")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "elsewhere"))  # RAY_TMPDIR first: no record there
+    assert cluster_to_join(None) == (None, "address")  # a local instance
+    assert cluster_to_join("auto") == ("auto", "address")  # Ray's own "no running instance" error
+    assert cluster_to_join("local") == (None, "address")

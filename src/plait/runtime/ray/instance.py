@@ -47,10 +47,22 @@ ADVICE = {  # how to start a local instance instead, by where the unreachable ad
 }
 
 
+def ray_user_temp_dir() -> str:
+    """Where Ray keeps its per-user files, in Ray's own order: RAY_TMPDIR, else TMPDIR on Linux (as most
+    HPC schedulers set it), else /tmp (macOS and Linux), else the platform's temp folder."""
+    if os.environ.get("RAY_TMPDIR"):
+        return os.environ["RAY_TMPDIR"]
+    if sys.platform.startswith("linux") and os.environ.get("TMPDIR"):
+        return os.environ["TMPDIR"]
+    if sys.platform.startswith(("linux", "darwin")):
+        return "/tmp"
+    return tempfile.gettempdir()
+
+
 def recorded_cluster() -> str | None:
-    """The cluster `ray start --head` last recorded on this machine (`<RAY_TMPDIR or /tmp>/ray/
+    """The cluster `ray start --head` last recorded on this machine (`<Ray's temp dir>/ray/
     ray_current_cluster`, Ray's own record, cleared by `ray stop`), None when there is none."""
-    record = os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
+    record = os.path.join(ray_user_temp_dir(), "ray", "ray_current_cluster")
     try:
         with open(record) as f:
             return f.read().strip() or None
@@ -214,8 +226,10 @@ def start_ray(address: str | None, init_options: dict | None = None, dashboard: 
         kwargs.update(init_options or {})
     with StderrCapture() as said, daemon_env(malloc_env() if started else {}):
         try:  # Ray's core logs the real cause of a failed join to stderr only
-            ray.init(address=address, namespace=NAMESPACE, **kwargs)
-        except (ConnectionError, RuntimeError) as e:
+            # a start says "local": Ray then looks for no cluster of its own, so the start-only options
+            # above can never reach a join that Ray found where plait did not
+            ray.init(address="local" if started else joining, namespace=NAMESPACE, **kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as e:
             error = e
             said.failed()
         else:
