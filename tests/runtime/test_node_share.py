@@ -206,3 +206,19 @@ def _worker(cfg: dict) -> None:
 
 if __name__ == "__main__":
     _worker(json.loads(sys.argv[1]))
+
+
+def test_a_stopped_hosts_file_counts_only_while_that_host_lives(tmp_path):
+    """A host whose trainer raised writes "stopped" for its node's ranks; the file a killed host left behind
+    must not fail a relaunch's ranks at once: they wait for the new host (here: until their timeout)."""
+    from plait.runtime.node_share import join_host
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / "rendezvous.json"
+    spec = plait.load_spec(make_spec([token_parquet(tmp_path / "d")]))
+    for pid, expected in ((os.getpid(), "its trainer raised"), (dead.pid, "did not answer within")):
+        path.write_text(json.dumps({"address": "grpc://127.0.0.1:1", "token": "t", "pid": pid, "job": "j",
+                                    "stopped": "its trainer raised RuntimeError"}))
+        with pytest.raises(PlaitError, match=expected):
+            join_host(spec, "j", path, timeout=0.5)

@@ -93,3 +93,24 @@ def test_a_cut_faststart_mp4_is_a_bad_record_while_planning_not_a_late_drop(tmp_
         rt.close()
     assert report["skipped"] >= 1
     assert any("v00.mp4" in m and "bytes: truncated" in m for m in report["messages"])
+
+
+def test_a_constant_sample_size_with_a_huge_count_builds_no_table():
+    """A corrupt stsz (one size for every sample, a count of 4 billion) is priced per chunk: no table of
+    count entries (32 GiB) is built; the stated end still says the file is short."""
+    import struct
+
+    from plait.transforms.container_size import check_size
+    from plait.transforms.video import BadVideo
+
+    def box(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", 8 + len(body)) + kind + body
+
+    def full(kind: bytes, *fields: int) -> bytes:
+        return box(kind, b"\0\0\0\0" + struct.pack(f">{len(fields)}I", *fields))
+
+    stbl = box(b"stbl", full(b"stco", 1, 64) + full(b"stsc", 1, 1, 2, 1) + full(b"stsz", 100, 2**32 - 1))
+    moov = box(b"moov", box(b"trak", box(b"mdia", box(b"minf", stbl))))
+    data = box(b"ftyp", b"isom\0\0\2\0isom") + moov
+    with pytest.raises(BadVideo, match="truncated"):  # two 100-byte samples from byte 64: past the end
+        check_size(data)

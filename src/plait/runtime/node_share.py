@@ -354,7 +354,7 @@ class HostWatch:
         self.done.set()
 
 
-def _join(spec: Spec, job: str, path: Path, timeout: float):
+def join_host(spec: Spec, job: str, path: Path, timeout: float):
     """(a thin client of the node's host, the host's process id)."""
     from plait.job.consumers import process_alive
 
@@ -366,8 +366,11 @@ def _join(spec: Spec, job: str, path: Path, timeout: float):
         stopped = None
         try:
             info = json.loads(path.read_text())
-            stopped = info.get("stopped")  # its host's trainer raised: the launch is over
-            if not stopped and not process_alive(int(info["pid"])):
+            alive = process_alive(int(info["pid"]))
+            # its host's trainer raised: that launch is over -- while the host lives; a file its dead host left
+            # behind (a kill in its grace period) is stale, and a relaunch waits for its new host
+            stopped = info.get("stopped") if alive else None
+            if not alive:
                 last = f"the host process {info['pid']} that wrote it is gone"
             elif not stopped:
                 return client(spec, job_address=info["address"], token=info["token"], job=job), int(info["pid"])
@@ -409,7 +412,7 @@ class NodeRuntime:
         self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
                       if launch.local_rank == 0 else None)
         try:
-            self.client, host_pid = _join(spec, job, path, timeout)
+            self.client, host_pid = join_host(spec, job, path, timeout)
             self.client.control.action("join", {"id": self.client.client_id, "pid": os.getpid()})
         except BaseException:
             if self._host is not None:

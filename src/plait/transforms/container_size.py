@@ -39,7 +39,17 @@ def probe_whole(data: VideoData) -> VideoInfo:
 
 
 def check_size(data: VideoData) -> None:
-    """BadVideo when the container's stated sizes reach past the end of the file (module docstring)."""
+    """BadVideo when the container's stated sizes reach past the end of the file (module docstring). It only
+    ever adds a reason: a file it cannot read this way (unseekable, headers too short to parse) is left to
+    `probe`, which names what is wrong with it."""
+    try:
+        stated_sizes_fit(data)
+    except (OSError, EOFError, struct.error, ValueError, OverflowError, MemoryError):
+        return
+
+
+def stated_sizes_fit(data: VideoData) -> None:
+    """check_size's reading, which raises what the file's bytes make it raise."""
     with _opened(data) as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
@@ -154,7 +164,12 @@ def _table_end(boxes: dict, f) -> int | None:
     first = runs[:, 0] - 1
     per_run = np.diff(np.append(first, len(offsets))).clip(min=0)
     per_chunk = np.repeat(runs[:, 1], per_run)[: len(offsets)]
-    sizes = np.full(count, constant, np.int64) if constant else sizes.astype(np.int64)
+    if constant:  # every sample the same size: no table (a count read from a corrupt box can be huge)
+        if per_chunk.sum() > count:
+            return int(offsets.max())
+        chunk_bytes = per_chunk.astype(np.int64) * int(constant)
+        return int((offsets.astype(np.int64) + chunk_bytes).max())
+    sizes = sizes.astype(np.int64)
     if per_chunk.sum() > len(sizes):
         return int(offsets.max())  # a table the sizes do not cover: the offsets alone
     bounds = np.concatenate([[0], np.cumsum(per_chunk)])
