@@ -108,3 +108,19 @@ def test_inspect_and_run_say_so(sources, tmp_path, capsys):
     summary = tmp_path / "summary.json"
     assert cli.main(["run", str(path), "--steps", "2", "--quiet", "--json", str(summary)]) == 0
     assert json.loads(summary.read_text())["placeholder_documents"]["tok"] > 0
+
+
+def test_refuse_on_a_source_planned_from_its_lengths_delivers_no_filler(sources, tmp_path):
+    """A Megatron source plans from its index's lengths alone; under `refuse` it must read the tokens while
+    planning, or a refused document would be planned and then delivered as filler of its planned length."""
+    from helpers import megatron_source
+
+    meg = megatron_source(tmp_path / "m", name="tok", files=1, docs_per_file=40, lo=5, hi=60, vocab=320)
+    plain = dict(sources, tok=meg)
+    want, _ = text_docs(plain, steps=3)
+    assert holding(want), "the data must hold the id for this test"
+    docs, report = text_docs(plain, steps=6, placeholder_ids="refuse", on_error="skip")
+    assert docs and not holding(docs)
+    for key, toks in docs.items():  # every delivered document is the corpus's own, not eos/0 filler
+        assert np.array_equal(toks, meg.docs[key]), key
+    assert set(docs) & holding(want) == set() and report["tok"]["bad_records"] >= len(holding(want))

@@ -179,7 +179,11 @@ class Source:
 
     # ----- lengths (planning) ------------------------------------------------------------------
     def reads_lengths(self, key: BlockKey) -> bool:
-        """Whether the block's lengths can be read without its tokens (see the class docstring)."""
+        """Whether the block's lengths can be read without its tokens (see the class docstring). Not under
+        `placeholder_ids: refuse`: a refused document must be known while planning, or the plan would hold
+        a document that the decode then leaves out (placeholder_ids.py)."""
+        if self.placeholders.policy == "refuse" and len(self.placeholders.ids):
+            return False
         return self.reader.reads_lengths(self.files[int(self.file_order(key[0])[key[1]])])
 
     def read_lengths(self, key: BlockKey) -> BlockLengths:
