@@ -51,17 +51,19 @@ class LoaderPayloads:
         if not len(items):
             return np.zeros(0, dtype=np.int32)
         keys, block_index = items.block_keys()
-        # Group by owning loader; locally that is a single call.
-        by_loader: dict[int, list[int]] = {}
+        # Group by owning loader; locally that is a single call. The loaders are held while grouping: an
+        # id names an object only while it lives (a router made per call would hand its id to the next).
+        by_loader: dict[int, tuple[object, list[int]]] = {}
         for b, key in enumerate(keys):
-            by_loader.setdefault(id(self._loader_for(key[0])), []).append(b)
+            loader = self._loader_for(key[0])
+            by_loader.setdefault(id(loader), (loader, []))[1].append(b)
         images = items.has_images
         if len(by_loader) == 1:
-            return self._part(self._loader_for(keys[0][0]), items, keys, block_index, None, images)
+            return self._part(next(iter(by_loader.values()))[0], items, keys, block_index, None, images)
         parts = []
-        for blocks in by_loader.values():
+        for loader, blocks in by_loader.values():
             sel = np.flatnonzero(np.isin(block_index, blocks))
-            parts.append((sel, self._part(self._loader_for(keys[blocks[0]][0]), items, keys, block_index, sel, images)))
+            parts.append((sel, self._part(loader, items, keys, block_index, sel, images)))
         return merge_payloads(items.length, parts)
 
     def _part(self, loader, items: Items, keys, block_index, sel, images: bool):

@@ -71,8 +71,7 @@ class Source:
     that length; under `raise` it stops the run.
 
     Its parts: the policy over bad records and files is `bad` (bad_records.py), the column-to-tokens
-    checks are `column` (token_columns.py), the lengths check is blocks.reconcile.
-    """
+    checks are `column` (token_columns.py), the lengths check is blocks.reconcile."""
 
     @classmethod
     def of_job(cls, job: Spec, index: int) -> "Source":
@@ -179,12 +178,10 @@ class Source:
 
     # ----- lengths (planning) ------------------------------------------------------------------
     def reads_lengths(self, key: BlockKey) -> bool:
-        """Whether the block's lengths can be read without its tokens (see the class docstring). Not under
-        `placeholder_ids: refuse`: a refused document must be known while planning, or the plan would hold
-        a document that the decode then leaves out (placeholder_ids.py)."""
-        if self.placeholders.policy == "refuse" and len(self.placeholders.ids):
-            return False
-        return self.reader.reads_lengths(self.files[int(self.file_order(key[0])[key[1]])])
+        """Whether the block's lengths can be read without its tokens (class docstring); never under
+        placeholder_ids: refuse, whose refusals planning must see (placeholder_ids.py)."""
+        refuses = self.placeholders.policy == "refuse" and len(self.placeholders.ids)
+        return not refuses and self.reader.reads_lengths(self.files[int(self.file_order(key[0])[key[1]])])
 
     def read_lengths(self, key: BlockKey) -> BlockLengths:
         key = tuple(int(k) for k in key)
