@@ -79,3 +79,17 @@ def check_tail(tail: list, reference: list, change: str) -> None:
 
 __all__ = ["CHANGES", "DPS", "boundary_state", "check_tail", "local_tail", "make_data",
            "resume", "spec_after", "spec_before"]
+
+
+def changed_weights_case(tmp_path, read) -> tuple[dict, dict, dict]:
+    """A boundary state saved under the original spec, the spec with a changed weight, and each of two
+    ranks' reference sample ids: `read(loader, state)` on a per-process Loader of the changed spec."""
+    data = make_data(tmp_path)
+    with plait.Loader(spec_before(data), 0, read_ahead=0, share="process") as loader:
+        saved = boundary_state(loader)
+    spec = spec_after(data, "weights", 2)
+    reference = {}
+    for r in range(2):
+        with plait.Loader(spec, r, read_ahead=0, share="process") as loader:
+            reference[r] = sample_ids(read(loader, saved))
+    return spec, saved, reference

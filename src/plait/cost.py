@@ -194,11 +194,6 @@ class CommCost:
         return cls(2 * hidden * kv_heads / heads * net.kv_bytes, int(spec.layers or 32), net.bandwidth_gbps * 1e9,
                    net.inter_node_bandwidth_gbps * 1e9, net.latency_us * 1e-6, net.ranks_per_node, units_per_s)
 
-    def crosses_nodes(self, first: np.ndarray, size: np.ndarray) -> np.ndarray:
-        """Whether the group of ranks first..first+size-1 spans more than one node."""
-        first = np.asarray(first, dtype=np.int64)
-        return first // self.ranks_per_node != (first + np.asarray(size, dtype=np.int64) - 1) // self.ranks_per_node
-
     def slope(self, size: np.ndarray, crosses: np.ndarray) -> np.ndarray:
         """Cost per token of the group's micro-batch that each member carries."""
         k = np.asarray(size, dtype=np.float64)

@@ -17,7 +17,7 @@ from plait.job.consumers import Consumers  # noqa: E402
 from plait.job.window import PlanWindow  # noqa: E402
 from plait.runtime.serve_local import LocalJobServer  # noqa: E402
 from plait.state.spec_change import SpecChangeWarning  # noqa: E402
-from resume_matrix import boundary_state, make_data, resume, sample_ids, spec_after, spec_before  # noqa: E402
+from resume_matrix import changed_weights_case, resume, sample_ids  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,14 +46,7 @@ def test_every_thin_client_resuming_under_a_changed_spec_reads_the_single_proces
     checkpoint with allow_spec_change=True, rank 0 reading its first micro-batch before rank 1 has loaded:
     each gets its rank of the single-process stream (before the fix rank 0's next step failed with 'the
     plan stream was reset (generation 2, asked 1)')."""
-    data = make_data(tmp_path)
-    with plait.Loader(spec_before(data), 0, read_ahead=0, share="process") as loader:
-        saved = boundary_state(loader)
-    spec = spec_after(data, "weights", 2)
-    reference = {}
-    for r in range(2):
-        with plait.Loader(spec, r, read_ahead=0, share="process") as loader:
-            reference[r] = sample_ids(resume(loader, saved))
+    spec, saved, reference = changed_weights_case(tmp_path, resume)
     with LocalJobServer(plait.load_spec(spec), "changed") as server:
         loaders = [plait.Loader(spec, r, runtime="flight", job_address=server.address, token=server.token,
                                 read_ahead=0) for r in range(2)]

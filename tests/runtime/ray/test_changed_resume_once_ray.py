@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 
 import plait  # noqa: E402
 from plait.state.spec_change import SpecChangeWarning  # noqa: E402
-from resume_matrix import boundary_state, make_data, sample_ids, spec_after, spec_before  # noqa: E402
+from resume_matrix import changed_weights_case, sample_ids  # noqa: E402
 
 TAIL = 12  # micro-batches read after the resume: 6 steps, past what a rank asks for ahead (prefetch)
 
@@ -26,14 +26,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_every_ray_rank_resuming_under_a_changed_spec_reads_the_single_process_stream(ray_session, tmp_path):
-    data = make_data(tmp_path)
-    with plait.Loader(spec_before(data), 0, read_ahead=0, share="process") as loader:
-        saved = boundary_state(loader)
-    spec = spec_after(data, "weights", 2)
-    reference = {}
-    for r in range(2):
-        with pytest.warns(SpecChangeWarning), plait.Loader(spec, r, read_ahead=0, share="process") as loader:
-            reference[r] = sample_ids(read(loader, saved))
+    def warned_read(loader, state):
+        with pytest.warns(SpecChangeWarning):
+            return read(loader, state)
+
+    spec, saved, reference = changed_weights_case(tmp_path, warned_read)
     first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job="changed-once", loaders=1)
     try:
         second = plait.Loader(spec, 1, read_ahead=0, runtime="ray", job="changed-once", attach=True)
