@@ -352,8 +352,9 @@ def test_a_thin_trainer_is_served_by_a_constructor_on_its_own_node(served, spec)
             batch_digest_update(h, mb)
         assert got["digest"] == h.hexdigest()
         port = int(got["endpoint"].rsplit(":", 1)[1])
-        (server,) = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
-                     and c.status == psutil.CONN_LISTEN]
+        # one process may listen on the port more than once (IPv4 and IPv6 sockets): count processes, not sockets
+        (server,) = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid
+                     and c.status == psutil.CONN_LISTEN}
         assert node.pid in [p.pid for p in psutil.Process(server).parents()], "not a process of node b"
         assert "ConstructorActor" in " ".join(psutil.Process(server).cmdline())
     finally:
