@@ -44,6 +44,7 @@ from plait.spec_sections import (  # noqa: F401 - the sections are this module's
     LoadingSpec,
     MetricsSpec,
 )
+from plait.audio_spec import AUDIO_FIELD_HELP, AudioSpec, audio_used, check_audio_field
 from plait.video_spec import VIDEO_FIELD_HELP, VideosSpec, check_video_field, videos_used
 
 Format = Literal["parquet", "jsonl", "megatron", "arrow", "mds", "webdataset"]
@@ -95,6 +96,7 @@ class SourceSpec(_Model):
     )
     image_root: str | None = Field(None, description="the folder image paths are relative to (LLaVA)")
     video_field: str | None = Field(None, description=VIDEO_FIELD_HELP, exclude_if=lambda v: v is None)
+    audio_field: str | None = Field(None, description=AUDIO_FIELD_HELP, exclude_if=lambda v: v is None)
     max_chunk: int | None = Field(
         None, ge=8, description="longest chunk of this source: its documents are cut into chunks of at most "
         "min(max_chunk, seq_len) tokens", exclude_if=lambda v: v is None,  # unset: fingerprints as before
@@ -161,13 +163,15 @@ class SourceSpec(_Model):
     def _image_checks(self) -> None:
         if self.video_field is not None:
             check_video_field(self)
-        if self.image_field is None and self.video_field is not None:
+        if self.audio_field is not None:
+            check_audio_field(self)
+        if self.image_field is None and (self.video_field is not None or self.audio_field is not None):
             return
         if self.image_field is None:
             if self.image_root is not None or self.template is not None:
                 raise ValueError("image_root and template apply to image sources only: set image_field")
             if self.format == "webdataset":
-                raise ValueError("a webdataset source needs image_field (its image members' extensions)")
+                raise ValueError("a webdataset source needs image_field or audio_field (its media members' extensions)")
             return
         if self.format is not None and self.format not in IMAGE_FORMATS:
             raise ValueError(f"image_field: format {self.format} holds no images (image formats: {', '.join(IMAGE_FORMATS)})")
@@ -180,7 +184,7 @@ class SourceSpec(_Model):
             if bad or not self.image_extensions:
                 raise ValueError(f"image_field: unknown image extension(s) {bad} (known: {', '.join(IMAGE_EXTENSIONS)})")
 
-    multimodal = property(lambda self: self.image_field is not None or self.video_field is not None)  # images/videos
+    multimodal = property(lambda self: any(f is not None for f in (self.image_field, self.video_field, self.audio_field)))
 
     @property
     def image_extensions(self) -> list[str]:
@@ -189,6 +193,8 @@ class SourceSpec(_Model):
 
     video_extensions = property(lambda self: [e.strip().lower().lstrip(".") for e in (self.video_field or "").split(";")
                                               if e.strip()])  # webdataset: the video members' extensions
+    audio_extensions = property(lambda self: [e.strip().lower().lstrip(".") for e in (self.audio_field or "").split(";")
+                                              if e.strip()])  # webdataset: the audio members' extensions
 
     @property
     def paths(self) -> list[str]:
@@ -214,6 +220,8 @@ class Spec(_Model):
     images: ImagesSpec | None = Field(None, description="image policy and placeholder id, for image sources")
     videos: VideosSpec | None = Field(None, description="video frame rule and placeholder id, for video sources",
                                       validate_default=True, exclude_if=lambda v: v is None)
+    audio: AudioSpec | None = Field(None, description="audio window policy, placeholder id and encoder cost, for audio "
+                                    "sources", validate_default=True, exclude_if=lambda v: v is None)
 
     # Cross-field checks live on the field they are about, so that SpecError names that field.
     @field_validator("sources")
@@ -296,6 +304,11 @@ class Spec(_Model):
     def _videos_used(cls, v: VideosSpec | None, info: ValidationInfo) -> VideosSpec | None:
         return videos_used(v, info)
 
+    @field_validator("audio")
+    @classmethod
+    def _audio_used(cls, v: AudioSpec | None, info: ValidationInfo) -> AudioSpec | None:
+        return audio_used(v, info)
+
     @model_validator(mode="after")
     def _patches_need_images(self) -> "Spec":
         if self.packing.max_patches is not None and self.images is None:
@@ -354,6 +367,8 @@ class Spec(_Model):
         out = {"images": self.images.model_dump(mode="json", exclude={"fast_jpeg"})} if self.images is not None else {}
         if self.videos is not None:  # fast_resize: pixels only
             out["videos"] = self.videos.model_dump(mode="json", exclude={"fast_resize"})
+        if self.audio is not None:  # the encoder's cost: balance only
+            out["audio"] = self.audio.model_dump(mode="json", exclude={"encoder"})
         return out
 
     def _vocab(self) -> dict:
@@ -375,7 +390,7 @@ class Spec(_Model):
 
 _MIXING_FIELDS = ("weight", "start_step", "stop_step")
 _NEW_SOURCE_FIELDS = ("start_step", "stop_step")  # absent from the legacy fingerprint
-_IMAGE_FIELDS = ("image_field", "image_root", "template", "video_field")  # in fingerprints only when set
+_IMAGE_FIELDS = ("image_field", "image_root", "template", "video_field", "audio_field")  # in fingerprints only when set
 
 
 def _digest(core: dict) -> str:
