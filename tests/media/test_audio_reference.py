@@ -5,6 +5,8 @@ Clips are generated speech-like signals at several rates and channel counts in e
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,9 +19,12 @@ from plait.media.audio_features import WINDOW_SAMPLES  # noqa: E402
 from plait.media.audio_synth import encode, speech_like  # noqa: E402
 
 TOLERANCE = 1e-4
-CASES = [("wav", 8000, 1, 80), ("flac", 22050, 2, 128), ("mp3", 44100, 2, 80), ("ogg", 48000, 2, 128),
-         ("m4a", 16000, 1, 128), ("wav", 48000, 2, 80), ("flac", 44100, 1, 80), ("mp3", 22050, 1, 128),
-         ("ogg", 16000, 1, 80), ("m4a", 48000, 2, 128), ("m4a", 22050, 2, 80), ("mp3", 8000, 2, 128)]
+# every container at several of the rates it takes, in 1, 2 and 6 channels (MP3: at most 2; Opus: 8-48 kHz)
+CASES = [("wav", 8000, 1, 80), ("wav", 16000, 6, 128), ("wav", 44100, 2, 128), ("wav", 48000, 2, 80),
+         ("flac", 8000, 1, 128), ("flac", 22050, 2, 128), ("flac", 44100, 1, 80), ("flac", 48000, 6, 80),
+         ("mp3", 8000, 2, 128), ("mp3", 16000, 1, 80), ("mp3", 22050, 1, 128), ("mp3", 44100, 2, 80),
+         ("ogg", 8000, 1, 128), ("ogg", 16000, 1, 80), ("ogg", 48000, 2, 128), ("ogg", 48000, 6, 80),
+         ("m4a", 16000, 1, 128), ("m4a", 22050, 2, 80), ("m4a", 44100, 6, 128), ("m4a", 48000, 2, 128)]
 
 
 def reference(waveforms: list[np.ndarray], bins: int) -> dict:
@@ -30,19 +35,28 @@ def reference(waveforms: list[np.ndarray], bins: int) -> dict:
 
 
 @pytest.mark.parametrize("ext,rate,channels,bins", CASES, ids=lambda v: str(v))
-def test_features_equal_the_whisper_extractor(ext, rate, channels, bins):
-    data = encode(speech_like(rate, 2.4, channels, seed=rate + channels), rate, ext)
-    wave = decode(data, probe(data), name=f"clip.{ext}")
+def test_features_and_tokens_equal_the_qwen2_audio_processor(ext, rate, channels, bins):
+    seconds = 0.7 + 0.13 * CASES.index((ext, rate, channels, bins))  # 0.7 .. 3.2 s: token counts differ
+    data = encode(speech_like(rate, seconds, channels, seed=rate + channels), rate, ext)
+    info = probe(data)
+    planned = AudioPolicy("qwen2audio", mel_bins=bins).plan(info)  # from the headers, as planning counts
+    wave = decode(data, info, name=f"clip.{ext}")
     ours = AudioPolicy("qwen2audio", mel_bins=bins).features(wave)
     ref = reference([wave], bins)
     assert ours.input_features.shape == ref["input_features"].shape == (1, bins, 3000)
     assert np.abs(ours.input_features - ref["input_features"]).max() <= TOLERANCE
     np.testing.assert_array_equal(ours.feature_attention_mask, ref["attention_mask"])
+    processor = qwen2_audio_processor(bins)
+    expanded = processor(text=[f"hello {AUDIO}"], audio=[wave], sampling_rate=16000, return_tensors="np")
+    placeholders = int((expanded["input_ids"] == processor.tokenizer.convert_tokens_to_ids(AUDIO)).sum())
+    assert planned.tokens == ours.plan.tokens == placeholders
+    assert abs(placeholders - 25 * seconds) <= 1
 
 
 AUDIO = "<|AUDIO|>"
 
 
+@functools.lru_cache(maxsize=None)
 def qwen2_audio_processor(bins: int):
     """The Hugging Face Qwen2-Audio processor as users call it, over a word-level tokenizer that knows its
     special tokens (a real checkpoint's vocabulary changes nothing in how placeholders are counted)."""

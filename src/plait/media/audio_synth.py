@@ -12,13 +12,15 @@ import io
 
 import numpy as np
 
-__all__ = ["CONTAINERS", "encode", "speech_like"]
+__all__ = ["CONTAINERS", "LAYOUTS", "OPUS_RATES", "STEREO_ONLY", "encode", "speech_like"]
 
 # extension -> (PyAV muxer, encoder, sample format); each the usual choice for that extension
 CONTAINERS = {"wav": ("wav", "pcm_s16le", "s16"), "flac": ("flac", "flac", "s16"),
               "mp3": ("mp3", "libmp3lame", "fltp"), "ogg": ("ogg", "libopus", "flt"),
               "m4a": ("ipod", "aac", "fltp")}
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only input rates libopus takes
+LAYOUTS = {1: "mono", 2: "stereo", 6: "5.1"}  # channel counts the generated clips use
+STEREO_ONLY = ("mp3",)  # LAME encodes at most two channels
 
 
 def speech_like(rate: int, seconds: float, channels: int = 1, seed: int = 0) -> np.ndarray:
@@ -38,14 +40,17 @@ def speech_like(rate: int, seconds: float, channels: int = 1, seed: int = 0) -> 
 
 
 def encode(wave: np.ndarray, rate: int, ext: str) -> bytes:
-    """`wave` ([channels, samples] float32) encoded as a `ext` file (a key of CONTAINERS)."""
+    """`wave` ([channels, samples] float32; 1, 2 or 6 channels, at most 2 in MP3) encoded as a `ext` file
+    (a key of CONTAINERS)."""
     import av
 
     muxer, codec, sample_format = CONTAINERS[ext]
     channels, total = wave.shape
+    if channels not in LAYOUTS or (channels > 2 and ext in STEREO_ONLY):
+        raise ValueError(f"cannot encode {channels} channels as .{ext}")
     out = io.BytesIO()
     with av.open(out, "w", format=muxer) as container:
-        stream = container.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+        stream = container.add_stream(codec, rate=rate, layout=LAYOUTS[channels])
         step = stream.codec_context.frame_size or 4096
         fmt = av.AudioFormat(sample_format)
         for start in range(0, total, step):
