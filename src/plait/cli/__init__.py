@@ -36,6 +36,7 @@ BENCH_MODULES = {
     "multimodal": "plait.cli.bench.multimodal",
     "images": "plait.cli.bench.images",
     "video": "plait.cli.bench.video",
+    "audio": "plait.cli.bench.audio",
     "e2e": "plait.cli.bench.e2e",
     "soak": "plait.cli.bench.soak",
 }
