@@ -24,7 +24,11 @@ ITEM_INT_COLUMNS = ("source", "epoch", "fpos", "bpos", "position", "shard", "row
 # quadratic per image). A carried row holds them (13 integers) only when some carried item has images,
 # so text-only data states keep their 11-integer rows.
 ITEM_IMAGE_COLUMNS = ("patches", "patches_sq")
-ALL_COLUMNS = ITEM_INT_COLUMNS + ITEM_IMAGE_COLUMNS
+# Audio columns: the audio encoder's attention spans of the item's clips, their squares, and the clips'
+# placeholder tokens (labels the Constructor masks). A carried row holds them (16 integers) only when some
+# carried item has audio.
+ITEM_AUDIO_COLUMNS = ("audio_spans", "audio_spans_sq", "audio_tokens")
+ALL_COLUMNS = ITEM_INT_COLUMNS + ITEM_IMAGE_COLUMNS + ITEM_AUDIO_COLUMNS
 
 
 @dataclass
@@ -42,9 +46,12 @@ class Items:
     delayed: np.ndarray  # steps this chunk has already waited (carried over)
     patches: np.ndarray | None = None  # image patches of the item (0 for text; zeros when not given)
     patches_sq: np.ndarray | None = None  # sum over its images of patches^2
+    audio_spans: np.ndarray | None = None  # its clips' audio encoder spans (0 without audio)
+    audio_spans_sq: np.ndarray | None = None  # sum over those spans of span^2
+    audio_tokens: np.ndarray | None = None  # its clips' placeholder tokens
 
     def __post_init__(self):
-        for c in ITEM_IMAGE_COLUMNS:
+        for c in ITEM_IMAGE_COLUMNS + ITEM_AUDIO_COLUMNS:
             if getattr(self, c) is None:
                 setattr(self, c, np.zeros(len(self.length), dtype=np.int64))
 
@@ -53,7 +60,13 @@ class Items:
 
     @property
     def has_images(self) -> bool:
-        return bool(len(self.patches)) and bool(self.patches.any())
+        """Whether an item holds media (images, videos or audio): its payload is gathered with them."""
+        return bool(len(self.patches)) and bool(self.patches.any() or self.audio_tokens.any())
+
+    @property
+    def media(self) -> np.ndarray:
+        """Per item: whether it holds media (a document with media is never cut: one item)."""
+        return (self.patches > 0) | (self.audio_tokens > 0)
 
     @classmethod
     def empty(cls) -> "Items":
@@ -74,16 +87,17 @@ class Items:
     def to_rows(self) -> list[list[int]]:
         if not len(self):
             return []
-        columns = ALL_COLUMNS if self.has_images else ITEM_INT_COLUMNS
+        columns = ALL_COLUMNS if self.audio_tokens.any() else ITEM_INT_COLUMNS + ITEM_IMAGE_COLUMNS \
+            if self.has_images else ITEM_INT_COLUMNS
         return np.stack([getattr(self, c) for c in columns], axis=1).astype(np.int64).tolist()
 
     @classmethod
     def from_rows(cls, rows: list[list[int]]) -> "Items":
-        """Rows of 11 integers (text) or 13 (with the image columns)."""
+        """Rows of 11 integers (text), 13 (with the image columns) or 16 (and the audio columns)."""
         if not rows:
             return cls.empty()
         width = len(rows[0])
-        columns = ALL_COLUMNS if width == len(ALL_COLUMNS) else ITEM_INT_COLUMNS
+        columns = ALL_COLUMNS[:width] if width in (13, len(ALL_COLUMNS)) else ITEM_INT_COLUMNS
         a = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(columns))
         return cls(**{c: a[:, i].copy() for i, c in enumerate(columns)})
 
@@ -113,6 +127,16 @@ class Items:
         return np.stack([self.source, self.epoch, self.shard, self.row, self.chunk], axis=1).astype(np.int64)
 
 
+def members(cache: dict, name: str, keys: np.ndarray, count: int):
+    """`key -> indices of keys equal to it, in index order`, from one stable sort kept in `cache[name]`: a
+    plan is asked once per rank, and a scan of every item per rank would cost ranks x items a step."""
+    if name not in cache:
+        order = np.argsort(keys, kind="stable")
+        cache[name] = (order, np.searchsorted(keys[order], np.arange(count + 1)))
+    order, bounds = cache[name]
+    return lambda key: order[bounds[key] : bounds[key + 1]] if 0 <= key < count else order[:0]
+
+
 @dataclass
 class CPGroups:
     """The group micro-batches of a dynamic-CP step, one row each (see the module docstring)."""
@@ -127,8 +151,26 @@ class CPGroups:
 
     def covering(self, rank: int) -> np.ndarray:
         """Ids of the groups pool rank `rank` belongs to, in wave order (one per wave)."""
-        ids = np.flatnonzero((self.first <= rank) & (rank < self.first + self.size))
-        return ids[np.argsort(self.wave[ids], kind="stable")]
+        order, bounds = self._by_rank()
+        if not 0 <= rank < len(bounds) - 1:
+            return np.zeros(0, dtype=np.int64)
+        return order[bounds[rank] : bounds[rank + 1]]
+
+    def _by_rank(self) -> tuple[np.ndarray, np.ndarray]:
+        """Group ids by member rank (in wave order), built once: a server of every pool rank asks once per
+        rank, and a scan of all groups per rank would cost ranks x groups."""
+        cached = self.__dict__.get("_rank_index")
+        if cached is None:
+            size = self.size.astype(np.int64)
+            group = np.repeat(np.arange(len(size)), size)
+            rank = self.first.astype(np.int64)[group] + np.arange(len(group)) - np.repeat(np.cumsum(size) - size, size)
+            order = np.lexsort((self.wave[group], rank))  # by rank, then wave (stable: then group id)
+            ranks = int((self.first.astype(np.int64) + size).max()) if len(size) else 0
+            cached = self.__dict__["_rank_index"] = (group[order], np.searchsorted(rank[order], np.arange(ranks + 1)))
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_rank_index"}  # an index is rebuilt, not sent
 
 
 @dataclass
@@ -213,7 +255,7 @@ class StepPlan:
     def for_rank(self, dp_rank: int) -> "RankPlan":
         if self.cp_groups is not None:
             return self._for_pool_rank(dp_rank)
-        sel = np.flatnonzero(self.rank == dp_rank)
+        sel = members(self.__dict__, "_items_by_rank", self.rank, self.ranks)(dp_rank)
         count = self.microbatches if self.rank_microbatches is None else int(self.rank_microbatches[dp_rank])
         return RankPlan(self.step, dp_rank, count, self.items.take(sel), self.micro[sel], self.stats())
 
@@ -222,12 +264,16 @@ class StepPlan:
         per wave, its place in that wave's group."""
         groups = self.cp_groups
         ids = groups.covering(rank)
-        sel = np.flatnonzero(np.isin(self.item_group, ids))
+        of_group = members(self.__dict__, "_items_by_group", self.item_group, len(groups))
+        sel = np.sort(np.concatenate([of_group(int(g)) for g in ids])) if len(ids) else np.zeros(0, np.int64)
         cp = []
         for g in ids.tolist():
             first, size = int(groups.first[g]), int(groups.size[g])
             cp.append({"size": size, "rank": rank - first, "group": list(range(first, first + size)), "group_id": g})
         return RankPlan(self.step, rank, self.microbatches, self.items.take(sel), self.micro[sel], self.stats(), cp)
+
+    def __getstate__(self) -> dict:  # the per-rank indexes are rebuilt where asked, not sent
+        return {k: v for k, v in self.__dict__.items() if k not in ("_items_by_rank", "_items_by_group")}
 
     def stats(self) -> dict:
         cached = self.__dict__.get("_stats")
