@@ -100,8 +100,8 @@ class Source:
         self._lengths: OrderedDict[BlockKey, BlockLengths] = OrderedDict()
         self.images: ImageDocs | None = None
         if spec.multimodal:
-            if job is None or job.images is None:
-                raise SourceError(self.name, None, None, "an image source needs the spec's `images` section")
+            if job is None or (job.images is None and job.audio is None):
+                raise SourceError(self.name, None, None, "a media source needs the spec's `images` or `audio` section")
             self.images = ImageDocs(job, spec, self.encoder, self.reader, self.bad.record)
         # media placeholder ids in documents without media: counted, refused or replaced (placeholder_ids.py)
         self.placeholders = PlaceholderCheck(spec.name, spec.placeholder_ids, spec.placeholder_replacement,
