@@ -256,15 +256,15 @@ class Loader:
         self.resume_report = changes
         return data
 
-    def error_report(self) -> dict:
+    def error_report(self, gather: bool = False) -> dict:
         """The bad records skipped so far under `on_error: skip`, per source: `{source: {"skipped": n,
         "messages": [...]}}`, each message naming the source, file, record and epoch (the first 100 per
         source). One rule, wherever a record failed (while planning, or decoding its media for a batch):
         each bad sample counts once per epoch, over the whole job, on every runtime. Where the job's
         batches are built by processes that never talk (torchrun with `share="process"`, or node-shared
-        on several nodes) this process group gathers their reports: call it on every rank there
-        (plait.runtime.error_reports)."""
-        return job_error_report(self._runtime.error_report(), self._runtime_kind)
+        on several nodes) a report is this process's own; `gather=True` gathers the whole job's over the
+        process group: a collective, to call on every rank (plait.runtime.error_reports)."""
+        return job_error_report(self._runtime.error_report(), self._runtime_kind, gather)
 
     def scaling_report(self) -> dict:
         """How the job's SourceLoaders were re-partitioned while it ran (the ray runtime with `autoscale`,

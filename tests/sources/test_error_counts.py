@@ -1,6 +1,7 @@
 """One rule for bad records (plait.sources.bad_records): each bad sample counts once per epoch, whether it
 failed while planning or when its media were decoded for a batch, and `error_report()` gives the whole
-job's on every rank, also where each torchrun process builds only its own rank (share="process")."""
+job's on every rank, also where each torchrun process builds only its own rank (share="process": there
+`error_report(gather=True)`, a collective; `error_report()` alone is the process's own and never waits)."""
 
 from __future__ import annotations
 
@@ -59,17 +60,25 @@ def test_each_bad_sample_counts_once_per_epoch_wherever_it_failed(tmp_path):
 
 
 def rank_main(rank: int, spec_dict: dict, init: str, out: str) -> None:
-    """One torchrun-like trainer process loading alone: its Loader builds only its own rank."""
+    """One torchrun-like trainer process loading alone: its Loader builds only its own rank. Rank 0 first
+    reads its own report alone (as a trainer that prints on rank 0 only): that must return, not wait in a
+    collective for rank 1 (the group's timeout turns such a wait into a failure). Then every rank gathers
+    the job's report."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    own = None
     try:
         with plait.Loader(spec_dict, dp_rank=rank, share="process", steps=STEPS, read_ahead=0) as loader:
             dropped = sum(mb.stats["dropped_samples"] for mb in loader)
-            report = loader.error_report()  # a collective here: every rank calls it
+            if rank == 0:
+                own = loader.error_report()
+            report = loader.error_report(gather=True)  # a collective: every rank calls it
     finally:
         dist.destroy_process_group()
-    Path(out).write_text(json.dumps({"report": report, "dropped": dropped}))
+    Path(out).write_text(json.dumps({"report": report, "own": own, "dropped": dropped}))
 
 
 @pytest.mark.subprocess
@@ -83,3 +92,5 @@ def test_two_processes_each_building_its_rank_report_the_whole_job(tmp_path):
         assert r["report"]["llava"]["skipped"] == job["llava"]["skipped"]
         assert r["report"]["llava"]["bad_records"] == job["llava"]["bad_records"] == 2
         assert set(r["report"]["llava"]["messages"]) >= set(job["llava"]["messages"])
+    own = ranks[0]["own"]["llava"]  # rank 0's own report, read alone: its planning failures, its late ones
+    assert own["skipped"] - ranks[0]["dropped"] == job["llava"]["skipped"] - job_dropped
