@@ -114,7 +114,7 @@ def run(args) -> int:
     import psutil
     import ray
 
-    from plait.cli.bench.soak_sampler import MIB, fit_figures
+    from benchmarks.soak_sampler import MIB, fit_figures
     from plait.errors import PlaitError
     from plait.runtime.ray.common import actor_options
 

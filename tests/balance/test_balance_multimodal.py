@@ -1,5 +1,5 @@
 """Multimodal balancing: two capacities (tokens, patches), the capacity-aware lower bound, the encoder cost
-and its fit, and `plait bench multimodal`."""
+and its fit (`python -m benchmarks.multimodal`: tests/bench/test_bench_multimodal.py)."""
 
 from __future__ import annotations
 
@@ -227,20 +227,3 @@ def test_fit_recovers_both_parts(tmp_path):
     half = tmp_path / "half.csv"
     half.write_text("sum_L,sum_L2,count,sum_P,time\n1,1,1,1,1\n2,4,1,2,2\n")
     assert main(["fit-cost", str(half)]) == 2
-
-
-def test_bench_multimodal_plait_beats_llm_only(tmp_path):
-    from plait.cli import main
-
-    out = tmp_path / "mm.json"
-    assert main(["bench", "multimodal", "--workloads", "caption,hires", "--dp", "8", "--seq-len", "8192",
-                 "--max-patches", "16384", "--repeats", "1", "--quiet", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert {r["strategy"] for r in rows} == {"naive", "llm-only", "plait"}
-    for workload in ("caption", "hires"):
-        by = {r["strategy"]: r for r in rows if r["workload"] == workload}
-        assert by["plait"]["encoder_share"] > 0.5  # the encoder dominates
-        assert by["plait"]["max_over_lb"] < by["llm-only"]["max_over_lb"]
-        if by["plait"]["samples_per_rank"] >= 8:
-            assert by["plait"]["max_over_lb"] <= 1.02
-        assert set(by["plait"]) >= {"workload", "dp", "strategy", "max_over_lb", "max_over_mean", "fill", "plan_ms"}

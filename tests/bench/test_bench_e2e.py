@@ -29,16 +29,15 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
 
     out = tmp_path / "e2e.json"
     # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
-    argv = ["bench", "e2e", "--quick", "--workloads", "gpu-bound,long-context", "--dp", "4", "--steps", "4",
-            "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--long-seq", "4096", "--long-dp", "4", "--long-steps", "2",
-            "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+    argv = ["bench", "e2e", "--quick", "--workloads", "gpu-bound", "--dp", "4", "--steps", "4",
+            "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--cache", str(tmp_path / "data"), "--quiet",
+            "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert len(result["load_average"]["before"]) == 3 and len(result["load_average"]["after"]) == 3
     assert all(ROW_KEYS <= set(r) for r in result["rows"])
     rows = {(r["workload"], r["strategy"], r["dp"], r["seq_len"]): r for r in result["rows"]}
-    assert set(rows) == {("gpu-bound", s, 4, 8192) for s in ("per-rank", "plait")} | {
-        ("long-context", s, 4, 4096) for s in ("per-rank", "plait", "plait-fixed-cp", "plait-dcp")}
+    assert set(rows) == {("gpu-bound", s, 4, 8192) for s in ("per-rank", "plait")}
     per_rank, plait = rows["gpu-bound", "per-rank", 4, 8192], rows["gpu-bound", "plait", 4, 8192]
     assert per_rank["steps"] == plait["steps"] == 4 and per_rank["measured_steps"] == plait["measured_steps"] == 3
     # a budget of 2 CPUs: per-rank still has one worker process a rank (at least one), plait 2 loaders at most
@@ -48,56 +47,9 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
     for r in (per_rank, plait):
         assert 0.5 * capacity < r["tokens_per_step"] <= capacity
         assert 0.0 <= r["wait_fraction"] <= 1.0 and r["steps_per_s"] > 0
-    long_pr, long_plait = rows["long-context", "per-rank", 4, 4096], rows["long-context", "plait", 4, 4096]
-    assert long_plait["clock"] == long_pr["clock"] == "simulated" and long_plait["steps"] == long_pr["steps"] == 2
     ratios = {(q["workload"], q["dp"], q["seq_len"]): q for q in result["ratios"]}
-    assert set(ratios) == {("gpu-bound", 4, 8192), ("long-context", 4, 4096)}
+    assert set(ratios) == {("gpu-bound", 4, 8192)}
     assert ratios["gpu-bound", 4, 8192]["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
-
-
-@pytest.mark.subprocess
-def test_node_images_runs_torchrun_style_processes_both_ways(tmp_path):
-    from plait.cli import main
-
-    out = tmp_path / "e2e.json"
-    argv = ["bench", "e2e", "--quick", "--workloads", "node-images", "--node-dp", "2", "--node-workers", "2",
-            "--node-steps", "3", "--seq-len", "4096", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
-    assert main(argv) == 0
-    result = json.loads(out.read_text())
-    rows = {r["strategy"]: r for r in result["rows"]}
-    assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "node-images" for r in rows.values())
-    assert all(r["images_per_s"] > 0 and r["workers"] == 2 for r in rows.values()), rows
-    [q] = result["ratios"]
-    assert q["steps_per_s_ratio"] == pytest.approx(rows["plait"]["images_per_s"] / rows["per-rank"]["images_per_s"])
-
-
-@pytest.mark.subprocess
-def test_cpu_pool_serves_plaits_local_data_plane_from_the_pool_over_flight(tmp_path):
-    """cpu-pool without Ray: per-rank pinned to the trainers' core; plait's `plait serve --runtime local` on the
-    pool's cores and the trainers' (as the Ray row's loaders), the rank threads reading over Flight; the same
-    steps, the ratio names its runtime."""
-    import os
-
-    from plait.cli import main
-
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("cpu-pool needs 2 cores")
-    out = tmp_path / "e2e.json"
-    argv = ["bench", "e2e", "--workloads", "cpu-pool", "--cpu-pool-runtimes", "serve", "--dp", "2", "--cpus", "2",
-            "--steps", "3", "--warmup", "1", "--images", "24", "--cache", str(tmp_path / "data"), "--quiet",
-            "--json", str(out)]
-    assert main(argv) == 0
-    result = json.loads(out.read_text())
-    rows = {r["strategy"]: r for r in result["rows"]}
-    assert set(rows) == {"per-rank", "plait"} and all(r["workload"] == "cpu-pool" for r in rows.values())
-    served = rows["plait"]
-    assert served["runtime"] == "serve" and served["server_cores"] == cores and served["pool_cores"] == cores[1:]
-    assert served["steps"] == rows["per-rank"]["steps"] == 3 and served["images_delivered"] > 0
-    assert sorted(os.sched_getaffinity(0)) == cores  # this process's cores are given back
-    [q] = result["ratios"]
-    assert q["workload"] == "cpu-pool" and q["runtime"] == "serve"
-    assert q["steps_per_s_ratio"] == pytest.approx(served["steps_per_s"] / rows["per-rank"]["steps_per_s"])
 
 
 @pytest.mark.subprocess
@@ -233,8 +185,7 @@ def test_bad_options_are_named(capsys):
 
     for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
                        (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies"),
-                       (["--workloads", "mine"], "--workloads"), (["--long-seq", "x"], "--long-seq"),
-                       (["--long-max-delay", "-1"], "--long-max-delay")):
+                       (["--workloads", "long-context"], "--workloads")):
         assert main(["bench", "e2e", *argv]) == 2
         assert word in capsys.readouterr().err
     with pytest.raises(PlaitError):
@@ -243,9 +194,8 @@ def test_bad_options_are_named(capsys):
         from plait.cli.bench.e2e import parse
 
         parse(SimpleNamespace(quick=False, dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
-                              images=1, gpu_tflops=1.0, image_weight=0.5, strategies="plait", long_seq="8",
-                              long_dp="2", long_steps=1, node_dp=2, node_workers=2, node_steps=2,
-                              data_bound_tflops=1.0, workloads="gpu-bound"))
+                              images=1, gpu_tflops=1.0, image_weight=0.5, strategies="plait",
+                              data_bound_tflops=1.0, workloads="gpu-bound", data_bound_runtimes="local"))
 
 
 def test_missing_torch_is_named(monkeypatch):
@@ -256,88 +206,3 @@ def test_missing_torch_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(PlaitError, match="needs torch"):
         require_torch()
-
-
-def test_simulated_rows_report_the_lower_bound_no_placement_can_beat():
-    from plait.cli.bench.e2e_workloads import simulated_row, step_lower_bound
-
-    clock = GpuClock(CostModel(linear=1.0, quadratic=1.0), EncoderCost(linear=0.0, quadratic=0.0), flops_per_s=1.0)
-    # step 0: one document costs more than the mean rank (the bound is that document);
-    # step 1: balanced work (the bound is the mean rank, and the placement meets it)
-    steps = [[[np.array([10])], [np.array([2, 2])]], [[np.array([3])], [np.array([3])]]]
-    assert step_lower_bound(steps[0], clock) == pytest.approx(110.0)  # 10 + 100 > (110 + 12) / 2
-    assert step_lower_bound(steps[1], clock) == pytest.approx(12.0)
-    row = simulated_row(iter(steps), clock)
-    assert row["steps"] == 2 and row["steps_per_s"] == pytest.approx(2 / (110 + 12))
-    assert row["bound_steps_per_s"] == pytest.approx(2 / (110 + 12))  # both steps at their bound
-    assert row["max_over_lb"] == pytest.approx(1.0)
-    assert row["lb_over_mean"] == pytest.approx((110 / 61 + 1.0) / 2)
-    assert row["first_data_s"] >= 0 and row["data_s_per_step"] >= 0
-
-
-def test_long_context_buffers_hold_a_step_so_one_process_building_every_rank_reads_each_block_once():
-    from plait.cli.bench.e2e_workloads import step_buffer_mb
-
-    assert step_buffer_mb(8, 32768, 2) == 16.0  # plait's default already holds it
-    tokens_mib = 32 * 131072 * 2 * 4 / 2**20  # one 128k DP 32 step of int32 tokens
-    assert step_buffer_mb(32, 131072, 2) >= 2 * tokens_mib
-
-
-def test_long_context_max_delay_reaches_plaits_spec_only_when_asked(tmp_path):
-    from plait.cli.bench.e2e_workloads import long_spec
-
-    assert long_spec(tmp_path, 8, 4096, 2).balance.max_delay == 0  # plait's default
-    assert long_spec(tmp_path, 8, 4096, 2, max_delay=4).balance.max_delay == 4
-
-
-def test_a_workload_that_fails_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
-    from plait.cli import main
-    from plait.cli.bench import e2e_workloads
-
-    def broken(*a, **k):
-        raise RuntimeError("The current node timed out during startup")
-
-    monkeypatch.setattr(e2e_workloads, "run_cpu_pool", broken)
-    out = tmp_path / "e2e.json"
-    argv = ["bench", "e2e", "--workloads", "long-context,cpu-pool", "--long-seq", "2048", "--long-dp", "2",
-            "--long-steps", "1", "--long-microbatches", "1", "--long-plan-ranks", "", "--cache", str(tmp_path / "data"),
-            "--quiet", "--json", str(out)]
-    assert main(argv) == 1
-    result = json.loads(out.read_text())
-    assert {r["workload"] for r in result["rows"]} == {"long-context"}  # every row that ran is there
-    assert [f["workload"] for f in result["failures"]] == ["cpu-pool"] and "timed out" in result["failures"][0]["error"]
-
-
-def test_a_workload_whose_plait_side_fails_keeps_the_rows_that_ran(tmp_path, monkeypatch):
-    from plait.cli import main
-    from plait.cli.bench import e2e_workloads
-
-    def ray_did_not_start(args, spec, clock, autoscale, err):
-        e = RuntimeError("The current node timed out during startup")
-        e.rows = [{"workload": "cpu-pool", "dp": 2, "seq_len": 2048, "strategy": "per-rank", "steps_per_s": 1.0,
-                   "tokens_per_s": 1.0, "wait_fraction": 0.0, "balance_loss": 0.0}]
-        raise e
-
-    monkeypatch.setattr(e2e_workloads, "run_cpu_pool", ray_did_not_start)
-    out = tmp_path / "e2e.json"
-    argv = ["bench", "e2e", "--workloads", "cpu-pool", "--dp", "2", "--cache", str(tmp_path / "data"), "--quiet",
-            "--json", str(out)]
-    assert main(argv) == 1
-    result = json.loads(out.read_text())
-    assert [(r["workload"], r["strategy"]) for r in result["rows"]] == [("cpu-pool", "per-rank")]
-    assert [f["workload"] for f in result["failures"]] == ["cpu-pool"]
-
-
-def test_cpu_pool_ray_nodes_get_more_object_store_than_ray_cluster_utils_150_mib(monkeypatch):
-    """ray.cluster_utils gives each node 150 MiB: the cpu-pool Ray row's head spilled a step's image batches
-    to disk and stalled (0.1 steps/s). Each node now gets 30% of the available memory over the cluster's
-    3 nodes, 1-4 GiB (e2e_workloads.node_object_store)."""
-    from plait.cli.bench import e2e_workloads
-    from plait.cli.bench.e2e_workloads import MAX_NODE_STORE, MIN_NODE_STORE, node_object_store
-
-    assert MIN_NODE_STORE <= node_object_store() <= MAX_NODE_STORE and MIN_NODE_STORE >= 1 << 30
-    gib, page = 1 << 30, 4096
-    for available, per_node in ((2 * gib, MIN_NODE_STORE), (20 * gib, 2 * gib), (100 * gib, MAX_NODE_STORE)):
-        monkeypatch.setattr(e2e_workloads.os, "sysconf",
-                            lambda name, a=available: a // page if name == "SC_AVPHYS_PAGES" else page)
-        assert node_object_store() == pytest.approx(per_node, abs=1), available

@@ -185,25 +185,6 @@ def test_plait_serve_runtime_local_serves_without_ray(spec, tmp_path):
         stop(server)
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_realistic_quick_bench_on_the_one_process_server(tmp_path):
-    """`plait bench memory --realistic --runtimes flight-local`: the serve process is measured as plait's
-    one process, no Ray anywhere (no daemons), every trainer got its micro-batches."""
-    out = tmp_path / "memory.json"
-    plait_bin = Path(sys.executable).parent / "plait"
-    done = subprocess.run([str(plait_bin), "bench", "memory", "--realistic", "--quick", "--runtimes", "flight-local",
-                           "--buffer-mb", "4", "--max-buffer-mb", "16", "--json", str(out)], capture_output=True,
-                          text=True, timeout=110, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    for key, run in result["runs"].items():
-        assert run["batches"] == result["trainers"] * result["microbatches"], key
-        assert run["ray_imported"] is False and run["ray_daemons"] == 0, key
-        assert list(run["roles"]) == ["serve"] and run["roles"]["serve"]["count"] == 1, key
-        assert run["total"] == run["trainer_added"] + run["roles"]["serve"]["rss"], key
-
-
 def test_one_server_shell_answers_only_what_its_answerers_offer():
     """JobFlight, the one plait Flight server: an action none of its answerers offers is refused in one
     sentence, a server without `get` streams nothing, a wrong token is refused; `hello` of the first

@@ -27,18 +27,17 @@ COMMAND_MODULES = {
     "top": "plait.cli.top",
     "serve": "plait.cli.serve",
 }
-# Only what a user runs on their own data and machine; the project's measurement suite (scale, recovery,
-# startup, autoscale, mixing, planning-reads, ray-throughput) is benchmarks/ at the repository's top level.
+# Only what a user runs on their own spec, files or machine; the project's measurement suite (plait measuring
+# itself on synthetic data: soak, multimodal balance, the long-context and cpu-pool workloads, scale, recovery,
+# ...) is benchmarks/ at the repository's top level.
 BENCH_MODULES = {
     "throughput": "plait.cli.bench.throughput",
     "balance": "plait.cli.bench.balance",
     "memory": "plait.cli.bench.memory",
-    "multimodal": "plait.cli.bench.multimodal",
     "images": "plait.cli.bench.images",
     "video": "plait.cli.bench.video",
     "audio": "plait.cli.bench.audio",
     "e2e": "plait.cli.bench.e2e",
-    "soak": "plait.cli.bench.soak",
 }
 
 

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench import memory_realistic
-from plait.cli.bench.memory_realistic import start_serve, stop_serve
+from plait.cli.bench.processes import finish, start_serve, start_trainers, stop_serve, torchrun_env
 
 CACHED_BLOCKS = 256  # decoded blocks a SourceLoader keeps, in both setups (the ray runtime's default)
 HELP = "resident memory of data loading: per-rank loaders vs plait's ray runtime (S sources, R ranks)"
@@ -44,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=6, help="global steps every rank consumes before measuring")
     p.add_argument("--block-mb", type=float, default=2.0, help="decoded size of one Parquet row group (a block)")
     p.add_argument("--files", type=int, default=2, help="files per source")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch (default 2048; 8192 with --realistic)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per micro-batch")
     p.add_argument("--workers", type=int, default=1,
                    help="per-rank: DataLoader workers per rank (num_workers, forked; each holds every source's "
                         "state and serves every W-th step)")
@@ -56,7 +55,6 @@ def add_arguments(p) -> None:
                         "clients served by one `plait serve --runtime local` process (no Ray at all); node: the "
                         "local runtime as torchrun starts it (LOCAL_RANK 0's trainer hosts the node's data plane)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    memory_realistic.add_arguments(p)
 
 
 # ----- data -------------------------------------------------------------------------------------------
@@ -178,9 +176,9 @@ def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dic
     spec_path = Path(spec_dict["sources"][0]["path"]).parent.parent / f"spec-{mode}.json"  # 1,000 sources: too
     spec_path.write_text(json.dumps(spec_dict))  # long for a command line
     cfgs = [{"mode": mode, "spec_path": str(spec_path), "rank": r, "steps": steps, **extra,
-             **({"torchrun": memory_realistic.torchrun_env(r, ranks, run_id)} if mode == "node" else {})}
+             **({"torchrun": torchrun_env(r, ranks, run_id)} if mode == "node" else {})}
             for r in range(ranks)]
-    procs, ready = memory_realistic.start_trainers("plait.cli.bench.memory", cfgs, env)
+    procs, ready = start_trainers("plait.cli.bench.memory", cfgs, env)
     bases = [_mem(r["pid"]) for r in ready]
     reports = []
     try:
@@ -193,7 +191,7 @@ def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dic
                 raise RuntimeError(f"a {cfg['mode']} trainer failed (exit {p.wait()})")
             reports.append({**json.loads(line), "base_rss": base_rss, "base_pss": base_pss})
     except BaseException:
-        memory_realistic.finish(procs)
+        finish(procs)
         raise
     return procs, reports
 
@@ -219,7 +217,7 @@ def measure_per_rank(spec_dict: dict, ranks: int, steps: int, workers: int = 1) 
                 "workers_forked": all(r.get("forked", False) for r in reports),
                 "batches": sum(r["batches"] for r in reports)}
     finally:
-        memory_realistic.finish(procs)
+        finish(procs)
 
 
 def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, client: str = "ray") -> dict:
@@ -288,7 +286,7 @@ def measure_plait(spec_dict: dict, ranks: int, steps: int, loaders: int | None, 
                 "batches": sum(r["batches"] for r in reports),
             }
         finally:
-            memory_realistic.finish(procs)
+            finish(procs)
     finally:
         if serve is not None:
             stop_serve(serve)
@@ -312,17 +310,13 @@ def measure_node(spec_dict: dict, ranks: int, steps: int) -> dict:
                 "daemons_rss": 0, "daemons_pss": 0, "daemons": {},
                 "batches": sum(r["batches"] for r in reports)}
     finally:
-        memory_realistic.finish(procs)
+        finish(procs)
 
 
 def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    if args.realistic:
-        args.seq_len = args.seq_len or 8192
-        return memory_realistic.run(args)
-    args.seq_len = args.seq_len or 2048
     console = Console()
     mb = 2**20
     with tempfile.TemporaryDirectory(prefix="plait-bench-memory-") as tmp:

@@ -1,4 +1,4 @@
-"""The long-context workload of `plait bench e2e`: whole documents, fixed CP and dynamic CP against per-rank
+"""The long-context workload of `python -m benchmarks.e2e_workloads`: whole documents, fixed CP and dynamic CP against per-rank
 loaders on a simulated clock (docs/long-context.md).
 
 Data. Two length mixes, each two Parquet sources of document lengths (`length_field`: planning reads the
@@ -43,6 +43,51 @@ DCP_OVER_PLAIT = {("long-tail", 1, 131072, 32): 1.3}
 
 
 # ----- data ----------------------------------------------------------------------------------------
+QUICK = {"long_seq": "4096", "long_dp": "4", "long_steps": 2, "long_microbatches": "1", "long_plan_ranks": ""}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--long-seq", default="131072,524288", help="long-context: seq_len values (the context)")
+    p.add_argument("--long-dp", default="8,32", help="long-context: DP sizes")
+    p.add_argument("--long-steps", type=int, default=6, help="long-context: steps per row")
+    p.add_argument("--long-mixes", default="lognormal,long-tail", help="long-context: length mixes (lognormal, long-tail)")
+    p.add_argument("--long-strategies", default=",".join(STRATEGIES),
+                   help="long-context: strategies (per-rank, plait, plait-fixed-cp, plait-dcp)")
+    p.add_argument("--long-microbatches", default="1,2", help="long-context: micro-batches per rank")
+    p.add_argument("--long-fixed-cp", type=int, default=4, help="long-context: plait-fixed-cp's CP group (DP / it replicas)")
+    p.add_argument("--long-plan-ranks", default="256,1024",
+                   help="long-context: dynamic-CP planning-time rows at these ranks (DP x CP 8, 128k); '' for none")
+    p.add_argument("--long-plan-steps", type=int, default=8, help="long-context: steps of each planning-time row")
+    p.add_argument("--long-max-delay", type=int, default=0,
+                   help="long-context: plait's balance.max_delay (hold outlier documents up to N steps so several "
+                        "share a step; default 0: off, plait's default). Use --long-steps >= 3 x N: held outliers "
+                        "are charged when delivered, so a run shorter than that flatters plait")
+
+
+def parse(args) -> None:
+    """The long-context options as lists (args.long_*_list), checked."""
+    from plait.cli.bench.e2e import names
+    from plait.errors import PlaitError
+
+    def ints(name: str, text: str) -> list[int]:
+        try:
+            values = [int(x) for x in str(text).split(",") if x.strip()]
+        except ValueError:
+            raise PlaitError(f"--{name}: expected comma-separated integers, got {text!r}") from None
+        if any(v < 1 for v in values):
+            raise PlaitError(f"--{name}: every value must be >= 1, got {text!r}")
+        return values
+
+    args.long_seq_list = ints("long-seq", args.long_seq)
+    args.long_dp_list = ints("long-dp", args.long_dp)
+    args.long_microbatch_list = ints("long-microbatches", args.long_microbatches)
+    args.long_plan_rank_list = ints("long-plan-ranks", args.long_plan_ranks)
+    args.long_mix_list = names("long-mixes", args.long_mixes, MIXES)
+    args.long_strategy_list = names("long-strategies", args.long_strategies, STRATEGIES)
+    if min(args.long_fixed_cp, args.long_plan_steps, args.long_steps) < 1 or args.long_max_delay < 0:
+        raise PlaitError("--long-fixed-cp, --long-plan-steps and --long-steps must be >= 1, --long-max-delay >= 0")
+
+
 def _write_lengths(folder: Path, lengths: np.ndarray, files: int = 8) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -1,4 +1,4 @@
-"""`plait bench multimodal`: step-time balance of image + text steps, with two capacities.
+"""`python -m benchmarks.multimodal`: step-time balance of image + text steps, with two capacities.
 
 A multimodal sample costs the vision encoder over its images' patches plus the language model over its
 tokens (image placeholders included: patches / 4 tokens per image), and a micro-batch holds at most
@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import main
 
 HELP = "balance of image + text steps (encoder + LLM cost, token and patch capacities): naive, llm-only, plait"
 DESCRIPTION = (
@@ -279,3 +281,9 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         err.print(f"rows written to {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""`plait bench memory --realistic`: the memory plait adds to a real training set-up, at 4 and 64 sources.
+"""`python -m benchmarks.memory_realistic`: the memory plait adds to a real training set-up, at 4 and 64 sources.
 
 Set-up (the issue's): T trainer processes (default 8, one per DP rank), each with torch imported, read
 pre-tokenized Parquet whose row groups decode to 16-64 MiB, and each consumes `--microbatches`
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,32 +33,32 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import main
+from plait.cli.bench.processes import finish, start_serve, start_trainers, stop_serve, torchrun_env
+
+HELP = "memory plait adds to 8 torch trainers at 4 and 64 sources of 16-64 MiB row groups, per runtime"
+DESCRIPTION = __doc__
+ROOT = Path(__file__).resolve().parents[1]  # trainers run `python -m benchmarks.memory_realistic` from here
 MIB = 2**20
 ROLES = ("PlannerActor", "LoaderActor", "ConstructorActor")
 
 
 def add_arguments(p) -> None:
-    g = p.add_argument_group("--realistic (8 torch trainers, 4 and 64 Parquet sources of 16-64 MiB row groups)")
-    g.add_argument("--realistic", action="store_true", help="measure the memory plait adds to a training set-up")
-    g.add_argument("--quick", action="store_true", help="with --realistic: a small version (CI; ~10 s on the local runtime)")
-    g.add_argument("--trainers", type=int, default=8, help="trainer processes (DP ranks)")
-    g.add_argument("--source-counts", default="4,64", help="comma-separated numbers of sources")
-    g.add_argument("--microbatches", type=int, default=200, help="micro-batches each trainer consumes")
-    g.add_argument("--runtimes", default="local,flight",
+    p.add_argument("--quick", action="store_true", help="a small version (CI; ~10 s on the local runtime)")
+    p.add_argument("--trainers", type=int, default=8, help="trainer processes (DP ranks)")
+    p.add_argument("--source-counts", default="4,64", help="comma-separated numbers of sources")
+    p.add_argument("--microbatches", type=int, default=200, help="micro-batches each trainer consumes")
+    p.add_argument("--runtimes", default="local,flight",
                    help="comma-separated: local (one data plane per node, as under torchrun), local-process (every "
                         "trainer its own loader), flight (served on Ray), flight-local (`plait serve --runtime local`)")
-    g.add_argument("--row-group-mb", default="16,64", help="decoded row-group sizes: smallest,largest (MiB)")
-    g.add_argument("--distinct", type=int, default=6, help="distinct Parquet files written (disk use)")
-    g.add_argument("--buffer-mb", type=float, default=None, help="every source's buffer_mb (default: the spec's)")
-    g.add_argument("--max-buffer-mb", type=float, default=None,
+    p.add_argument("--row-group-mb", default="16,64", help="decoded row-group sizes: smallest,largest (MiB)")
+    p.add_argument("--distinct", type=int, default=6, help="distinct Parquet files written (disk use)")
+    p.add_argument("--buffer-mb", type=float, default=None, help="every source's buffer_mb (default: the spec's)")
+    p.add_argument("--max-buffer-mb", type=float, default=None,
                    help="the job-wide cap loading.max_buffer_mb (default: the spec's)")
-
-
-def torchrun_env(local_rank: int, local_world_size: int, run_id: str) -> dict[str, str]:
-    """What torchrun sets for a process of a one-node launch (plait.runtime.node_share reads it)."""
-    return {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size), "RANK": str(local_rank),
-            "WORLD_SIZE": str(local_world_size), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_RESTART_COUNT": "0"}
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per micro-batch")
+    p.add_argument("--loaders", type=int, default=None, help="flight: SourceLoader actors (default 1)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
 
 def quick(args) -> None:
@@ -124,33 +123,6 @@ def process_memory(pid: int) -> int:
         return 0
 
 
-def start_serve(spec_path: Path, job: str, ray_address: str | None, loaders: int | None, env: dict) -> tuple:
-    """`plait serve SPEC --job JOB` on an existing Ray instance, or with `ray_address` None the one-process
-    server (`--runtime local`, no Ray); returns (process, PLAIT_ADDRESS, PLAIT_TOKEN)."""
-    cmd = [str(Path(sys.executable).parent / "plait"), "serve", str(spec_path), "--job", job]
-    cmd += ["--runtime", "local"] if ray_address is None else ["--ray-address", ray_address, "--loaders", str(loaders or 1)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    printed: dict[str, str] = {}
-    while "PLAIT_TOKEN" not in printed:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"plait serve ended: {proc.stderr.read()[-3000:]}")
-        key, _, value = line.strip().partition("=")
-        printed[key] = value
-    return proc, printed["PLAIT_ADDRESS"], printed["PLAIT_TOKEN"]
-
-
-def stop_serve(proc) -> None:
-    import signal
-
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def plait_processes(exclude: set[int], serve_pid: int | None) -> tuple[dict, dict]:
     """This process's descendants (the trainers excluded) as plait roles {role: [rss]} and Ray's daemons."""
     import psutil
@@ -179,39 +151,11 @@ def run_trainers(cfg: dict, trainers: int, env: dict, torchrun_id: str | None = 
     """One trainer per rank; with `torchrun_id`, each sees the environment torchrun would give it."""
     cfgs = [{**cfg, "rank": r, **({} if torchrun_id is None else {"torchrun": torchrun_env(r, trainers, torchrun_id)})}
             for r in range(trainers)]
-    return start_trainers("plait.cli.bench.memory_realistic", cfgs, env)
-
-
-def start_trainers(module: str, cfgs: list[dict], env: dict) -> tuple[list, list]:
-    """One `python -m MODULE --trainer CFG` process per config; returns them and the JSON line each printed
-    once ready (it then waits for `finish`, so every process is measured while all are alive)."""
-    procs = [subprocess.Popen([sys.executable, "-m", module, "--trainer", json.dumps(cfg)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for cfg in cfgs]
-    reports = []
-    for cfg, p in zip(cfgs, procs):
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a {cfg.get('mode') or cfg.get('runtime')} trainer failed (exit {p.wait()})")
-        reports.append(json.loads(line))
-    return procs, reports
-
-
-def finish(procs) -> None:
-    for p in procs:
-        try:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        except BrokenPipeError:
-            pass
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    return start_trainers("benchmarks.memory_realistic", cfgs, env)
 
 
 def _trainer() -> None:
-    """A trainer (`python -m plait.cli.bench.memory_realistic --trainer JSON`): torch imported, then plait;
+    """A trainer (`python -m benchmarks.memory_realistic --trainer JSON`): torch imported, then plait;
     consumes its micro-batches as torch tensors; reports its RSS before plait and its loader's buffer."""
     import psutil
     import torch
@@ -244,7 +188,8 @@ def _trainer() -> None:
 
 
 def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: int | None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if runtime in ("local", "local-process"):
         procs, reports = run_trainers({"runtime": runtime, "spec": spec_dict}, trainers, env,
                                       torchrun_id=f"bench-{os.getpid()}-{len(spec_dict['sources'])}")
@@ -351,3 +296,5 @@ def run(args) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--trainer":
         _trainer()
+    else:
+        sys.exit(main(sys.modules[__name__]))

@@ -1,12 +1,8 @@
-"""The workloads of `plait bench e2e` besides the image mixture on Ray (plait.cli.bench.e2e):
+"""`python -m benchmarks.e2e_workloads`: the project's end-to-end workloads beyond `plait bench e2e`'s two
+(the same simulated synchronous DP job, per-rank loaders vs plait; plait.cli.bench.e2e explains the job):
 
-  long-context  pre-tokenized short web documents + long documents (4k..128k tokens), seq_len 32k and
-                128k, DP 8 and 32. Ranks are threads of one simulated clock: each step every rank's
-                micro-batches are taken (both strategies read the same sources: plait's local runtime,
-                per-rank greedy packing of each rank's share) and charged the 7B cost model's time, whose
-                attention term dominates at these lengths; the step takes its slowest rank. The data is
-                pre-tokenized and read ahead, so this row measures what balance buys (the seconds each
-                strategy spent producing a step on this machine are reported beside, not charged).
+  long-context  benchmarks.e2e_long: per-rank, plait, plait-fixed-cp and plait-dcp on two length mixes,
+                on a simulated clock (docs/long-context.md); its options are the --long-* ones.
   cpu-pool      the image mixture with the GPU fast enough that delivery sets the pace, where the trainers'
                 side is limited to one core (CPU affinity): per-rank DataLoaders must run there. plait's data
                 plane may also use the CPU pool (the other cores), which per-rank loaders cannot: this is
@@ -29,148 +25,79 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from benchmarks import e2e_long
+from benchmarks.common import main
+from plait.cli.bench import e2e
 
-LONG_SEQ = (32768, 131072)
-LONG_DPS = (8, 32)
-LONG_DATA = "longctx-v1"
-
-
-# ----- long-context --------------------------------------------------------------------------------
-def long_data(cache: Path | None) -> Path:
-    """Pre-tokenized `web` (median 700 tokens) and `long` (median 24k, 4k..128k) Parquet, written once."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from plait.cli.demo_data import default_cache_dir
-
-    root = (Path(cache) if cache else default_cache_dir().parent) / LONG_DATA
-    done = root / "long" / "long-007.parquet"
-    if done.exists():
-        return root
-    rng = np.random.default_rng(20261202)
-    for name, files, docs, median, lo, hi in (("web", 8, 600, 700, 32, 16384), ("long", 8, 16, 24000, 4096, 131000)):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for f in range(files):
-            lengths = np.clip(rng.lognormal(np.log(median), 0.9, docs), lo, hi).astype(np.int64)
-            flat = rng.integers(2, 32000, int(lengths.sum()), dtype=np.int32)
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
-            pq.write_table(table, root / name / f"{name}-{f:03d}.parquet", row_group_size=max(1, docs // 4))
-    return root
+HELP = "end to end beyond `plait bench e2e`: long-context (fixed and dynamic CP), cpu-pool, node-images"
+DESCRIPTION = __doc__
+WORKLOADS = ("long-context", "cpu-pool", "node-images")
+TARGETS = {"cpu-pool": 1.8, "node-images": 0.9}  # plait / per-rank (long-context: e2e_long.TARGETS)
+QUICK = {**e2e.QUICK, "node_dp": 2, "node_workers": 2, "node_steps": 3, **e2e_long.QUICK}
+ROOT = Path(__file__).resolve().parents[1]  # node-images trainers run `python -m benchmarks.e2e_workloads`
 
 
-def step_buffer_mb(dp: int, seq_len: int, microbatches: int) -> float:
-    """A source's buffer_mb that holds one global step of tokens (int32) with room to spare. Both
-    strategies' ranks run in this one process, so plait's one SourceLoader serves all of them: with the
-    default 16 MiB a 128k x DP 32 step (8.4M tokens, 17 MiB a source) did not fit, and each rank's build
-    read its blocks again (1,675 row-group reads for 2 steps instead of 124: 28 s of the step's time on a
-    loaded machine). Row groups here decode to < 2 MiB, under a quarter of either budget, so the budget
-    changes no block and no order: the data is the same."""
-    return max(16.0, 2 * dp * seq_len * microbatches * 4 / 2**20)
+def add_arguments(p) -> None:
+    e2e.add_job_arguments(p)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"any of {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--cpu-pool-runtimes", default="serve,ray",
+                   help="cpu-pool: plait's runtimes, one plait row each (serve: `plait serve --runtime local` on the "
+                        "pool's cores, trainers over Flight; ray: loaders on two Ray nodes, the trainers' and the pool's)")
+    p.add_argument("--node-dp", type=int, default=8, help="node-images: trainer processes on this node")
+    p.add_argument("--node-workers", type=int, default=8,
+                   help="node-images: plait's loading.workers, and per-rank worker processes in all")
+    p.add_argument("--node-steps", type=int, default=5, help="node-images: steps per process (the first is warm-up)")
+    e2e_long.add_arguments(p)
 
 
-def long_spec(root: Path, dp: int, seq_len: int, microbatches: int, max_delay: int = 0):
-    """`max_delay`: plait's balance.max_delay (outlier documents held until several fill one step; 0: off,
-    plait's default). Per-rank packing has no such option and ignores it."""
-    from plait.spec import load_spec
+def parse(args) -> list[int]:
+    from plait.errors import PlaitError
 
-    buffer_mb = step_buffer_mb(dp, seq_len, microbatches)
-    return load_spec({
-        "balance": {"max_delay": max_delay},
-        "seed": 5,
-        "sources": [{"name": n, "path": str(root / n / "*.parquet"), "tokens_field": "input_ids", "bos": 0, "eos": 1,
-                     "weight": 0.5, "buffer_mb": buffer_mb} for n in ("web", "long")],
-        "packing": {"seq_len": seq_len, "microbatches": microbatches},
-        "topology": {"dp": dp},
-        "cost": {"hidden": 4096, "layers": 32, "ffn": 11008, "heads": 32},
-    })
+    e2e.apply_quick(args, add_arguments, QUICK)
+    dps = e2e.parse_job(args)
+    args.workload_list = e2e.names("workloads", args.workloads, WORKLOADS)
+    args.pool_runtime_list = e2e.names("cpu-pool-runtimes", args.cpu_pool_runtimes, ("serve", "ray"))
+    if min(args.node_dp, args.node_workers) < 1 or args.node_steps < 2:
+        raise PlaitError("--node-dp and --node-workers must be >= 1, --node-steps >= 2 (the first is warm-up)")
+    e2e_long.parse(args)
+    return dps
 
 
-def plait_steps(spec, steps: int):
-    """Per step, per rank: the document lengths of its micro-batches (plait, local runtime)."""
-    from plait.runtime.local import LocalRuntime
+def run(args) -> int:
+    from rich.console import Console
 
-    rt = LocalRuntime(spec)
-    try:
-        for _ in range(steps):
-            plan = rt.plan()
-            yield [[np.diff(mb.cu_seqlens) for mb in rt.build(plan, r)] for r in range(plan.ranks)]
-            rt.release()
-    finally:
-        rt.close()
+    from plait.cli.bench.e2e_per_rank import require_torch
+    from plait.cli.bench.e2e_run import GpuClock, autoscale_available
 
+    dps = parse(args)
+    require_torch()
+    err = Console(stderr=True)
+    load_before = os.getloadavg()
+    demo, image_dir = e2e.prepare_data(Path(args.cache) if args.cache else None, args.images)
+    specs = {dp: e2e.e2e_spec(demo, image_dir, dp, args) for dp in {dps[0], args.node_dp}}
+    autoscale = autoscale_available() and not args.no_autoscale
+    rows: list[dict] = []
+    failures: list[dict] = []  # a workload that failed (Ray not starting on a loaded machine): the others still run
 
-def per_rank_steps(spec, steps: int):
-    """The same from per-rank greedy packing of each rank's share (plait.cli.bench.e2e_per_rank)."""
-    from plait.cli.bench.e2e_per_rank import interleave, pack_greedy, source_documents
-    from plait.sources import Source
+    def attempt(workload: str, fn) -> list[dict]:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported in the result and on stderr, never silently
+            failures.append({"workload": workload, "error": f"{type(e).__name__}: {e}"})
+            err.print(f"[red]e2e: {workload} failed: {type(e).__name__}: {e}[/]")
+            return list(getattr(e, "rows", None) or [])  # the rows it had run (cpu-pool: per-rank's)
 
-    ranks, mbs = spec.topology.dp, spec.packing.num_microbatches
-    weights = np.array([s.weight for s in spec.sources], dtype=np.float64)
-    sources = [[Source.of_job(spec, i) for i in range(len(spec.sources))] for _ in range(ranks)]
-    packers = [pack_greedy(interleave([source_documents(s, r, ranks) for s in sources[r]], weights),
-                           spec.packing.seq_len, None) for r in range(ranks)]
-    for _ in range(steps):
-        yield [[np.diff(next(packers[r])["cu_seqlens"]) for _ in range(mbs)] for r in range(ranks)]
-    for group in sources:
-        for s in group:
-            s.close()
-
-
-def step_lower_bound(per_rank, clock) -> float:
-    """Seconds no placement of this step's documents over its ranks can beat: max(mean rank, the costliest
-    document): a document is never split across ranks (plait.balance.certificate.lower_bound)."""
-    docs = np.concatenate([lengths for mbs in per_rank for lengths in mbs])
-    costs = clock.llm.text(docs) / clock.flops_per_s
-    return max(float(costs.sum()) / len(per_rank), float(costs.max(initial=0.0)))
-
-
-def simulated_row(steps_iter, clock) -> dict:
-    """Rates on the simulated clock: a step takes its slowest rank's compute (data read ahead). Beside
-    them, `bound_steps_per_s`: the rate if every step ran at its lower bound (step_lower_bound), and
-    the seconds this process spent producing a step (the first one apart: it loads compiled kernels)."""
-    from plait.cli.bench.e2e_run import balance_loss
-
-    computes, bounds, tokens, data_s = [], [], 0, []
-    t = time.perf_counter()
-    for per_rank in steps_iter:
-        data_s.append(time.perf_counter() - t)
-        computes.append([sum(clock.seconds(lengths, np.zeros(0, np.int64)) for lengths in mbs) for mbs in per_rank])
-        bounds.append(step_lower_bound(per_rank, clock))
-        tokens += sum(int(lengths.sum()) for mbs in per_rank for lengths in mbs)
-        t = time.perf_counter()
-    c = np.asarray(computes)
-    wall = float(c.max(axis=1).sum())
-    return {"steps": len(c), "steps_per_s": len(c) / wall, "tokens_per_s": tokens / wall, "wait_fraction": 0.0,
-            "balance_loss": balance_loss(c), "clock": "simulated",
-            "bound_steps_per_s": len(c) / float(np.sum(bounds)),
-            "max_over_lb": float(np.mean(c.max(axis=1) / np.asarray(bounds))),
-            "lb_over_mean": float(np.mean(np.asarray(bounds) / c.mean(axis=1))),
-            "first_data_s": float(data_s[0]),
-            "data_s_per_step": float(np.mean(data_s[1:])) if len(data_s) > 1 else float(data_s[0])}
-
-
-def run_long_context(args, err) -> list[dict]:
-    from plait.cli.bench.e2e_run import GpuClock, load_average
-
-    root = long_data(Path(args.cache) if args.cache else None)
-    seqs = [int(x) for x in str(args.long_seq).split(",")]
-    dps = [int(x) for x in str(args.long_dp).split(",")]
-    rows = []
-    for seq_len in seqs:
-        for dp in dps:
-            spec = long_spec(root, dp, seq_len, args.microbatches, getattr(args, "long_max_delay", 0))
-            clock = GpuClock.of_spec(spec, args.gpu_tflops)
-            for strategy, make in (("per-rank", per_rank_steps), ("plait", plait_steps)):
-                err.print(f"[bold]e2e[/] long-context {strategy}, DP {dp}, seq_len {seq_len} ...")
-                load_before = load_average()
-                row = simulated_row(make(spec, args.long_steps), clock)
-                row["load_average"] = [load_before, load_average()]
-                if strategy == "plait":
-                    row["max_delay"] = spec.balance.max_delay
-                rows.append({"workload": "long-context", "dp": dp, "seq_len": seq_len, "strategy": strategy, **row})
-    return rows
+    if "long-context" in args.workload_list:
+        rows += attempt("long-context", lambda: e2e_long.run_long_context(args, err))
+    if "cpu-pool" in args.workload_list:
+        clock = GpuClock.of_spec(specs[dps[0]], args.data_bound_tflops)
+        rows += attempt("cpu-pool", lambda: run_cpu_pool(args, specs[dps[0]], clock, autoscale, err))
+    if "node-images" in args.workload_list:
+        rows += attempt("node-images", lambda: run_node_images(args, lambda dp: specs[dp], err))
+    code = e2e.report(args, rows, failures, load_before, err, e2e_long.long_ratios(rows), TARGETS)
+    if not args.quiet and any(r["workload"].startswith("long-context") for r in rows):
+        e2e_long.table(rows, e2e_long.long_ratios(rows))
+    return code
 
 
 # ----- cpu-pool: the trainers' core for per-rank loaders, plus a second Ray node's core for plait's ----
@@ -266,7 +193,7 @@ def plait_served_from_pool(args, spec, clock, err, pool: set[int]) -> dict:
 
     import plait
     from plait.cli.bench.e2e_run import load_average, plait_shape, run_synchronous, summarize
-    from plait.cli.bench.memory_realistic import start_serve, stop_serve
+    from plait.cli.bench.processes import start_serve, stop_serve
 
     served = spec.with_overrides(loading={"workers": args.cpus}).model_dump(mode="json")
     job = f"bench-e2e-pool-{os.getpid()}-{time.time_ns()}"
@@ -370,7 +297,7 @@ def run_node_images(args, spec_of, err) -> list[dict]:
     """DP processes, torchrun's environment each: plait (one SourceLoader, loading.workers = W threads) vs
     per-rank (a DataLoader per process, W / DP worker processes each, at least one)."""
     from plait.cli.bench.e2e_run import load_average
-    from plait.cli.bench.memory_realistic import torchrun_env
+    from plait.cli.bench.processes import torchrun_env
 
     dp, workers = args.node_dp, args.node_workers
     spec = spec_of(dp)
@@ -381,14 +308,15 @@ def run_node_images(args, spec_of, err) -> list[dict]:
         spec_dict["loading"] = {**spec_dict.get("loading", {}), "workers": workers}
         spec_dict["steps"] = args.node_steps
         run_id = f"e2e-{os.getpid()}-{time.time_ns()}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         load_before = load_average()
         procs = []
         for r in range(dp):
             cfg = {"strategy": strategy, "spec": spec_dict, "rank": r, "steps": args.node_steps, "warmup": 1,
                    "microbatches": spec.packing.num_microbatches, "workers": max(1, workers // dp),
                    "env": torchrun_env(r, dp, run_id)}
-            procs.append(subprocess.Popen([sys.executable, "-m", __name__, "--node-trainer", json.dumps(cfg)],
-                                          stdout=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.e2e_workloads", "--node-trainer",
+                                           json.dumps(cfg)], stdout=subprocess.PIPE, text=True, env=env))
         reports = []
         for p in procs:
             out, _ = p.communicate(timeout=900)
@@ -409,3 +337,5 @@ def run_node_images(args, spec_of, err) -> list[dict]:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--node-trainer":
         node_trainer(json.loads(sys.argv[2]))
+    else:
+        sys.exit(main(sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""`plait bench soak`: does any process of a long job grow? Stream for N minutes, sample memory by role.
+"""`python -m benchmarks.soak`: does any process of a long job grow? Stream for N minutes, sample memory by role.
 
 It writes a multi-source spec (`--sources` pre-tokenized Parquet sources, `plait bench memory`'s
 generator), then streams it as fast as it can for `--minutes` in the processes the runtime needs:
@@ -33,9 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import main
+from benchmarks.soak_sampler import Sampler, ray_process_table, role_table
 from plait.cli.bench.memory import make_spec_dict
-from plait.cli.bench.memory_realistic import start_serve, stop_serve, torchrun_env
-from plait.cli.bench.soak_sampler import Sampler, ray_process_table, role_table
+from plait.cli.bench.processes import start_serve, stop_serve, torchrun_env
 from plait.errors import PlaitError
 
 HELP = "memory over a long run: RSS/PSS of every process by role, slope per hour after a warm-up"
@@ -62,6 +63,8 @@ def add_arguments(p) -> None:
                    "writes tracemalloc's top 20 growing allocation sites to DIR every --tracemalloc-every s "
                    "(PLAIT_TRACEMALLOC; tracing slows the processes and adds memory, so its slopes are not figures)")
     p.add_argument("--tracemalloc-every", type=float, default=60.0, help="seconds between two dumps (default 60)")
+    p.add_argument("--exit-grace-s", type=float, default=EXIT_GRACE_S,
+                   help=f"a process of the run still alive this long after it ended is reported (default {EXIT_GRACE_S:g})")
 
 
 def run(args) -> int:
@@ -80,7 +83,7 @@ def run(args) -> int:
         os.environ.update(PLAIT_TRACEMALLOC=str(Path(args.tracemalloc).resolve()),
                           PLAIT_TRACEMALLOC_EVERY=str(args.tracemalloc_every))
     result = soak(args.runtime, seconds, warmup, interval, sources=args.sources, dp=args.dp, seq_len=args.seq_len,
-                  loaders=args.loaders)
+                  loaders=args.loaders, exit_grace_s=args.exit_grace_s)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -91,7 +94,7 @@ def run(args) -> int:
 
 
 def soak(runtime: str, seconds: float, warmup: float, interval: float, *, sources: int = 16, dp: int = 2,
-         seq_len: int = 2048, loaders: int = 2) -> dict:
+         seq_len: int = 2048, loaders: int = 2, exit_grace_s: float = EXIT_GRACE_S) -> dict:
     """Stream for `seconds`, sampling every `interval`; the result `--json` writes."""
     # A short temp dir of the run's own: Ray's session (its sockets have a length limit) and the node share.
     root = Path(tempfile.mkdtemp(prefix="soak-", dir=os.environ.get("TMPDIR") or "/tmp"))
@@ -100,7 +103,10 @@ def soak(runtime: str, seconds: float, warmup: float, interval: float, *, source
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(root / "ray"),
-               "PLAIT_NODE_DIR": str(root / "node"), "TMPDIR": str(root)}
+               "PLAIT_NODE_DIR": str(root / "node"), "TMPDIR": str(root),
+               # trainers run `python -m benchmarks.soak`: the repository's root on their path, wherever run from
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                           os.environ.get("PYTHONPATH")]))}
         load = [os.getloadavg()]
         job = Run(runtime, spec_path, env, dp, loaders, deadline=time.monotonic() + seconds)
         job.start()
@@ -113,14 +119,14 @@ def soak(runtime: str, seconds: float, warmup: float, interval: float, *, source
             sampler.sample()
         finally:
             outcome = job.stop()
-        time.sleep(EXIT_GRACE_S)
+        time.sleep(exit_grace_s)
         left = sampler.left_alive()
         for p in left:  # nothing of the bench may outlive it
             _kill(p["pid"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"runtime": runtime, "minutes": round(seconds / 60, 3), "warmup_s": warmup, "interval_s": interval,
-            "sources": sources, "dp": dp, "roles": role_table(sampler.samples, warmup),
+            "sources": sources, "dp": dp, "exit_grace_s": exit_grace_s, "roles": role_table(sampler.samples, warmup),
             "ray_processes": ray_process_table(sampler.samples, warmup), "left_after_exit": left,
             "samples": [{"t": round(s["t"], 2), "rss_mib": {r: round(v["rss"] / 2**20, 2) for r, v in s["roles"].items()},
                          **({"ray_processes_mib": {k: round(v / 2**20, 2) for k, v in s["ray_processes"].items()}}
@@ -161,7 +167,7 @@ class Run:
             if self.runtime == "node":
                 env = {**self.env, **torchrun_env(r, self.dp, run_id)}
             role = "node-host" if self.runtime == "node" and r == 0 else "trainer"
-            self._spawn([sys.executable, "-m", "plait.cli.bench.soak", "--trainer", json.dumps({**cfg, "rank": r})],
+            self._spawn([sys.executable, "-m", "benchmarks.soak", "--trainer", json.dumps({**cfg, "rank": r})],
                         env, role)
 
     def _spawn(self, cmd: list[str], env: dict, role: str) -> None:
@@ -226,7 +232,7 @@ def print_table(result: dict) -> None:
             f"{p['name']} {p['rss_start_mib']:,.0f} -> {p['rss_end_mib']:,.0f} ({p['slope_mib_per_hour']:+,.1f})"
             for p in result["ray_processes"]), highlight=False)
     left = result["left_after_exit"]
-    console.print(f"left {EXIT_GRACE_S:g} s after exit: {len(left)} process(es)"
+    console.print(f"left {result.get('exit_grace_s', EXIT_GRACE_S):g} s after exit: {len(left)} process(es)"
                   + "".join(f"\n  {p['pid']} {p['role']}: {p['cmdline']}" for p in left), highlight=False)
 
 
@@ -251,7 +257,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def _trainer() -> None:
-    """A trainer process (`python -m plait.cli.bench.soak --trainer CFG`): iterates until the deadline."""
+    """A trainer process (`python -m benchmarks.soak --trainer CFG`): iterates until the deadline."""
     import plait
 
     cfg = json.loads(sys.argv[2])
@@ -297,5 +303,8 @@ class Lockstep:
         return min(counts)
 
 
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--trainer":
-    _trainer()
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--trainer":
+        _trainer()
+    else:
+        sys.exit(main(sys.modules[__name__]))
