@@ -14,7 +14,7 @@
    (sum_L, sum_L2, count, sum_P, sum_P2, time) goes to a CSV in `plait fit-cost`'s format; the cost model
    is fitted on half of the rows and judged on the other half (relative error of the predicted times).
 3. Balance: one global step at DP --dp (simulated ranks, one process) is planned with the fitted costs,
-   and the same documents are placed two ways, as in `plait bench multimodal`:
+   and the same documents are placed two ways, as in `python -m benchmarks.multimodal`:
      naive  each rank takes its contiguous share of the step's documents in arrival order (a seeded
             interleaving of the sources, as a per-rank loader's mixed stream) and packs them first-fit into
             its micro-batches under both capacities (what does not fit waits for a later step)
@@ -305,7 +305,7 @@ def example_spec(args: argparse.Namespace, seq_len: int, image_weight: float | N
 def place_naive(plan, seed: int, max_patches: int | None):
     """The same documents as plait's plan, placed as per-rank loaders would: a seeded interleaving as the
     arrival stream, each rank's contiguous ~1/R share of its tokens, first-fit into the rank's micro-batches
-    under both capacities (plait bench multimodal's `naive`, with equal token shares: the step holds
+    under both capacities (benchmarks.multimodal's `naive`, with equal token shares: the step holds
     exactly these documents). Returns a StepPlan of the placed ones and how many had to wait."""
     R, M, C = plan.ranks, plan.microbatches, plan.capacity
     Pc = np.iinfo(np.int64).max if max_patches is None else max_patches

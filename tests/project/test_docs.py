@@ -89,6 +89,17 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves_inside_the_repo
     assert relative_links(ROOT / "README.md"), "the README links into the docs"
 
 
+PAGE_LINES = 150  # a page says what a user needs: the current table, how to reproduce it, what it means
+
+
+def test_every_docs_page_is_at_most_150_lines():
+    """History goes to dated reports under benchmarks/reports/, not into the pages."""
+    pages = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs").glob("*/*.md"))
+    assert len(pages) > 20
+    long = {str(p.relative_to(ROOT)): n for p in pages if (n := len(p.read_text().splitlines())) > PAGE_LINES}
+    assert long == {}
+
+
 def test_links_that_leave_the_docs_become_repository_paths():
     docs = ROOT / "docs"
     text = "[the test](../tests/project/test_docs.py), [a page](concepts/step.md), [web](https://x.org/a.md)"
