@@ -26,7 +26,6 @@ from typing import Iterator
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.runtime import make_runtime
-from plait.runtime.error_reports import job_error_report
 from plait.runtime.options import renamed
 from plait.spec import Spec, load_spec
 from plait.state.log import diff_state, resolved
@@ -264,6 +263,8 @@ class Loader:
         batches are built by processes that never talk (torchrun with `share="process"`, or node-shared
         on several nodes) a report is this process's own; `gather=True` gathers the whole job's over the
         process group: a collective, to call on every rank (plait.runtime.error_reports)."""
+        from plait.runtime.error_reports import job_error_report  # loads the sources: not in a thin trainer
+
         return job_error_report(self._runtime.error_report(), self._runtime_kind, gather)
 
     def scaling_report(self) -> dict:

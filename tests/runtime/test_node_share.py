@@ -42,14 +42,14 @@ def per_process_digests(spec) -> dict[int, str]:
     return {r: batch_digest(plait.Loader(spec, dp_rank=r, read_ahead=0, share="process")) for r in range(2)}
 
 
-@pytest.mark.parametrize("host_closes", [True, False])
+@pytest.mark.parametrize("host_closes,transport", [(True, "shm"), (False, "flight")])
 @pytest.mark.subprocess
-def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path, host_closes):
-    """Two trainer processes as torchrun starts them: rank 0 hosts, both read over Flight, both get the
-    local runtime's batches; rank 0 ends first (closing its Loader, or exiting with it open) and still
-    serves rank 1 to its last step."""
+def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path, host_closes, transport):
+    """Two trainer processes as torchrun starts them: rank 0 hosts, both read from it (shared memory by
+    default, Flight when asked), both get the local runtime's batches; rank 0 ends first (closing its
+    Loader, or exiting with it open) and still serves rank 1 to its last step."""
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": f"t-{os.getpid()}",
-           "PLAIT_NODE_DIR": str(tmp_path / "rdzv")}
+           "PLAIT_NODE_DIR": str(tmp_path / "rdzv"), "PLAIT_NODE_TRANSPORT": transport}
     env.pop("PLAIT_LOCAL_SHARE", None)  # a developer's setting must not turn sharing off here
     procs = [subprocess.Popen([sys.executable, __file__, json.dumps({"spec": spec_dict, "rank": r,
                                                                     "slow": 0.15 if r == 1 else 0,
@@ -64,6 +64,7 @@ def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp
     expected = per_process_digests(plait.load_spec(spec_dict))
     for r, got in enumerate(outs):
         assert got["runtime"] == "NodeRuntime", got
+        assert got["client"] == ("ShmNodeClient" if transport == "shm" else "NodeHostClient")
         assert got["hosts"] == (r == 0)
         assert got["digest"] == expected[r]
         assert got["batches"] == 12
@@ -200,7 +201,8 @@ def _worker(cfg: dict) -> None:
     stats = runtime.serving_stats() if cfg.get("stats") else None
     if cfg["close"]:
         loader.close()
-    print(json.dumps({"runtime": type(runtime).__name__, "hosts": hosts, "digest": digest(batches),
+    print(json.dumps({"runtime": type(runtime).__name__, "client": type(getattr(runtime, "client", None)).__name__,
+                      "hosts": hosts, "digest": digest(batches),
                       "batches": len(batches), "ended": time.time(), "stats": stats}), flush=True)
 
 

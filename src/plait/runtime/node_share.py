@@ -4,9 +4,12 @@ Run alone, the local runtime makes every trainer process plan the step, read eve
 every source's reader and buffer: under torchrun with 8 processes a node holds 8 copies of everything,
 and memory grows as sources x ranks. Here the node's first process (LOCAL_RANK 0) hosts the job's roles
 (plait.runtime.serve_local.LocalJobServer: one Planner, one SourceLoader over every source, the
-Constructor) in background threads, serving the node's ranks over Arrow Flight on loopback with a fresh
-per-job token; every local rank, the host's own too, reads its micro-batches as a thin client
-(plait.runtime.flight). Memory on a node then grows as sources + ranks.
+Constructor) in background threads, with a fresh per-job token; every local rank, the host's own too,
+reads its micro-batches as a thin client. By default from shared memory (plait.runtime.node_shm_host
+writes each rank's step once into a segment, plait.runtime.node_shm_client maps it as numpy views; a
+thin rank imports neither pyarrow nor the sources); with transport="flight" (or PLAIT_NODE_TRANSPORT)
+over Arrow Flight on loopback (plait.runtime.flight), as clients on other machines read. Memory on a node
+then grows as sources + ranks.
 
 Every node plans the whole step itself from the same spec, seed and data, exactly as every process did
 before: nodes agree without talking, and the stream is the local runtime's bit for bit (same digest).
@@ -60,11 +63,14 @@ from typing import Iterator
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
+from plait.runtime.node_shm import shm_dir
 from plait.runtime.options import renamed
 from plait.spec import Spec
 
 SHARES = ("auto", "node", "process")
 SHARE_ENV = "PLAIT_LOCAL_SHARE"
+TRANSPORTS = ("shm", "flight")
+TRANSPORT_ENV = "PLAIT_NODE_TRANSPORT"
 DIR_ENV = "PLAIT_NODE_DIR"
 JOIN_TIMEOUT = 300.0  # seconds a process waits for its node's host (the host's first plan reads every source)
 DRAIN_GRACE = 60.0  # seconds the host waits, at most, for node processes that never joined
@@ -143,8 +149,23 @@ class _Host:
 
         self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port, expected=expected)
         self.path, self.expected, self.users = path, expected, 0
+        self.shm = None  # the shared-memory server for this machine's ranks, where the platform has one
+        folder = shm_dir()
+        if folder is not None and sys.platform.startswith("linux"):  # abstract unix sockets: Linux only
+            from plait.runtime.node_shm_host import NodeShmServer
+
+            try:
+                self.shm = NodeShmServer(self.server, folder, path.stem.removeprefix("node-")[:10])
+            except BaseException:
+                self.server.close()
+                raise
         remove_stale_rendezvous(path.parent)
         self.write()
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        self.server.close()
 
     def drain(self) -> None:
         """Serve until the node's processes have left, then close (unless a new Loader took the host); stop
@@ -168,7 +189,7 @@ class _Host:
                 return
             _HOSTS.pop(self.path, None)
         self.remove_file()
-        self.server.close()
+        self.close()
 
     def stop_failed(self, failure: str) -> None:
         """This process's trainer raised: refuse every request with why, say it in the rendezvous file (the
@@ -184,15 +205,17 @@ class _Host:
         while self.server.clients.live(exclude_pid=os.getpid()) > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         self.remove_file()
-        self.server.close()
+        self.close()
 
     def write(self, extra: dict | None = None) -> None:
         """The rendezvous file: where the host listens, its token and process (and `extra`)."""
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
+            shm = None if self.shm is None else {"address": self.shm.address, "dir": str(self.shm.segments.folder),
+                                                 "pid": os.getpid()}
             json.dump({"address": self.server.address, "token": self.server.token, "pid": os.getpid(),
-                       "job": self.server.job, **(extra or {})}, f)
+                       "job": self.server.job, "shm": shm, **(extra or {})}, f)
         os.replace(tmp, self.path)
 
     def remove_file(self) -> None:
@@ -232,6 +255,8 @@ def _remove_files_on_sigterm() -> None:
     def on_sigterm(signum, frame):
         for host in list(_HOSTS.values()):
             host.remove_file()
+            if host.shm is not None:
+                host.shm.segments.close()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -354,11 +379,27 @@ class HostWatch:
         self.done.set()
 
 
-def join_host(spec: Spec, job: str, path: Path, timeout: float):
+def node_transport(transport: str | None) -> str:
+    """How this process reads from its node's host: `shm` (default; Flight where the host offers no shared
+    memory) or `flight` (to compare), from the option or PLAIT_NODE_TRANSPORT."""
+    transport = transport or os.environ.get(TRANSPORT_ENV) or "shm"
+    if transport not in TRANSPORTS:
+        raise PlaitError(f"transport={transport!r} is not one of {', '.join(TRANSPORTS)} (also from {TRANSPORT_ENV})")
+    return transport
+
+
+def _client_of(spec: Spec, job: str, info: dict, transport: str):
+    if transport == "shm" and info.get("shm"):
+        from plait.runtime.node_shm_client import ShmNodeClient
+
+        return ShmNodeClient(spec, info["shm"], info["token"], job=job)
+    return node_client_class()(spec, job_address=info["address"], token=info["token"], job=job)
+
+
+def join_host(spec: Spec, job: str, path: Path, timeout: float, transport: str = "shm"):
     """(a thin client of the node's host, the host's process id)."""
     from plait.job.consumers import process_alive
 
-    client = node_client_class()
 
     deadline = time.monotonic() + timeout
     last = "its rendezvous file did not appear"
@@ -373,7 +414,7 @@ def join_host(spec: Spec, job: str, path: Path, timeout: float):
             if not alive:
                 last = f"the host process {info['pid']} that wrote it is gone"
             elif not stopped:
-                return client(spec, job_address=info["address"], token=info["token"], job=job), int(info["pid"])
+                return _client_of(spec, job, info, transport), int(info["pid"])
         except (OSError, ValueError, KeyError, AttributeError):
             pass
         except PlaitError as e:  # a stale file, or a host still starting or already closing
@@ -393,14 +434,17 @@ class NodeRuntime:
     """The runtime interface (plait.runtime) for one process of a node whose LOCAL_RANK 0 hosts the data
     plane (see the module's doc). Options: `job` (names the node's job; default from the launch),
     `metrics_port` (the host's Prometheus endpoint), `join_timeout` (seconds to wait for the host;
-    `timeout` is its deprecated name), `share` (as plait.Loader's)."""
+    `timeout` is its deprecated name), `share` (as plait.Loader's), `transport` (`shm`, the default: read
+    micro-batches from shared memory; `flight`: over Arrow Flight on loopback, as before; node_transport)."""
 
     @staticmethod
     def option_names() -> list[str]:
-        return ["job", "metrics_port", "join_timeout", "share", "timeout"]
+        return ["job", "metrics_port", "join_timeout", "share", "timeout", "transport"]
 
     def __init__(self, spec: Spec, *, job: str | None = None, metrics_port: int | None = None,
-                 join_timeout: float | None = None, share: str = "node", timeout: float | None = None):
+                 join_timeout: float | None = None, share: str = "node", timeout: float | None = None,
+                 transport: str | None = None):
+        transport = node_transport(transport)
         timeout = renamed("timeout", timeout, "join_timeout", join_timeout)
         timeout = JOIN_TIMEOUT if timeout is None else timeout
         launch = node_launch(share)
@@ -412,7 +456,7 @@ class NodeRuntime:
         self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
                       if launch.local_rank == 0 else None)
         try:
-            self.client, host_pid = join_host(spec, job, path, timeout)
+            self.client, host_pid = join_host(spec, job, path, timeout, transport)
             self.client.control.action("join", {"id": self.client.client_id, "pid": os.getpid()})
         except BaseException:
             if self._host is not None:
@@ -484,6 +528,8 @@ class NodeRuntime:
             self.client.control.action("leave", {"id": self.client.client_id})
         except PlaitError:
             pass  # the host is gone already
+        if hasattr(self.client, "remove_host_leftovers"):  # a dead host's unmapped segments go with it
+            self.client.remove_host_leftovers()
 
     def close(self) -> None:
         """Leave the node's job; the host's process serves on until the node's other processes are done."""

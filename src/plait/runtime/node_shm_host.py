@@ -1,0 +1,185 @@
+"""The node's data host, serving the trainers on its machine through shared memory (plait.runtime.node_shm).
+
+Beside its Flight server (for clients elsewhere), the host (plait.runtime.node_share) listens on a
+unix-domain socket of the abstract namespace (`multiprocessing.connection`, authenticated with the job's
+token; the kernel removes the name with the process). Each trainer opens two connections: control (the
+actions of the Flight protocol, answered by the same action table: plait.runtime.flight_serving.JobFlight)
+and data (one step of one rank at a time). For a step the host writes the rank's micro-batches once into a
+segment and answers its name and layout; the trainer maps it and says so (`mapped`).
+
+Lifetime: a segment is unlinked as soon as every connection reading its (DP rank, CP rank) has mapped it
+(the TP and PP ranks of a replica read one segment), when the connection that waits for it closes (a
+trainer that died: its socket closes with it), when the stream starts a new generation, and when the host
+closes. Back-pressure is the plan window's: a request waits in JobService.get, never here. A host killed
+outright leaves at most the segments written and not yet mapped; they carry its pid, and whoever sees it
+gone removes them (node_shm.remove_leftovers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+
+from plait.errors import PlaitError
+from plait.runtime.node_shm import remove_leftovers, segment_prefix, write_segment
+
+log = logging.getLogger("plait.node")
+Key = tuple  # (gen, step, dp_rank, cp size, cp rank): one segment serves every reader of it
+
+
+@dataclass
+class Held:
+    """A written segment whose name still exists: who must map it before it goes."""
+
+    name: str
+    gen: int
+    reads: tuple[int, int]  # (DP rank, CP rank) of its readers
+    reply: tuple  # (name or None, size, layouts)
+    mapped_by: set[int] = field(default_factory=set)
+
+
+class Segments:
+    """The host's written, not yet fully mapped segments, and which connection reads which rank."""
+
+    def __init__(self, folder: Path, prefix: str):
+        self.folder, self.prefix = folder, prefix
+        self.lock = threading.Lock()
+        self.held: dict[Key, Held] = {}
+        self.readers: dict[int, tuple[int, int]] = {}  # connection id -> (DP rank, CP rank) it reads
+        self.counter = itertools.count()
+
+    def get(self, conn_id: int, key: Key, batches: list) -> tuple:
+        """The segment of `key` for connection `conn_id`: the one held (another reader of the rank's step
+        asked first), else `batches` written now."""
+        gen, reads = key[0], (key[2], key[4])
+        with self.lock:
+            self.readers[conn_id] = reads
+            for old in [k for k, h in self.held.items() if h.gen < gen]:  # an older generation is never read
+                self._drop(old)
+            held = self.held.get(key)
+            if held is not None:
+                return held.reply
+            name = f"{self.prefix}{next(self.counter)}"
+            size, layouts = write_segment(self.folder / name, batches)
+            reply = (name if size else None, size, layouts)
+            if size:
+                self.held[key] = Held(name, gen, reads, reply)
+            return reply
+
+    def mapped(self, conn_id: int, name: str) -> None:
+        with self.lock:
+            for key, held in list(self.held.items()):
+                if held.name == name:
+                    held.mapped_by.add(conn_id)
+                    self._settle(key)
+
+    def forget(self, conn_id: int) -> None:
+        """A connection closed: it maps nothing more."""
+        with self.lock:
+            self.readers.pop(conn_id, None)
+            for key in list(self.held):
+                self._settle(key)
+
+    def _settle(self, key: Key) -> None:
+        held = self.held[key]
+        waiting = {c for c, reads in self.readers.items() if reads == held.reads}
+        if waiting <= held.mapped_by:
+            self._drop(key)
+
+    def _drop(self, key: Key) -> None:
+        held = self.held.pop(key)
+        (self.folder / held.name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self.lock:
+            for key in list(self.held):
+                self._drop(key)
+        for path in self.folder.glob(self.prefix + "*"):  # one written while closing
+            path.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+
+class NodeShmServer:
+    """Serves `server` (a plait.runtime.serve_local.LocalJobServer: its JobService and its action table)
+    to this machine's trainers through segments in `folder`. `address` (abstract socket name) and `token`
+    go into the node's rendezvous file."""
+
+    def __init__(self, server, folder: Path, job_tag: str):
+        self.server, self.service = server, server.service
+        self.token = server.token
+        remove_leftovers(folder)  # of earlier hosts that were killed
+        self.segments = Segments(folder, segment_prefix(os.getpid(), job_tag))
+        self.address = f"\0plait-{os.getpid()}-{job_tag}-{secrets.token_hex(4)}"
+        self.listener = Listener(self.address, family="AF_UNIX", authkey=self.token.encode())
+        self.closed = threading.Event()
+        self.conn_ids = itertools.count()
+        self.thread = threading.Thread(target=self._accept, name="plait-shm-accept", daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):
+                if self.closed.is_set():
+                    return
+                continue  # a peer without the token (AuthenticationError is an OSError's sibling: below)
+            except Exception:  # noqa: BLE001 - multiprocessing.AuthenticationError: refused, keep serving
+                continue
+            if self.closed.is_set():
+                conn.close()
+                return
+            threading.Thread(target=self._serve, args=(conn, next(self.conn_ids)), name="plait-shm-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: Connection, conn_id: int) -> None:
+        try:
+            while not self.closed.is_set():
+                op, args = conn.recv()
+                if op == "mapped":  # no answer: the reader goes on at once
+                    self.segments.mapped(conn_id, args)
+                    continue
+                try:
+                    reply = ("ok", self._answer(conn_id, op, args))
+                except PlaitError as e:
+                    reply = ("error", str(e))
+                except Exception as e:  # noqa: BLE001 - a bug here must reach the trainer, not kill the host
+                    log.exception("plait: the node's shared-memory server failed on %s", op)
+                    reply = ("error", f"this node's data host failed: {type(e).__name__}: {e}")
+                conn.send(reply)
+        except (EOFError, OSError):
+            pass  # the trainer closed, or its process died
+        finally:
+            self.segments.forget(conn_id)
+            conn.close()
+
+    def _answer(self, conn_id: int, op: str, args):
+        if op == "get":  # the job service's, as Flight's do_get: the window, the build cache, the CP cut
+            gen, step, dp_rank, limit, cp, with_state, client = args
+            state, batches = self.service.get(gen, step, dp_rank, limit, tuple(cp), with_state, client)
+            return state, self.segments.get(conn_id, (gen, step, dp_rank, *cp), batches)
+        if op == "action":
+            name, body = args
+            return self.server.server.answer(name, body, "")
+        raise PlaitError(f"unknown request {op!r} to this node's data host")
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        try:  # wake the accepting thread
+            from multiprocessing.connection import Client
+
+            Client(self.address, family="AF_UNIX", authkey=self.token.encode()).close()
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+        self.listener.close()
+        self.segments.close()
