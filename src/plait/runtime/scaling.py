@@ -1,7 +1,8 @@
 """Scaling: measuring what each source costs to preprocess, and reporting the loader layout.
 
   * `probe_costs` measures each source's preprocessing cost, in seconds per token (read + decode +
-    tokenize), by reading its first blocks through the same `plait.sources.Source` a loader uses.
+    tokenize, and the decode of its media: images, videos, audio clips), by reading its first blocks
+    through the same `plait.sources.Source` a loader uses.
   * `describe` / `format_layout` report a `LoaderLayout` (one row per loader) for the CLI and the logs.
 
 The decision itself (demand per source -> loaders and partitions, and which loader owns which block) is
@@ -23,9 +24,10 @@ from plait.spec import Spec
 
 def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens: int = 16384,
                 max_blocks: int = 4, budget_s: float = 2.0) -> tuple[list[float], list[int]]:
-    """(seconds per token, number of files) per source, from reading its first blocks (and, for an image
-    source, decoding every image they hold: what its loader does for each delivered sample; the block read
-    alone takes image sizes from headers and would make a photo source look as cheap as text).
+    """(seconds per token, number of files) per source, from reading its first blocks (and, for a media
+    source, decoding the images, videos and audio clips they hold: what its loader does for each delivered
+    sample; the block read alone takes sizes and durations from headers and would make a photo or speech
+    source look as cheap as text).
 
     Each source reads at least two blocks (the first one warms the reader and tokenizer up and is not
     timed unless it is the only one), then more until `min_tokens` tokens were timed, `max_blocks`
@@ -49,7 +51,7 @@ def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens:
             while blocks < max_blocks:
                 t0 = time.perf_counter()
                 block = src.read_block(key)
-                dt = time.perf_counter() - t0 + image_seconds(src, block)
+                dt = time.perf_counter() - t0 + media_seconds(src, block)
                 tok = int(block.lengths.sum()) or max(1, int(block.num_positions))
                 if blocks == 0:
                     first_s, first_tok = dt, tok
@@ -76,17 +78,18 @@ def probe_costs(spec: Spec, sources: Sequence[int] | None = None, *, min_tokens:
     return costs, files
 
 
-PROBE_IMAGES = 16  # images decoded per probed block (evenly spaced); the rest are extrapolated
+PROBE_MEDIA = 16  # media decoded per probed block (evenly spaced); the rest are extrapolated
 
 
-def image_seconds(src, block) -> float:
-    """Seconds to decode every image of a block, as a loader's gather does for delivered documents:
-    measured on up to PROBE_IMAGES of them (evenly spaced), scaled to all. 0.0 for text."""
+def media_seconds(src, block) -> float:
+    """Seconds to decode every medium of a block (images to patches, videos' sampled frames, audio clips
+    to log-mel features), as a loader's gather does for delivered documents: measured on up to PROBE_MEDIA
+    of them (evenly spaced), scaled to all. 0.0 for text."""
     table = getattr(block, "images", None)
     count = 0 if table is None or src.images is None else len(table.grid)
     if count == 0:
         return 0.0
-    sample = np.unique(np.linspace(0, count - 1, min(count, PROBE_IMAGES)).astype(np.int64))
+    sample = np.unique(np.linspace(0, count - 1, min(count, PROBE_MEDIA)).astype(np.int64))
     t0 = time.perf_counter()
     for j in sample:
         src.image_pixels(block, int(j))
