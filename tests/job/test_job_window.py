@@ -12,7 +12,7 @@ import threading
 from helpers import batch_digest, make_spec, token_parquet
 
 import plait
-from plait.job.consumers import Consumers, RankProgress
+from plait.job.consumers import Ask, Consumers, RankProgress
 from plait.job.service import JobService
 from plait.runtime.local import LocalRoles
 
@@ -60,18 +60,18 @@ def test_a_reader_whose_process_died_holds_nothing_back():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     consumers.join("gone", proc.pid)
-    consumers.asked("gone", 1, 0, 0, 3, None)
+    consumers.asked(Ask("gone", 1, 0, 1), 0, 3)
     consumers.join("here", 1)  # pid 1 runs
-    consumers.asked("here", 0, 0, 0, 9, None)
+    consumers.asked(Ask("here", 0, 0, 0), 0, 9)
     assert consumers.slowest(0, 0) == (9, "DP rank 0, pid 1")
-    consumers.asked("here", 0, 0, 0, 15, 16)  # its last step: done
+    consumers.asked(Ask("here", 0, 0, 0, limit=16), 0, 15)  # its last step: done
     assert consumers.slowest(0, 0) == (None, "")
 
 
 def test_missing_processes_of_a_node_hold_the_stream_at_its_start():
     consumers = Consumers(expected=2, grace_s=60)
     consumers.join("a", 1)
-    consumers.asked("a", 0, 0, 0, 30, None)
+    consumers.asked(Ask("a", 0, 0, 0), 0, 30)
     low, who = consumers.slowest(0, 0)
     assert low == 0 and "not joined yet" in who
 

@@ -15,6 +15,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+
+@dataclass(frozen=True)
+class Ask:
+    """Who asks for a step: `reader` (a Flight client id, or its ranks), its DP and CP rank, the build it
+    reads (`rank`: job.cp_builds.served_rank) and its last step + 1 (`limit`, None: no end)."""
+
+    reader: str
+    dp_rank: int
+    cp_rank: int
+    rank: int
+    limit: int | None = None
+
 SILENT_S = 600.0  # a consumer that never joined and has not asked for this long is taken for gone
 
 
@@ -23,6 +35,7 @@ class Consumer:
     key: str
     dp_rank: int = -1
     cp_rank: int = 0
+    rank: int = -1  # the build it reads (its DP rank; its pool rank with dynamic CP)
     gen: int = -1
     step: int = -1  # the step it asked for last (it may still ask for it again: other CP ranks, retries)
     done: bool = False  # asked for its last step (the ticket's limit)
@@ -41,9 +54,12 @@ class Consumer:
 class Consumers:
     """The trainer processes that joined (`join` / `leave` by client id and process id) and the stream
     position of every consumer. `expected`: processes that will join (a node's LOCAL_WORLD_SIZE); until
-    they have, or `grace_s` passed, the ones missing count as reading from the start."""
+    they have, or `grace_s` passed, the ones missing count as reading from the start. One of the plan
+    stream's reader policies (job.plan_stream.Readers)."""
 
-    def __init__(self, expected: int = 0, grace_s: float = 60.0, silent_s: float = SILENT_S):
+    def __init__(self, expected: int = 0, grace_s: float = 60.0, silent_s: float = SILENT_S,
+                 every_rank_reads: bool = False):
+        self.every_rank_reads = every_rank_reads
         self.lock = threading.Lock()
         self.pids: dict[str, int] = {}  # client id -> process id, while joined
         self.seen: set[int] = set()  # every process that ever joined
@@ -74,13 +90,32 @@ class Consumers:
             return len(self.seen)
 
     # ----- stream positions ---------------------------------------------------------------------------
-    def asked(self, key: str, dp_rank: int, cp_rank: int, gen: int, step: int, limit: int | None) -> None:
+    def asked(self, ask: Ask, gen: int, step: int) -> None:
         """A consumer asked for `step` of generation `gen`."""
         with self.lock:
-            c = self.readers.setdefault(key, Consumer(key))
-            c.dp_rank, c.cp_rank, c.gen, c.step = dp_rank, cp_rank, gen, step
-            c.done = limit is not None and step >= int(limit) - 1
+            c = self.readers.setdefault(ask.reader, Consumer(ask.reader))
+            c.dp_rank, c.cp_rank, c.rank, c.gen, c.step = ask.dp_rank, ask.cp_rank, ask.rank, gen, step
+            c.done = ask.limit is not None and step >= int(ask.limit) - 1
             c.seen = time.monotonic()
+
+    def built(self, gen: int, step: int, rank: int) -> None:
+        """Builds say nothing here: a consumer's position is what it asked for."""
+
+    def reading(self, gen: int) -> set[int] | None:
+        """The builds (DP ranks, pool ranks with dynamic CP) that live consumers of `gen` still read: a
+        step's blocks are kept until these have built it. A rank nobody reads (not joined, gone, past its
+        last step) pins nothing: should it read later, its build reads the blocks again. None: every rank
+        (`every_rank_reads`: one process reads all ranks by construction; or a process of the node is about
+        to read, ranks unknown yet: it joined and has not asked, or is expected and its grace lasts)."""
+        if self.every_rank_reads:
+            return None
+        with self.lock:
+            self._forget_gone()
+            if self.expected > len(self.seen) and time.monotonic() < self.grace_until:
+                return None
+            if any(c.rank < 0 for c in self.readers.values()):
+                return None
+            return {c.rank for c in self.readers.values() if c.gen == gen and not c.done}
 
     def slowest(self, gen: int, base_step: int) -> tuple[int | None, str]:
         """(the lowest step a live consumer of generation `gen` may still ask for, who that is), or
@@ -127,18 +162,25 @@ def process_alive(pid: int) -> bool:
 
 class RankProgress:
     """How far each DP rank's builds got, for a runtime that sees builds, not readers (the Ray Planner:
-    its Constructors report each build). A rank holds the window back from its first build of a
+    its Constructors report each build); the plan stream's other reader policy. A rank holds the window back from its first build of a
     generation until it has built nothing for `silent_s` seconds."""
 
     def __init__(self, silent_s: float = SILENT_S):
         self.silent_s = float(silent_s)
         self.last: dict[int, tuple[int, int, float]] = {}  # DP rank -> (generation, highest step built, when)
 
+    def asked(self, ask: Ask, gen: int, step: int) -> None:
+        """Asks say nothing here: a rank's position is what it built."""
+
     def built(self, gen: int, step: int, dp_rank: int) -> None:
         g, s, _ = self.last.get(dp_rank, (gen, step, 0.0))
         self.last[dp_rank] = (gen, max(s, step) if g == gen else step, time.monotonic())
 
-    def slowest(self, gen: int) -> tuple[int | None, str]:
+    def reading(self, gen: int) -> set[int] | None:
+        """Every rank: a Ray job's Constructors build each step for all the ranks they serve."""
+        return None
+
+    def slowest(self, gen: int, base_step: int | None = None) -> tuple[int | None, str]:
         """(the highest step the slowest reading rank of `gen` has built, that rank), or (None, "")."""
         now, low, who = time.monotonic(), None, ""
         for rank, (g, s, t) in self.last.items():

@@ -17,13 +17,24 @@ import threading
 import time
 import json
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from plait.errors import PlaitError
-from plait.job.consumers import Consumers
 from plait.plan import StepPlan
 
 log = logging.getLogger("plait.serving")
+
+
+class Readers(Protocol):
+    """Who reads a stream, the plan stream's swappable "who is slowest" policy: told of every ask and
+    every build, it names the window's low end (`slowest`) and the builds whose readers pin a planned
+    step's blocks (`reading`; None: every rank). job.consumers.Consumers follows the readers' asks (a
+    served or node-shared job), job.consumers.RankProgress the ranks' builds (the Ray Planner)."""
+
+    def asked(self, ask: Any, gen: int, step: int) -> None: ...
+    def built(self, gen: int, step: int, rank: int) -> None: ...
+    def slowest(self, gen: int, base_step: int) -> tuple[int | None, str]: ...
+    def reading(self, gen: int) -> set[int] | None: ...
 WINDOW = 64  # planned steps kept at most (fastest rank minus slowest live one)
 REPORT_S = 5.0  # a wait this long is logged, naming the rank it waits for
 POLL_S = 0.25  # a waiting rank looks again this often (a slow rank may have died meanwhile)
@@ -37,7 +48,7 @@ class PlanWindow:
     """Planned steps of the current generation. `plan_next()` plans the next step (the Planner's),
     `next_step()` is the step it would plan; `lock` is the caller's (an RLock is fine)."""
 
-    def __init__(self, plan_next: Callable[[], StepPlan], next_step: Callable[[], int], consumers: Consumers,
+    def __init__(self, plan_next: Callable[[], StepPlan], next_step: Callable[[], int], consumers: Readers,
                  lock, *, size: int = WINDOW, report_s: float = REPORT_S):
         if size < 1:
             raise PlaitError(f"the plan window must hold at least 1 step (got {size})")
@@ -108,6 +119,11 @@ class PlanWindow:
             return True
         low, _ = self.consumers.slowest(self.gen, self.base_step)
         return low is None or step < low + self.size
+
+    def edge(self) -> int | None:
+        """The first step not admitted now (None: any is): a rank's build-ahead stops there."""
+        low, _ = self.consumers.slowest(self.gen, self.base_step)
+        return None if low is None else max(self.next_step(), low + self.size)
 
     def admit(self, gen: int, step: int) -> None:
         """Wait (the caller's lock released meanwhile) until `step` of `gen` may be planned."""

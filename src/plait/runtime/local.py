@@ -129,6 +129,7 @@ class LocalRuntime:
         self.spec, self.planner, self.loader = spec, self.roles.planner, self.roles.loader
         self.constructor, self.telemetry, self.metrics_port = (self.roles.constructor, self.roles.telemetry,
                                                                self.roles.metrics_port)
+        self.driven: tuple[int, int] | None = None  # (generation, next step) of `plan`, the job's driver
         ahead = build_ahead if build_ahead is not None else (ALL_RANKS_AHEAD if all_ranks else 0)
         threads = build_threads if build_threads is not None else (None if all_ranks else 1)
         try:
@@ -137,15 +138,28 @@ class LocalRuntime:
             self.roles.close()
             raise
 
-    # ----- the job's driver: the roles' ------------------------------------------------------------------
+    # ----- the job's driver (`plait run`): the job service's stream, as every runtime's -----------------------
     def plan(self) -> StepPlan:
-        return self.roles.plan()
+        """The next step of the job's plan stream (from where the last `load_state_dict` put it)."""
+        self.service.every_rank_reads = True  # the driver builds every rank of each step
+        gen, base = self.service.base()
+        if self.driven is None or self.driven[0] != gen:
+            self.driven = (gen, int(base["step"]))
+        gen, step = self.driven
+        plan = self.service.stream.plan(gen, step)
+        self.driven = (gen, step + 1)
+        return plan
 
     def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
-        return self.roles.build(plan, dp_rank, only)
+        """Rank `dp_rank`'s micro-batches of a step `plan` returned (with dynamic CP a pool rank's), built
+        once by the job service (`only`: those micro-batch indices)."""
+        cp = self.spec.topology.cp if self.service.builds.dynamic else 1
+        _, batches = self.service.get(self.service.gen, plan.step, dp_rank // cp, cp=(cp, dp_rank % cp),
+                                      with_state=False)
+        return [mb for mb in batches if only is None or mb.microbatch in only]
 
     def release(self, *in_flight: StepPlan) -> None:
-        self.roles.release(*in_flight)
+        """Nothing to do: the job service releases a step's blocks once every rank built it."""
 
     # ----- the trainer's stream: through the job service --------------------------------------------------
     def iter_rank(self, dp_rank: int, start_state: dict, start_micro: int, max_steps: int | None,

@@ -68,8 +68,10 @@ class LocalJobServer(ServedJob):
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
+        # Its readers are whichever trainers connect: a rank nobody reads must not pin blocks.
         self.service = JobService(LocalRoles(self.spec, dp=dp, metrics_port=metrics_port), expected=expected,
-                                  build_ahead=BUILD_AHEAD if build_ahead is None else build_ahead)
+                                  build_ahead=BUILD_AHEAD if build_ahead is None else build_ahead,
+                                  every_rank_reads=False)
         self.ranks = self.service.ranks
         info = {"job": job, "fingerprint": self.spec.data_fingerprint(), "mixture": self.spec.mixture_fingerprint(),
                 "ranks": self.ranks,
