@@ -72,6 +72,30 @@ def test_leftovers_of_a_dead_host_are_removed_and_a_live_ones_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-1", f"plait-{os.getpid()}-job-0"]
 
 
+def test_the_ranks_of_one_replica_map_one_segment_that_goes_when_all_have(tmp_path):
+    """Two TP ranks (connections 1, 2) of DP rank 0 read step 5: one write; its name stays until both mapped
+    it. A reader that dies before mapping (its connection closes) does not keep it either."""
+    from plait.runtime.node_shm_host import Segments
+
+    segments = Segments(tmp_path, "plait-1-t-")
+    mb = MicroBatch(step=5, microbatch=0, num_microbatches=1, dp_rank=0, input_ids=np.arange(4, dtype=np.int32),
+                    labels=np.arange(4, dtype=np.int32), position_ids=np.arange(4, dtype=np.int32),
+                    cu_seqlens=np.array([0, 4], np.int32), sample_ids=np.zeros((1, 5), np.int64),
+                    source_ids=np.zeros(1, np.int32))
+    key = (0, 5, 0, 1, 0)
+    first = segments.get(1, key, [mb])
+    assert segments.get(2, key, [mb]) == first and len(list(tmp_path.iterdir())) == 1  # written once
+    segments.mapped(1, first[0])
+    assert (tmp_path / first[0]).exists()  # rank 2 has not mapped it yet
+    segments.mapped(2, first[0])
+    assert not list(tmp_path.iterdir())
+    again = segments.get(1, (0, 6, 0, 1, 0), [mb])
+    segments.mapped(1, again[0])
+    assert (tmp_path / again[0]).exists()  # connection 2 reads DP rank 0 too
+    segments.forget(2)  # its trainer died
+    assert not list(tmp_path.iterdir()) and len(segments) == 0
+
+
 def launch_env(monkeypatch, tmp_path, run: str) -> None:
     for k, v in {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "TORCHELASTIC_RUN_ID": run,
                  "PLAIT_NODE_DIR": tmp_path / "rdzv"}.items():
