@@ -59,6 +59,8 @@ class RunStats:
     cost: float = 0.0  # summed item cost of the steps with images, and the encoder's part of it
     encoder_cost: float = 0.0
     videos: int = 0  # videos delivered in batches
+    audio_clips: int = 0  # audio clips delivered in batches, and their seconds (as planned)
+    audio_seconds: float = 0.0
 
     def __post_init__(self):
         n = len(self.source_names)
@@ -88,6 +90,8 @@ class RunStats:
         self.images += mb.num_images
         self.patches += mb.num_patches
         self.videos += 0 if mb.video_grid is None else len(mb.video_grid)
+        self.audio_clips += int(mb.stats.get("audio_clips", 0))
+        self.audio_seconds += float(mb.stats.get("audio_seconds", 0.0))
         batch_digest_update(self.digests.setdefault(mb.dp_rank, hashlib.sha256()), mb)
 
     @property

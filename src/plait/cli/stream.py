@@ -75,6 +75,9 @@ def stream(
         summary = stats.summary()
         if any(s.video_field is not None for s in spec.sources):  # 0 too: a video source that delivered none
             summary.update(videos=stats.videos, videos_per_s=stats.videos / max(stats.elapsed, 1e-9))
+        if any(s.audio_field is not None for s in spec.sources):
+            summary.update(audio_clips=stats.audio_clips, audio_seconds=stats.audio_seconds,
+                           audio_seconds_per_s=stats.audio_seconds / max(stats.elapsed, 1e-9))
         errors = rt.error_report()
         summary["errors"] = {k: v["skipped"] for k, v in errors.items()}  # samples lost, once per epoch each
         summary["bad_records"] = {k: v.get("bad_records", v["skipped"]) for k, v in errors.items()}  # distinct
@@ -165,6 +168,9 @@ def print_summary(spec: Spec, s: dict, console: Console) -> None:
     if "videos_per_s" in s:
         head.add_row("videos delivered", f"{s['videos']:,}")
         head.add_row("videos/s", f"{s['videos_per_s']:,.1f}")
+    if "audio_seconds_per_s" in s:
+        head.add_row("audio clips delivered (seconds of audio)", f"{s['audio_clips']:,} ({s['audio_seconds']:,.1f} s)")
+        head.add_row("seconds of audio per second", f"{s['audio_seconds_per_s']:,.1f}")
     skipped = sum(s.get("errors", {}).values())
     bad = sum(s.get("bad_records", s.get("errors", {})).values())
     head.add_row("bad records skipped (distinct; samples lost, once per epoch)", f"{bad} ({skipped})")
