@@ -84,10 +84,11 @@ def log_mel(windows: np.ndarray, lengths: np.ndarray, bins: int, dtype=np.float3
     padded[:, -half:] = windows[:, -2:-half - 2:-1]
     frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT, axis=1)[:, : needed * HOP : HOP]
     spectrum = np.fft.rfft(frames * _hann(dtype), axis=-1)
-    power = spectrum.real**2 + spectrum.imag**2
-    mel = np.log10(np.maximum(power @ mel_filters(bins, dtype), LOG_FLOOR))  # [W, needed, bins]
+    power = (spectrum.real**2 + spectrum.imag**2).reshape(-1, N_FFT // 2 + 1)
+    # one 2-D product: numpy's stacked (3-D) matmul runs several times slower than a single BLAS call
+    mel = np.log10(np.maximum(np.dot(power, mel_filters(bins, dtype)), LOG_FLOOR))  # [W * needed, bins]
     out = np.full((count, bins, WINDOW_FRAMES), np.log10(LOG_FLOOR), dtype=dtype)
-    out[:, :, :needed] = mel.transpose(0, 2, 1)
+    out[:, :, :needed] = mel.reshape(count, needed, bins).transpose(0, 2, 1)
     floor = out.max(axis=(1, 2), keepdims=True) - DYNAMIC_RANGE
     np.maximum(out, floor, out=out)
     out += 4.0
