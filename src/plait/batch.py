@@ -12,12 +12,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from plait.audio_batch import AudioPayload, merge_audio
 from plait.qwen2vl_layout import CLIP_MEAN, CLIP_STD, merge_window_order, model_inputs, numpy_layout, torch_layout
 from plait.ragged import ragged_arange
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "LAYOUTS", "Batch", "ImagePayload", "MicroBatch", "Payload", "TorchBatch",
            "merge_images", "merge_payloads", "merge_window_order"]
-LAYOUTS = ("plait", "qwen2vl", "megatron_thd")
+LAYOUTS = ("plait", "qwen2vl", "megatron_thd", "qwen2audio")
 
 
 class ImagePayload(NamedTuple):
@@ -50,6 +51,7 @@ class Payload(NamedTuple):
     images: ImagePayload | None
     dropped: np.ndarray | None = None
     dropped_labels: np.ndarray | None = None
+    audio: AudioPayload | None = None  # the items' clips (plait.audio_batch); None: none
 
 
 def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
@@ -73,7 +75,8 @@ def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray
         return out
     dropped = np.flatnonzero(~keep)
     images = merge_images([(sel, part.images) for sel, part in parts if isinstance(part, Payload)])
-    return Payload(out, images, *((dropped, lost_labels[dropped]) if len(dropped) else (None, None)))
+    audio = merge_audio([(sel, part.audio) for sel, part in parts if isinstance(part, Payload)])
+    return Payload(out, images, *((dropped, lost_labels[dropped]) if len(dropped) else (None, None)), audio)
 
 
 def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePayload | None:
@@ -147,6 +150,12 @@ class MicroBatch:
     video_grid: np.ndarray | None = None  # int64 [videos, 3]
     video_cu_seqlens: np.ndarray | None = None  # int32 [sequences + 1]
     video_document: np.ndarray | None = None  # int64 [videos]
+    # Audio (None without audio sources; plait.audio_batch): every window of every clip, in document
+    # order, as the Hugging Face Qwen2-Audio processor gives them; per clip its windows and document.
+    input_features: np.ndarray | None = None  # float32 [windows, mel_bins, 3000]
+    feature_attention_mask: np.ndarray | None = None  # int32 [windows, 3000]
+    audio_windows: np.ndarray | None = None  # int64 [clips]
+    audio_document: np.ndarray | None = None  # int64 [clips]
 
     @property
     def num_images(self) -> int:
@@ -187,6 +196,9 @@ class MicroBatch:
         (per-document M-RoPE), `pixel_values` / `image_grid_thw` and `pixel_values_videos` /
         `video_grid_thw` (float32, normalised on `device` with `normalize`, default CLIP's mean / std);
         `model_inputs()` picks what the forward takes. plait's other fields stay as they are.
+        With audio: `input_features` (float32 [windows, mel_bins, 3000]) and `feature_attention_mask`
+        (int32 [windows, 3000]) as Qwen2-Audio's processor returns them, plus `audio_windows` and
+        `audio_document` per clip; `layout="qwen2audio"` gives the processor's two fields only.
         """
         import torch
 
@@ -221,6 +233,12 @@ class MicroBatch:
             for name in ("video_grid", "video_document"):
                 out[name] = t(getattr(self, name), torch.long)
             out["video_cu_seqlens"] = t(self.video_cu_seqlens, torch.int32)
+        if self.input_features is not None:  # the processor's dtypes: float32 features, int32 mask
+            out["input_features"] = t(self.input_features, torch.float32)
+            out["feature_attention_mask"] = t(self.feature_attention_mask, torch.int32)
+            if layout != "qwen2audio":
+                out["audio_windows"] = t(self.audio_windows, torch.long)
+                out["audio_document"] = t(self.audio_document, torch.long)
         if self.mtp_labels is not None:
             out["mtp_labels"] = t(self.mtp_labels, torch.long)
         if layout == "qwen2vl":

@@ -28,6 +28,9 @@ def batch_digest_update(h: "hashlib._Hash", mb: MicroBatch) -> None:
     if mb.pixel_values_videos is not None and len(mb.pixel_values_videos):
         for a in (mb.pixel_values_videos, mb.video_grid.astype(np.int64), mb.video_document.astype(np.int64)):
             h.update(np.ascontiguousarray(a).tobytes())
+    if mb.input_features is not None and len(mb.input_features):  # audio: features, mask, windows, documents
+        for a in (mb.input_features, mb.feature_attention_mask, mb.audio_windows, mb.audio_document):
+            h.update(np.ascontiguousarray(a).tobytes())
 
 
 RECENT_STEPS = 10_000  # per-step series kept for plots: the last this many steps (a few hundred KiB)

@@ -16,7 +16,7 @@ import numpy as np
 from plait import packing_phases as phases
 from plait.errors import PlaitError, SourceError
 from plait.mixture import take_count
-from plait.plan import Items
+from plait.plan import ITEM_AUDIO_COLUMNS, Items
 from plait.spec import Spec
 
 log = logging.getLogger("plait.planner")
@@ -155,6 +155,9 @@ class SourceDraws:
         patches = getattr(meta, "patches", None)  # a document with images is never cut: one chunk
         image_columns = {} if patches is None else {
             "patches": patches[sel][doc].astype(np.int64), "patches_sq": meta.patches_sq[sel][doc].astype(np.int64)}
+        audio = getattr(meta, "audio", None)  # [docs, 3]: spans, squared spans, placeholder tokens
+        if audio is not None:
+            image_columns.update(zip(ITEM_AUDIO_COLUMNS, audio[sel][doc].astype(np.int64).T))
         return Items(
             source=full(meta.source), epoch=full(epoch), fpos=full(fpos), bpos=full(bpos),
             position=meta.positions[sel][doc].astype(np.int64), shard=full(meta.shard),

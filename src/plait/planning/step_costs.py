@@ -2,7 +2,9 @@
 outliers, and the cost figures reported with the step.
 
 With context parallelism each CP rank of a replica carries cost / cp; an item with images adds the
-vision encoder's cost of its patches (linear and quadratic per image), split over the CP ranks too.
+vision encoder's cost of its patches (linear and quadratic per image), one with audio the audio encoder's
+cost of its attention spans (linear and quadratic per span, by the window policy: plait.media.audio), both
+split over the CP ranks too. Every encoder's cost is plait.cost.EncoderCost over its units.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ CAPACITY_LB_EVERY = 10  # ... else on every 10th step
 
 def encoder_cost(spec: Spec) -> EncoderCost | None:
     """The vision encoder's per-image cost from `cost.encoder` (None: images cost nothing to encode)."""
-    e = spec.cost.encoder
+    return _encoder(spec.cost.encoder)
+
+
+def audio_encoder_cost(spec: Spec) -> EncoderCost | None:
+    """The audio encoder's cost per attention span from `audio.encoder` (None without audio)."""
+    return None if spec.audio is None else _encoder(spec.audio.encoder)
+
+
+def _encoder(e) -> EncoderCost | None:
     if e is None:
         return None
     if e.linear is not None:
@@ -37,6 +47,7 @@ class StepCosts:
         self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
         self.encoder = encoder_cost(spec)
+        self.audio_encoder = audio_encoder_cost(spec)
         self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
         self.max_patches = spec.packing.max_patches
 
@@ -44,9 +55,13 @@ class StepCosts:
         """Each item's cost per CP rank (LLM over its tokens + encoder over its images, both split over
         the cp ranks), and the encoder's part of it."""
         costs = self.cost_model.per_cp_rank(items.length, self.cp)
-        if self.encoder is None or not items.has_images:
-            return costs, np.zeros(len(items))
-        encoder = (self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq) / max(1, self.cp)
+        encoder = np.zeros(len(items))
+        if self.encoder is not None and items.has_images:
+            encoder = encoder + self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq
+        if self.audio_encoder is not None and items.has_images:
+            encoder = encoder + self.audio_encoder.linear * items.audio_spans + \
+                self.audio_encoder.quadratic * items.audio_spans_sq
+        encoder = encoder / max(1, self.cp)
         return costs + encoder, encoder
 
     def of_tokens(self, lengths: np.ndarray) -> np.ndarray:
@@ -89,10 +104,10 @@ class StepCosts:
                 "cost": float(costs[placed].sum()), "masked_labels": self.masked_labels(items.take(placed))}
 
     def masked_labels(self, items: Items) -> int:
-        """Labels the Constructor sets to -100 over image placeholders in these items: one per placeholder
-        (patches / merge**2 of them), less the first one where a document starts with a placeholder
-        (nothing predicts it: multimodal.placeholder_leads). Text items mask none."""
-        merge = self.spec.images.merge
+        """Labels the Constructor sets to -100 over media placeholders in these items: one per placeholder
+        (an image's patches / merge**2, a clip's tokens), less the first one where a document starts with
+        a placeholder (nothing predicts it: multimodal.placeholder_leads). Text items mask none."""
+        merge = self.spec.images.merge if self.spec.images is not None else 1
         leads = np.array([placeholder_leads(s) for s in self.spec.sources], dtype=np.int64)
-        with_images = items.patches > 0
-        return int((items.patches // (merge * merge)).sum() - (leads[items.source] * with_images).sum())
+        placeholders = items.patches // (merge * merge) + items.audio_tokens
+        return int(placeholders.sum() - (leads[items.source] * items.media).sum())

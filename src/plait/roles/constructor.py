@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from plait.audio_batch import AudioPayload, audio_fields, audio_stats
 from plait.batch import ImagePayload, MicroBatch, Payload, merge_payloads
 from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields
 from plait.video_batch import split_videos, video_fields, video_stats
@@ -90,17 +91,17 @@ class Constructor:
         sel = sel[np.argsort(plan.micro[sel], kind="stable")]
         items = plan.items.take(sel)
         tokens = self.payloads.fetch(items)
-        images = None
+        images = audio = None
         stats = plan.stats
         short = np.zeros(plan.microbatches, dtype=np.int64)  # samples dropped per micro-batch
         lost = np.zeros(plan.microbatches, dtype=np.int64)  # their labels (global_label_tokens counted them)
         if isinstance(tokens, Payload):
-            tokens, images, dropped, dropped_labels = tokens
-            if dropped is not None:  # an image failed after planning (skip): its sample is not delivered
+            tokens, images, dropped, dropped_labels, audio = tokens
+            if dropped is not None:  # a media failed after planning (skip): its sample is not delivered
                 short = np.bincount(plan.micro[sel[dropped]], minlength=plan.microbatches)
                 lost = np.bincount(plan.micro[sel[dropped]], weights=dropped_labels,
                                    minlength=plan.microbatches).astype(np.int64)
-                items, sel, images = without_dropped(items, sel, images, dropped)
+                items, sel, images, audio = without_dropped(items, sel, images, dropped, audio)
         # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
@@ -108,13 +109,16 @@ class Constructor:
         # a label predicting a placeholder is not trained on; only inside documents with images or videos
         # (where the id means nothing else: multimodal.ImageDocs), so that the Planner's
         # global_label_tokens is exact
-        in_images = np.repeat(items.patches > 0, items.length) if images is not None else None
-        placeholders = (images.token_id, images.video_token_id) if images is not None else ()
-        if images is not None:
+        media_ids = (() if images is None else (images.token_id, images.video_token_id)) + \
+            (() if audio is None else (audio.token_id,))
+        in_images = np.repeat(items.media, items.length) if media_ids else None
+        placeholders = media_ids
+        if media_ids:
             labels[in_images & np.isin(labels, placeholders)] = IGNORE_INDEX
+        if images is not None:
             # the qwen2vl layout finds each medium's placeholder run by these (plait.qwen2vl_layout)
             stats = {**stats, "image_token_id": int(images.token_id), "video_token_id": int(images.video_token_id)}
-        media, (images, videos) = images, split_videos(images)
+        images, videos = split_videos(images)
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
@@ -129,31 +133,34 @@ class Constructor:
                     input_ids=tokens[t0:t1], labels=labels[t0:t1], position_ids=positions[t0:t1],
                     cu_seqlens=cu_all[a : b + 1] - t0, sample_ids=sample_ids[a:b], source_ids=source_ids[a:b],
                     stats={**stats, "dropped_samples": int(short[m]), "dropped_label_tokens": int(lost[m]),
-                           **video_stats(videos, a, b)},
-                    **image_fields(images, a, b), **video_fields(videos, a, b),
+                           **video_stats(videos, a, b), **audio_stats(audio, a, b)},
+                    **image_fields(images, a, b), **video_fields(videos, a, b), **audio_fields(audio, a, b),
                 )
             )
         horizon = int(stats.get("label_horizon", 1))
         if horizon > 1:  # multi-token prediction: labels k ahead, never across a document or chunk
             for mb in out:
                 mb.mtp_labels = multi_token_labels(mb.input_ids, mb.cu_seqlens, horizon)
-                if media is not None:
+                if media_ids:
                     t0 = cu_all[item_bounds[mb.microbatch]]
                     mine = in_images[t0:t0 + len(mb.input_ids)]
                     mb.mtp_labels[mine[None, :] & np.isin(mb.mtp_labels, placeholders)] = IGNORE_INDEX
         return out
 
 
-def without_dropped(items: Items, sel: np.ndarray, images: ImagePayload | None, dropped: np.ndarray):
-    """The request's items, their indices into the rank plan and their images, less the dropped items
-    (each micro-batch keeps its other samples, in order; image item numbers follow the kept items)."""
+def without_dropped(items: Items, sel: np.ndarray, images: ImagePayload | None, dropped: np.ndarray,
+                    audio: AudioPayload | None = None):
+    """The request's items, their indices into the rank plan, their images and clips, less the dropped
+    items (each micro-batch keeps its other samples, in order; media item numbers follow the kept items)."""
     keep = np.ones(len(items), dtype=bool)
     keep[dropped] = False
     kept = np.flatnonzero(keep)
+    renumber = np.cumsum(keep) - 1
     if images is not None:
-        renumber = np.cumsum(keep) - 1
         images = images._replace(item=renumber[images.item])
-    return items.take(kept), sel[kept], images
+    if audio is not None:
+        audio = audio._replace(item=renumber[audio.item])
+    return items.take(kept), sel[kept], images, audio
 
 
 def image_fields(images: ImagePayload | None, a: int, b: int) -> dict:

@@ -178,7 +178,7 @@ class Planner:
         )
         plan.max_over_capacity_lb = self.costs.capacity_certificate(result, items, costs, step=self.step,
                                                                     capacity=self.capacity)
-        if self.images:
+        if self.images or self.spec.audio is not None:  # media figures: encoder cost, placeholder labels
             plan.images = self.costs.image_stats(result, items, encoder, costs, placed)
         self.delivered_tokens += plan.tokens
         self.delivered_samples += len(plan.items)

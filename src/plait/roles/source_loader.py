@@ -77,6 +77,7 @@ class BlockMeta:
     # capacity and the encoder's cost, quadratic per image); None for text
     patches: np.ndarray | None = None
     patches_sq: np.ndarray | None = None
+    audio: np.ndarray | None = None  # audio sources: [docs, 3] encoder spans, squared spans, placeholder tokens
 
 
 class SourceLoader:
@@ -138,6 +139,7 @@ class SourceLoader:
         return BlockMeta(
             source, key, src.next_key(key), block.shard, block.positions, block.rows, block.lengths, block.num_positions,
             None if table is None else table.doc_sums(1), None if table is None else table.doc_sums(2),
+            None if table is None or table.spans is None else table.audio_sums(),
         )
 
     # ----- payloads (to Constructors) ------------------------------------------------------------

@@ -127,7 +127,7 @@ class JsonlReader(FormatReader):
                     recs.append(None)
         if not recs:
             raise SourceError(self.spec.name, path, None, EMPTY_FILE)
-        texts, images, videos, index = [], [], [], []
+        texts, images, videos, audios, index = [], [], [], [], []
         for i, rec in enumerate(recs):
             if rec is None:
                 continue
@@ -137,9 +137,11 @@ class JsonlReader(FormatReader):
             texts.append(rec.get(self.field))
             images.append(rec.get(self.spec.image_field) if self.spec.image_field else None)
             videos.append(rec.get(self.spec.video_field) if self.spec.video_field else None)
+            audios.append(rec.get(self.spec.audio_field) if self.spec.audio_field else None)
             index.append(i)
         records, kept, more = records_from_values(texts, images, self.spec, [str(i) for i in index],
-                                                  videos if self.spec.video_field else None, posixpath.dirname(path))
+                                                  videos if self.spec.video_field else None, posixpath.dirname(path),
+                                                  audios if self.spec.audio_field else None)
         bad += [(int(name), why) for name, why in more]
         ok_index = np.asarray(index, dtype=np.int64)[kept] if len(kept) else np.zeros(0, np.int64)
         return RawBlock(0, len(recs), ok_index, pa.array([""] * len(records), pa.string()), sorted(bad), records)

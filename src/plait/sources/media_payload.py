@@ -13,10 +13,14 @@ from typing import Callable
 
 import numpy as np
 
+from plait.audio_batch import AudioPayload
 from plait.batch import ImagePayload, Payload
 from plait.ragged import ragged_arange
+from plait.sources.audio import AudioRef
 from plait.sources.base import DocBlock, Source
 from plait.sources.workers import WorkerPool
+
+AUDIO_KIND = 2  # an ImageWork task's kind for a clip (0 image, 1 video): decoded to features, not pixels
 
 
 class ImageWork:
@@ -27,7 +31,7 @@ class ImageWork:
     def __init__(self):
         self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int, tuple[int, ...]]] = []
         self.token_id = self.patch = 0
-        self.video_token_id, self.temporal_patch = -1, 1
+        self.video_token_id, self.temporal_patch, self.audio_token_id = -1, 1, -1
 
     @classmethod
     def of_gather(cls, sources: dict[int, Source], block_of: Callable[[int, tuple], DocBlock], keys: list,
@@ -45,23 +49,33 @@ class ImageWork:
         return work
 
     def add(self, source: int, src: Source, block: DocBlock, items: np.ndarray, docs: np.ndarray) -> None:
-        self.token_id, self.patch = src.images.token_id, src.images.policy.patch
+        if src.images.policy is not None:
+            self.token_id, self.patch = src.images.token_id, src.images.policy.patch
+        if src.images.audio is not None:
+            self.audio_token_id = src.images.audio.token_id
         if src.images.videos is not None:
             self.video_token_id = src.images.videos.token_id
             self.temporal_patch = src.images.videos.policy.temporal_patch
         for i, d in zip(items, docs):
             first, count = int(block.images.start[d]), int(block.images.count[d])
             for j in range(first, first + count):
+                if isinstance(block.images.refs[j], AudioRef):
+                    self.tasks.append((int(i), source, block, j, src, np.zeros(3, np.int64), AUDIO_KIND, ()))
+                    continue
                 grid, kind = src.images.payload_entry(block.images, j)
                 frames = src.images.frame_indices(block.images, j)
                 self.tasks.append((int(i), source, block, j, src, grid, kind, frames))
 
 
-def decode_task(task: tuple, out: np.ndarray) -> tuple[float, bool]:
-    """Decode one media of ImageWork into `out` (on a worker thread): the seconds it took, and whether it
-    decoded (False: skipped under on_error skip, its sample is dropped)."""
+def decode_task(task: tuple, out: np.ndarray | list) -> tuple[float, bool]:
+    """Decode one media of ImageWork into `out` (on a worker thread): an image's or video's pixels into
+    its slice of the pixel buffer, a clip's features into the one-element list `out`. The seconds it
+    took, and whether it decoded (False: skipped under on_error skip, its sample is dropped)."""
     t0 = time.perf_counter()
     _, _, block, j, src, *_ = task
+    if task[6] == AUDIO_KIND:
+        out[0] = src.image_pixels(block, j, None)
+        return time.perf_counter() - t0, out[0] is not None
     ok = src.image_pixels(block, j, out) is not None
     return time.perf_counter() - t0, ok
 
@@ -73,11 +87,14 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
     # Item order (the payload's), then each image's slice of one pixel buffer: every image is decoded
     # straight into its place, by any worker, so the bytes never depend on the number of workers.
     work.tasks.sort(key=lambda t: t[0])
+    clip = np.asarray([t[6] == AUDIO_KIND for t in work.tasks], bool)
+    clips = [[None] for _ in work.tasks]  # a clip's features land in its own list
     grids = np.asarray([t[5] for t in work.tasks], np.int64).reshape(-1, 3)
     rows = grids.prod(axis=1)
     pixels = np.empty((int(rows.sum()), work.patch * work.patch * 3), np.uint8)
     bounds = np.concatenate([[0], np.cumsum(rows)])
-    done = pool.map(lambda k: decode_task(work.tasks[k], pixels[bounds[k]:bounds[k + 1]]), range(len(work.tasks)))
+    done = pool.map(lambda k: decode_task(work.tasks[k], clips[k] if clip[k] else pixels[bounds[k]:bounds[k + 1]]),
+                    range(len(work.tasks)))
     owner = np.asarray([t[0] for t in work.tasks], np.int64)
     kinds = np.asarray([t[6] for t in work.tasks], np.int64)
     frame_counts = np.asarray([len(t[7]) for t in work.tasks], np.int64)
@@ -85,23 +102,29 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
     gone = None
     failed = np.asarray([not ok for _, ok in done])
     lost_labels = None
+    kept = np.ones(len(work.tasks), dtype=bool)
     if failed.any():  # under skip: the whole sample of a media that did not decode leaves the payload
         gone = np.unique(owner[failed])
         keep_item = np.ones(len(length), dtype=bool)
         keep_item[gone] = False
         lost_labels = labels_of(tokens, np.asarray(length, dtype=np.int64), gone,
-                                (int(work.token_id), int(work.video_token_id)))
+                                (int(work.token_id), int(work.video_token_id), int(work.audio_token_id)))
         tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
         kept = keep_item[owner]
         pixels = pixels[np.repeat(kept, rows)]
         frames = frames[np.repeat(kept, frame_counts)]
-        grids, owner, kinds = grids[kept], owner[kept], kinds[kept]
-        if not kept.any():
-            return Payload(tokens, None, gone, lost_labels), done
+    audio = None
+    if (kept & clip).any():  # items numbered in the request, as images are (the Constructor renumbers)
+        take = np.flatnonzero(kept & clip)
+        audio = AudioPayload.of_clips([clips[k][0] for k in take], owner[take], work.audio_token_id)
+    pictures = kept & ~clip
+    if not pictures.any():
+        return Payload(tokens, None, gone, lost_labels, audio), done
+    grids, owner, kinds = grids[pictures], owner[pictures], kinds[pictures]
     images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
                           kinds if kinds.any() else None, work.video_token_id, work.temporal_patch,
                           frames if kinds.any() else None)
-    return Payload(tokens, images, gone, lost_labels), done
+    return Payload(tokens, images, gone, lost_labels, audio), done
 
 
 def labels_of(tokens: np.ndarray, length: np.ndarray, items: np.ndarray, placeholders: tuple[int, int]) -> np.ndarray:

@@ -43,14 +43,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pyarrow as pa
 
+from plait.media.base import MediaError
+from plait.media.registry import AUDIO, IMAGE, VIDEO
 from plait.spec import SourceSpec, Spec
+from plait.sources.audio import AudioDocs, AudioRef, ClipPlan, audio_list
 from plait.sources.video import VIDEO_KIND, VideoDocs, video_list
 from plait.transforms.images import BadImage, ImagePolicy, decode, image_size
 from plait.transforms.video import VideoPlan, VideoRef
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
-IMAGE_MARKER = "<image>"
-VIDEO_MARKER = "<video>"
+IMAGE_MARKER, VIDEO_MARKER, AUDIO_MARKER = IMAGE.marker, VIDEO.marker, AUDIO.marker
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 HEAD_BYTES = 1 << 16  # header prefix read at planning time (the whole image if its header needs more)
 
@@ -106,11 +108,13 @@ def render_chat(turns) -> str:
     return "".join(out)
 
 
-def make_record(text, images: list[ImageRef], template: str | None, name: str, videos: list | None = None) -> MMRecord:
+def make_record(text, images: list[ImageRef], template: str | None, name: str, videos: list | None = None,
+                audios: list | None = None) -> MMRecord:
     """Segments and images of a record under the source's template; BadRecord when they disagree.
-    `videos` (a video source): the record's VideoRefs, placed at `<video>` markers (sources/video.py)."""
-    if videos is not None:
-        return _with_videos(text, images, videos, template, name)
+    `videos` (a video source): the record's VideoRefs, placed at `<video>` markers (sources/video.py);
+    `audios` (an audio source): its AudioRefs, at `<audio>` markers (sources/audio.py)."""
+    if videos is not None or audios is not None:
+        return _with_media(text, images, videos or [], audios or [], template, name)
     if template == "chat":
         segments = render_chat(text).split(IMAGE_MARKER)
         if len(segments) - 1 != len(images):
@@ -121,19 +125,22 @@ def make_record(text, images: list[ImageRef], template: str | None, name: str, v
     return MMRecord([""] * len(images) + [text], images, name)
 
 
-def _with_videos(text, images: list, videos: list, template: str | None, name: str) -> MMRecord:
-    """make_record for a video source: media in marker order (chat), or images then videos (caption)."""
+def _with_media(text, images: list, videos: list, audios: list, template: str | None, name: str) -> MMRecord:
+    """make_record for a video or audio source: media in marker order (chat), or images, videos, then
+    clips (caption)."""
     if template != "chat":
         if not isinstance(text, str):
             raise BadRecord(f"text is {type(text).__name__}, not a string")
-        media = [*images, *videos]
+        media = [*images, *videos, *audios]
         return MMRecord([""] * len(media) + [text], media, name)
-    parts = re.split(f"({IMAGE_MARKER}|{VIDEO_MARKER})", render_chat(text))
+    kinds = ((IMAGE, images), (VIDEO, videos), (AUDIO, audios))
+    parts = re.split("(" + "|".join(kind.marker for kind, _ in kinds) + ")", render_chat(text))
     markers = parts[1::2]
-    for marker, refs, what in ((IMAGE_MARKER, images, "image"), (VIDEO_MARKER, videos, "video")):
-        if markers.count(marker) != len(refs):
-            raise BadRecord(f"conversation has {markers.count(marker)} {marker} marker(s) for {len(refs)} {what}(s)")
-    queues = {IMAGE_MARKER: iter(images), VIDEO_MARKER: iter(videos)}
+    for kind, refs in kinds:
+        if markers.count(kind.marker) != len(refs):
+            raise BadRecord(f"conversation has {markers.count(kind.marker)} {kind.marker} marker(s) for "
+                            f"{len(refs)} {kind.name}(s)")
+    queues = {kind.marker: iter(refs) for kind, refs in kinds}
     return MMRecord(parts[0::2], [next(queues[m]) for m in markers], name)
 
 
@@ -157,8 +164,9 @@ def image_list(value, root: str | None) -> list[ImageRef]:
 
 
 def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str], videos: list | None = None,
-                        folder: str | None = None):
-    """MMRecords of rows (texts[i], images[i], videos[i]); returns (records, kept indices, bad (name, reason)).
+                        folder: str | None = None, audios: list | None = None):
+    """MMRecords of rows (texts[i], images[i], videos[i], audios[i]); returns (records, kept indices, bad
+    (name, reason)).
     Relative media paths join `image_root`, else `folder` (a LLaVA JSON's own folder), else stay as they are."""
     records, kept, bad = [], [], []
     root = spec.image_root if spec.image_root is not None else folder
@@ -167,15 +175,18 @@ def records_from_values(texts: list, images: list, spec: SourceSpec, names: list
             if text is None:
                 raise BadRecord(f"field {spec.text_field!r} is null or missing")
             vids = None if videos is None else video_list(videos[i], root)
-            records.append(make_record(text, image_list(img, root), spec.template, names[i], vids))
+            clips = None if audios is None else audio_list(audios[i], root)
+            records.append(make_record(text, image_list(img, root), spec.template, names[i], vids, clips))
             kept.append(i)
         except (BadRecord, ValueError) as e:
             bad.append((names[i], str(e)))
     return records, np.asarray(kept, dtype=np.int64), bad
 
 
-def describe_ref(ref: ImageRef | VideoRef) -> str:
-    """How an error names a media: 'image <path or member>' or 'video <...> (clip window w)'."""
+def describe_ref(ref: ImageRef | VideoRef | AudioRef) -> str:
+    """How an error names a media: 'image <path or member>', 'video <...> (clip window w)', 'audio <...>'."""
+    if isinstance(ref, AudioRef):
+        return f"audio {_where(ref.ref)}"
     if isinstance(ref, VideoRef):
         window = f" (clip window {ref.window})" if ref.window else ""
         return f"video {_where(ref.ref)}{window}"
@@ -202,10 +213,21 @@ class ImageTable:
     at: np.ndarray  # int64 [images]
     refs: list = field(default_factory=list)
     records: list = field(default_factory=list)
+    spans: np.ndarray | None = None  # int64 [media, 2]: a clip's audio encoder spans and squared spans (else 0)
 
     def take_docs(self, order: np.ndarray) -> ImageTable:
         return ImageTable(self.start[order], self.count[order], self.patches, self.tokens, self.grid, self.at,
-                          self.refs, self.records)
+                          self.refs, self.records, self.spans)
+
+    def audio_sums(self) -> np.ndarray:
+        """Per document [docs, 3]: its clips' encoder spans, squared spans and placeholder tokens (zeros
+        without audio): the Planner's audio columns (plait.plan.Items)."""
+        if self.spans is None or not len(self.refs):
+            return np.zeros((len(self.start), 3), np.int64)
+        audio = np.fromiter((isinstance(r, AudioRef) for r in self.refs), bool, len(self.refs))
+        values = np.column_stack([self.spans, np.where(audio, self.tokens, 0)])
+        acc = np.concatenate([np.zeros((1, 3), np.int64), np.cumsum(values, axis=0)])
+        return acc[self.start + self.count] - acc[self.start]
 
     def doc_sums(self, power: int = 1) -> np.ndarray:
         """Per document: the sum of its images' patches (power 1) or squared patches (power 2; a video's
@@ -219,8 +241,15 @@ class ImageTable:
 
     @property
     def nbytes(self) -> int:
-        inline = sum(len(r) for r in self.refs if isinstance(r, bytes) or isinstance(getattr(r, "ref", None), bytes))
+        inline = sum(len(getattr(r, "ref", r)) for r in self.refs if isinstance(getattr(r, "ref", r), bytes))
         return inline + sum(a.nbytes for a in (self.start, self.count, self.patches, self.tokens, self.grid, self.at))
+
+
+def _planned(ref, plan):
+    """A media reference as the table keeps it: a video's and a clip's with their plans."""
+    if isinstance(ref, VideoRef):
+        return replace(ref, plan=plan)
+    return plan.ref if isinstance(ref, AudioRef) else ref
 
 
 # ----- planning: headers -> documents ------------------------------------------------------------
@@ -229,8 +258,9 @@ class ImageDocs:
 
     def __init__(self, spec: Spec, source: SourceSpec, encoder, reader, bad: Callable[[str, str, str], None]):
         self.policy = policy_of(spec)
-        self.token_id = spec.images.image_token_id
+        self.token_id = spec.images.image_token_id if spec.images is not None else -1
         self.videos = VideoDocs(spec, reader) if source.video_field is not None else None
+        self.audio = AudioDocs(spec, reader) if source.audio_field is not None else None
         self.seq_len = spec.packing.seq_len
         self.max_patches = spec.packing.max_patches
         self.vocab_size = spec.vocab_size
@@ -244,6 +274,8 @@ class ImageDocs:
         a video's from its container headers (sources/video.py)."""
         if isinstance(ref, VideoRef):
             return self.videos.plan(path, ref)
+        if isinstance(ref, AudioRef):
+            return self.audio.plan(path, ref)
         head, whole = self.reader.image_head(path, ref, HEAD_BYTES)
         try:
             return self.policy.plan(*image_size(head))
@@ -259,6 +291,9 @@ class ImageDocs:
             try:
                 for ref in rec.images:
                     rec_plans.append(self.plan(path, ref))
+            except MediaError as e:  # names the clip itself
+                self.bad(path, rec.name, str(e))
+                continue
             except (BadImage, OSError) as e:
                 self.bad(path, rec.name, f"{describe_ref(ref)}: {str(e) or type(e).__name__}")
                 continue
@@ -273,7 +308,7 @@ class ImageDocs:
         flat, seg_off = self.encoder.encode(pa.array(segs, pa.string())) if segs else (np.zeros(0, np.int32), np.zeros(1, np.int64))
         bos, eos = self.source.bos, self.source.eos
         pieces, lengths, ok = [], [], []
-        img_counts, img_patches, img_tokens, img_grid, img_at, refs, names = [], [], [], [], [], [], []
+        img_counts, img_patches, img_tokens, img_grid, img_at, refs, names, spans = [], [], [], [], [], [], [], []
         s = 0  # segment index
         for i, rec_plans in zip(kept, plans):
             rec = records[i]
@@ -283,7 +318,7 @@ class ImageDocs:
                 parts.append(flat[seg_off[seg_no]:seg_off[seg_no + 1]].astype(np.int32))
                 if j < len(rec_plans):
                     at.append(sum(len(p) for p in parts))
-                    token_id = self.videos.token_id if isinstance(rec.images[j], VideoRef) else self.token_id
+                    token_id = self._token_id(rec.images[j])
                     parts.append(np.full(rec_plans[j].tokens, token_id, np.int32))
             s += len(rec.segments)
             if eos is not None:
@@ -301,23 +336,35 @@ class ImageDocs:
             img_tokens += [p.tokens for p in rec_plans]
             img_grid += [p.grid for p in rec_plans]
             img_at += at
-            refs += [replace(r, plan=p) if isinstance(r, VideoRef) else r for r, p in zip(rec.images, rec_plans)]
+            refs += [_planned(r, p) for r, p in zip(rec.images, rec_plans)]
+            spans += [(getattr(p, "spans", 0), getattr(p, "spans_sq", 0)) for p in rec_plans]
             names += [rec.name] * len(rec_plans)
         counts = np.asarray(img_counts, np.int64)
         table = ImageTable(np.cumsum(counts) - counts, counts, np.asarray(img_patches, np.int64),
                            np.asarray(img_tokens, np.int64), np.asarray(img_grid, np.int64).reshape(-1, 3),
-                           np.asarray(img_at, np.int64), refs, names)
+                           np.asarray(img_at, np.int64), refs, names,
+                           np.asarray(spans, np.int64).reshape(-1, 2) if self.audio is not None else None)
         tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return tokens, offsets, np.asarray(ok, np.int64), table
 
+    def _token_id(self, ref) -> int:
+        if isinstance(ref, VideoRef):
+            return self.videos.token_id
+        return self.audio.token_id if isinstance(ref, AudioRef) else self.token_id
+
     def _placeholder_ids(self, plans: list) -> list[tuple[int, str, int]]:
-        """(token id, kind, placeholders planned) for images, and for videos when the source has them."""
-        videos = [p for p in plans if isinstance(p, VideoPlan)]
-        image_tokens, video_tokens = sum(p.tokens for p in plans) - sum(p.tokens for p in videos), sum(p.tokens for p in videos)
-        if self.videos is None or self.videos.token_id == self.token_id:
-            return [(self.token_id, "image", image_tokens + video_tokens)]
-        return [(self.token_id, "image", image_tokens), (self.videos.token_id, "video", video_tokens)]
+        """(token id, kind, placeholders planned) for images, and for videos and clips when the source has
+        them (media sharing an id are counted together)."""
+        ids: dict[int, list] = {}
+        for kind, token_id, cls in (("image", self.token_id, None), ("video", getattr(self.videos, "token_id", None),
+                                    VideoPlan), ("audio", getattr(self.audio, "token_id", None), ClipPlan)):
+            if token_id is None or (kind == "image" and self.policy is None):
+                continue
+            planned = sum(p.tokens for p in plans if (isinstance(p, cls) if cls else not isinstance(p, (VideoPlan, ClipPlan))))
+            entry = ids.setdefault(token_id, [token_id, kind, 0])
+            entry[2] += planned
+        return [tuple(e) for e in ids.values()]
 
     def _check(self, doc: np.ndarray, plans: list) -> str | None:
         has_images, patches = bool(plans), sum(p.patches for p in plans)
@@ -346,6 +393,13 @@ class ImageDocs:
         sample whose image or video fails after planning never reaches a trainer)."""
         if isinstance(table.refs[j], VideoRef):
             return self._decode_video(path, table.refs[j], out)
+        if isinstance(table.refs[j], AudioRef):
+            try:
+                return self.audio.decode(path, table.refs[j]), None
+            except MediaError as e:
+                return None, str(e)
+            except OSError as e:
+                return None, f"{describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
         want = int(table.patches[j])
         try:
             got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy, out)

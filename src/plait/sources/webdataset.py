@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from plait.errors import SourceError
+from plait.sources.audio import AudioRef
 from plait.sources.multimodal import BadRecord, make_record
 from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock
 from plait.transforms.video import VideoRef
@@ -170,12 +171,16 @@ class WebDatasetReader(FormatReader):
                     raise BadRecord(f"sample {key!r} has no {self.text_ext!r} member (has: {', '.join(sorted(members))})")
                 images = [members[e] for e in exts if e in members]
                 videos = [VideoRef(members[e]) for e in self.spec.video_extensions if e in members]
-                if self.spec.video_field is not None:
-                    if not images and not videos:
-                        raise BadRecord(f"sample {key!r} has no video or image member "
-                                        f"({', '.join(exts + self.spec.video_extensions)}); has: {', '.join(sorted(members))}")
+                clips = [AudioRef(members[e]) for e in self.spec.audio_extensions if e in members]
+                if self.spec.video_field is not None or self.spec.audio_field is not None:
+                    if not images and not videos and not clips:
+                        wanted = exts + self.spec.video_extensions + self.spec.audio_extensions
+                        raise BadRecord(f"sample {key!r} has no media member ({', '.join(wanted)}); "
+                                        f"has: {', '.join(sorted(members))}")
                     text = self._text(path, members[self.text_ext])
-                    records.append(make_record(text, images, self.spec.template, key, videos))
+                    records.append(make_record(text, images, self.spec.template, key,
+                                               videos if self.spec.video_field else None,
+                                               clips if self.spec.audio_field else None))
                     ok.append(i)
                     continue
                 if not images:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from plait.errors import PlaitError
-from plait.plan import ALL_COLUMNS, ITEM_INT_COLUMNS
+from plait.plan import ALL_COLUMNS, ITEM_IMAGE_COLUMNS, ITEM_INT_COLUMNS
 from plait.state.log import apply_state_diff
 from plait.spec import Spec
 
@@ -151,8 +151,9 @@ def check_data_state(state: Any, spec: Spec, fingerprint: str) -> DataState:
     if missing:
         raise PlaitError(f"the data state has no cursor for source(s) {', '.join(missing)}")
     check_deficits(parsed)
-    # 11 integers per row, or 13 with the image columns (plan.ALL_COLUMNS), the same for every row
-    width = len(parsed.carry[0]) if parsed.carry and len(parsed.carry[0]) == len(ALL_COLUMNS) else len(ITEM_INT_COLUMNS)
+    # 11 integers per row, 13 with the image columns, 16 with the audio ones too (plan.ALL_COLUMNS), the same for every row
+    widths = (len(ITEM_INT_COLUMNS), len(ITEM_INT_COLUMNS) + len(ITEM_IMAGE_COLUMNS), len(ALL_COLUMNS))
+    width = len(parsed.carry[0]) if parsed.carry and len(parsed.carry[0]) in widths else len(ITEM_INT_COLUMNS)
     for i, row in enumerate(parsed.carry):
         if len(row) != width or min(row, default=0) < 0:
             raise PlaitError(f"carried chunk {i} of the data state is malformed ({width} non-negative integers expected)")
