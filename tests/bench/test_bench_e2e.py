@@ -30,8 +30,8 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
     out = tmp_path / "e2e.json"
     # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
     argv = ["bench", "e2e", "--quick", "--workloads", "gpu-bound", "--dp", "4", "--steps", "4",
-            "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--cache", str(tmp_path / "data"), "--quiet",
-            "--json", str(out)]
+            "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--images", "48", "--cache", str(tmp_path / "data"),
+            "--quiet", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert len(result["load_average"]["before"]) == 3 and len(result["load_average"]["after"]) == 3

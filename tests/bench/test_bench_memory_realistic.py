@@ -39,6 +39,7 @@ def test_realistic_quick_bench_on_the_local_runtime(tmp_path):
     assert result["disk_bytes"] < 3 * 2**30
 
 
+@pytest.mark.lab  # the same measurement as above through `plait serve --runtime local`: ~30 s more
 def test_realistic_quick_bench_on_the_one_process_server(tmp_path):
     """`--runtimes flight-local`: the serve process is measured as plait's
     one process, no Ray anywhere (no daemons), every trainer got its micro-batches."""
