@@ -1,6 +1,6 @@
 """How much does a bare Ray actor's process grow, with plait's settings, when it is only called?
 
-The soak bench (`plait bench soak --runtime ray`, docs/soak.md) fits a slope to the RSS of plait's actors;
+The soak bench (`python -m benchmarks.soak --runtime ray`, docs/soak.md) fits a slope to the RSS of plait's actors;
 part of an actor's process is Ray's own core worker (its gRPC threads, task receivers, reference counting),
 which grows as it serves calls whatever the actor does. This benchmark is that baseline: it starts Ray as
 plait starts it (`plait.runtime.ray.instance.start_ray`: long-run settings, MALLOC_ARENA_MAX=2) in a temp
