@@ -70,8 +70,7 @@ def parquet_audio(folder: Path, n: int = 4) -> dict:
 
 
 def audio_spec(sources: list[dict], *, seq_len: int = 2048, microbatches: int = 2, dp: int = 2, **extra) -> dict:
-    # images: only until a Source takes an audio-only spec (sources/base.py asks for the images section)
-    spec = {"sources": sources, "audio": dict(AUDIO), "images": {"image_token_id": 300},
+    spec = {"sources": sources, "audio": dict(AUDIO),
             "packing": {"seq_len": seq_len, "microbatches": microbatches}, "topology": {"dp": dp},
             "cost": {"linear": 1.0, "quadratic": 0.001}}
     spec.update(extra)

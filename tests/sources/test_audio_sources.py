@@ -159,3 +159,50 @@ def test_a_bad_clip_skips_its_whole_sample_and_is_counted(tmp_path):
     for mb in steps[0]:
         assert b"a bad clip" not in mb.input_ids.astype(np.uint8).tobytes()
         assert (mb.input_features.max(axis=(1, 2)) > -0.5).all()  # no window of silence (silence: -0.5)
+
+
+def corrupt_flac() -> bytes:
+    """A FLAC clip whose headers plan it but whose frames do not decode (bytes garbled a third of the way in)."""
+    ext, data = clip(1)
+    assert ext == "flac"
+    body = bytearray(data)
+    for i in range(len(body) // 3, len(body) // 3 + 400):
+        body[i] = (body[i] * 7 + 13) & 0xFF
+    return bytes(body)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_clip_that_fails_at_gather_is_named_or_its_sample_dropped(tmp_path, on_error):
+    extra = {0: [("bad00001.flac", corrupt_flac()), ("bad00001.txt", b"a bad clip")]}
+    src = {**webdataset_audio(tmp_path, shards=1, per_shard=2, extra=extra), "on_error": on_error}
+    if on_error == "raise":
+        with pytest.raises(SourceError) as e:
+            stream(audio_spec([src], dp=1, microbatches=1), 1)
+        assert "speech-000000.tar" in str(e.value) and "bad00001.flac" in str(e.value) and "corrupt" in str(e.value)
+        return
+    steps, _, rt = stream(audio_spec([src], dp=1, microbatches=1), 1)
+    (mb,) = steps[0]
+    assert mb.stats["dropped_samples"] >= 1  # planned (its headers are fine), not delivered
+    assert b"a bad clip" not in mb.input_ids.astype(np.uint8).tobytes()
+    assert int((mb.labels != -100).sum()) + mb.stats["dropped_label_tokens"] == mb.stats["global_label_tokens"]
+    assert int((mb.input_ids == AUDIO_TOKEN_ID).sum()) == sum(mb.stats["audio_clip_tokens"])
+    assert rt.error_report()["wds_audio"]["bad_records"] >= 1
+
+
+def test_the_audio_encoder_cost_follows_the_window_policy(sources):
+    """qwen2audio charges every window as a padded 30 s one (1,500 encoder positions), chunked grows with
+    the clip's duration: the step's encoder cost under chunked is smaller, both positive."""
+    figures = {}
+    for policy in ("qwen2audio", "chunked"):
+        spec = audio_spec(sources, audio={"audio_token_id": AUDIO_TOKEN_ID, "policy": policy, "mel_bins": 80,
+                                          "encoder": {"linear": 1.0, "quadratic": 0.01}})
+        rt = LocalRuntime(plait.load_spec(spec))
+        plan = rt.plan()
+        figures[policy] = (plan.images["encoder_cost"], plan.items.audio_spans.copy(), plan.items.audio_tokens.copy())
+        rt.close()
+    (padded, padded_spans, padded_tokens), (chunked, chunked_spans, _) = figures["qwen2audio"], figures["chunked"]
+    assert 0 < chunked < padded
+    with_audio = padded_tokens > 0
+    assert with_audio.any() and (padded_spans[with_audio] % 1500 == 0).all()
+    assert (padded_spans[~with_audio] == 0).all()
+    assert 0 < chunked_spans.sum() < padded_spans.sum()
