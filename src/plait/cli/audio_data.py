@@ -16,6 +16,7 @@ import numpy as np
 
 RATES = (8000, 16000, 22050, 44100, 48000)
 CHANNELS = (1, 2, 1, 6)  # mostly mono and stereo, now and then 5.1
+DEMO_CLIPS = 48  # `plait demo --audio`: more tokens than its share of one step
 
 
 def write_clips(folder: Path, n: int, *, shortest: float = 2.0, longest: float = 20.0, seed: int = 0) -> list[Path]:
@@ -62,19 +63,22 @@ def audio_source_spec(path: Path, *, name: str = "audio") -> dict:
             "image_root": str(path.parent), "template": "chat", "eos": 257}
 
 
-def demo_audio_spec(cache: Path, audio_token_id: int) -> Path:
-    """`plait demo --audio`: demo-audio.yaml beside demo.yaml, its sources plus 16 generated clips (LLaVA-style
-    JSON in cache/audio, written once). demo.yaml and its digest stay as they are."""
+def demo_audio_spec(base: Path, audio_token_id: int, clips: int | None = None) -> Path:
+    """`plait demo --audio`: beside the demo's spec `base` (demo.yaml, or demo-video.yaml with --video), the
+    same spec plus `clips` (DEMO_CLIPS) generated clips (LLaVA-style JSON in base's folder/audio, written once) as
+    base-audio.yaml. `base` and its digest stay as they are."""
     import yaml
 
-    path = cache / "demo-audio.yaml"
+    cache = base.parent
+    path = cache / f"{base.stem}-audio.yaml"
     if path.exists():
         return path
-    write_audio_source(cache / "audio", 16)
-    spec = yaml.safe_load((cache / "demo.yaml").read_text())
+    if not (cache / "audio" / "audio.json").exists():
+        write_audio_source(cache / "audio", clips or DEMO_CLIPS, longest=12.0)
+    spec = yaml.safe_load(base.read_text())
     spec["sources"].append({"name": "audio", "path": "audio/audio.json", "format": "jsonl",
                             "text_field": "conversations", "audio_field": "audio", "image_root": "audio",
-                            "template": "chat", "tokenizer": "tokenizer.json", "bos": 0, "eos": 1, "weight": 0.08})
+                            "template": "chat", "tokenizer": "tokenizer.json", "bos": 0, "eos": 1, "weight": 0.05})
     spec["audio"] = {"audio_token_id": audio_token_id, "policy": "qwen2audio", "mel_bins": 128}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

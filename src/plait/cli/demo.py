@@ -29,6 +29,9 @@ def add_arguments(p) -> None:
     p.add_argument("--runtime", choices=["local", "ray"], default="local", help="where the roles run")
     p.add_argument("--video", action="store_true", help="also stream 12 short generated videos (demo-video.yaml; "
                    "needs plait[video]); the default demo and its digest are unchanged")
+    p.add_argument("--audio", action="store_true", help="also stream 48 generated speech-like clips (WAV, FLAC, MP3, "
+                   "Ogg/Opus, M4A at 8-48 kHz; demo-audio.yaml; needs PyAV); the default demo and its digest are "
+                   "unchanged")
 
 
 def run(args) -> int:
@@ -41,6 +44,11 @@ def run(args) -> int:
             from plait.cli.video_data import demo_video_spec
 
             spec_path = demo_video_spec(cache, IMAGE_TOKEN_ID)
+        if args.audio:
+            from plait.cli.audio_data import demo_audio_spec
+            from plait.cli.demo_data import AUDIO_TOKEN_ID
+
+            spec_path = demo_audio_spec(spec_path, AUDIO_TOKEN_ID)
     console.print(f"dataset: {cache} ({'cached' if existed else 'generated'}); spec: {spec_path}")
     spec = load_spec(spec_path)
     summary = stream(spec, steps=args.steps or spec.steps or 50, runtime=args.runtime, progress=True,

@@ -28,6 +28,7 @@ import yaml
 DEMO_VERSION = "v2"
 VOCAB_SIZE = 4096
 IMAGE_TOKEN_ID = VOCAB_SIZE  # the placeholder id: one past the text vocabulary (an added special token)
+AUDIO_TOKEN_ID = VOCAB_SIZE + 2  # `plait demo --audio`'s (video's is VOCAB_SIZE + 1)
 N_IMAGES = 300
 
 

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from plait.cli.common import table_console
 from plait.roles.source_loader import SourceLoader
+from plait.sources.audio import AudioRef
 from plait.spec import load_spec
 from plait.transforms.video import VideoRef
 
@@ -18,7 +19,7 @@ HELP = "show a spec's sources, files and a few documents"
 DESCRIPTION = (
     "Validate SPEC and show each source's files, format, first block and "
     "document-length statistics, without streaming; for video sources, the previewed documents' videos "
-    "(sampled frames, size, grid, tokens)."
+    "(sampled frames, size, grid, tokens); for audio sources, their clips (duration, windows, tokens)."
 )
 
 
@@ -36,7 +37,7 @@ def run(args) -> int:
     for col in ("source", "format", "files", "weight", "first block docs", "median len", "max len", "tokenizer",
                 "tokenizer vocab", "max id (first block)"):
         table.add_column(col)
-    previews, videos, placeholders = [], [], []
+    previews, videos, clips, placeholders = [], [], [], []
     for i, s in enumerate(spec.sources):
         src = loader.sources[i]
         key = loader.first_key(i)
@@ -54,6 +55,7 @@ def run(args) -> int:
             toks = block.tokens[block.starts[d] : block.starts[d] + block.lengths[d]]
             previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]), len(toks), toks[:12].tolist()))
         videos += video_rows(s.name, block, min(args.docs, len(lens)))
+        clips += audio_rows(s.name, block, min(args.docs, len(lens)))
         placeholders += placeholder_lines(s.name, src)
     out.print(table)
     for line in placeholders:
@@ -69,6 +71,13 @@ def run(args) -> int:
         for col in ("source", "row", "video", "frames sampled", "size", "grid (t, h, w)", "tokens"):
             table.add_column(col)
         for row in videos:
+            table.add_row(*row)
+        out.print(table)
+    if clips:
+        table = Table(title="audio clips of the first documents (the window policy's plan, from the headers)")
+        for col in ("source", "row", "clip", "seconds", "rate / channels / codec", "windows", "tokens"):
+            table.add_column(col, justify="right" if col in ("seconds", "windows", "tokens") else "left")
+        for row in clips:
             table.add_row(*row)
         out.print(table)
     return 0
@@ -100,6 +109,23 @@ def video_rows(source: str, block, docs: int) -> list[tuple[str, ...]]:
             where = ref.ref if isinstance(ref.ref, str) else f"<{len(ref.ref)} inline bytes>"
             rows.append((source, str(int(block.rows[d])), where + (f" (clip window {ref.window})" if ref.window else ""),
                          frames_text(p.indices), f"{p.width}x{p.height}", " x ".join(map(str, p.grid)), f"{p.tokens:,}"))
+    return rows
+
+
+def audio_rows(source: str, block, docs: int) -> list[tuple[str, ...]]:
+    """Per clip of the block's first `docs` documents: where it is, what its headers say, its windows and
+    placeholder tokens under the spec's window policy."""
+    t = block.images
+    rows = []
+    for d in range(docs if t is not None else 0):
+        for j in range(int(t.start[d]), int(t.start[d] + t.count[d])):
+            ref = t.refs[j]
+            if not isinstance(ref, AudioRef) or ref.plan is None:
+                continue
+            info, plan = ref.info, ref.plan
+            where = ref.ref if isinstance(ref.ref, str) else f"<{len(ref.ref)} inline bytes>"
+            rows.append((source, str(int(block.rows[d])), where, f"{plan.seconds:.2f}",
+                         f"{info.sample_rate:,} Hz / {info.channels} / {info.codec}", str(plan.windows), f"{plan.tokens:,}"))
     return rows
 
 
