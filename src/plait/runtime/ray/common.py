@@ -133,18 +133,25 @@ def malloc_env() -> dict[str, str]:
 
 # ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------
 TASK_EVENTS_IN_GCS = 10_000  # Ray's default keeps 100,000 task events in the GCS (every actor call is one)
+# A return up to this size travels inline in the call's reply instead of through the object store. Ray's
+# 100 KiB default sends a loader's gather (a few decoded images, ~0.5 MiB) through plasma: create, seal,
+# map, release and free per call cost ~1.2 CPU ms more than the reply's copy (benchmarks/ray_inline_returns.py).
+# Past a few MiB the reply's copies cost more than plasma's mapping: the Constructor's builds stay there.
+INLINE_RETURN_BYTES = 2**20
 LOG_ROTATION_BYTES = 64 * 2**20  # per log file of Ray's processes (Ray's default: 512 MiB, 5 backups)
 LOG_ROTATION_BACKUPS = 2
 
 
 def long_run_settings(dashboard: bool = False) -> tuple[dict, dict]:
     """(ray.init keyword arguments, environment variables) for a local instance that stays flat over a
-    long job: task events bounded in the GCS, no dashboard (and no metrics agent exporting Ray's own
+    long job and carries a data plane: task events bounded in the GCS, returns up to INLINE_RETURN_BYTES
+    inline in the reply, no dashboard (and no metrics agent exporting Ray's own
     metrics: plait serves its own) unless `dashboard`, logs rotated at LOG_ROTATION_BYTES, workers' output
     kept in their log files rather than copied to the trainer. The variables must be in the environment
     before `ray.init` (Ray's processes read them at start); docs/ray-long-runs.md has the `ray start`
     equivalents for a cluster plait joins."""
-    system_config: dict[str, Any] = {"task_events_max_num_task_in_gcs": TASK_EVENTS_IN_GCS}
+    system_config: dict[str, Any] = {"task_events_max_num_task_in_gcs": TASK_EVENTS_IN_GCS,
+                                     "max_direct_call_object_size": INLINE_RETURN_BYTES}
     if not dashboard:
         system_config["enable_metrics_collection"] = False
     init = {"include_dashboard": bool(dashboard), "log_to_driver": False, "_system_config": system_config}
