@@ -26,7 +26,7 @@ from typing import Iterator
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
 from plait.runtime import make_runtime
-from plait.runtime.options import renamed
+from plait.runtime.options import build_ahead_option, renamed
 from plait.spec import Spec, load_spec
 from plait.state.log import diff_state, resolved
 from plait.state.overrides import merge_pending, report_effect_step
@@ -46,8 +46,9 @@ class Loader:
     reads the ranks from the environment. `steps` (default: the spec's `steps`; None: no end) counts
     global steps from 0, not from a resume: the stream ends before global step `steps` wherever it
     started (a Loader resumed at step 40 with steps=100 reads steps 40 to 99). `read_ahead`: micro-batches
-    a reader thread fetches ahead of the trainer (0: none; `prefetch` is its deprecated name; how many
-    *steps* the job builds ahead is the runtime's option). Options a runtime does not take are an error
+    a reader thread fetches ahead of the trainer (0: none; `prefetch` is its deprecated name); `build_ahead`:
+    how many *steps* the job builds ahead of this rank's requests (local, node and ray alike; default 2 where
+    several ranks share a job, 0 for a process reading alone). Options a runtime does not take are an error
     naming them. Use it as a context manager (or call `close()`) so that what it started is released.
 
     runtime="local" under torchrun with several processes on a node: the processes share one data plane,
@@ -146,7 +147,7 @@ class Loader:
             options.setdefault("metrics_port", port + Layout(dp=topo.dp, tp=topo.tp, pp=topo.pp,
                                                              cp=topo.cp).global_rank(self.ranks))
         self._runtime_kind = runtime  # which runtime serves it decides where error_report() gathers from
-        return make_runtime(self.spec, runtime, **options)
+        return make_runtime(self.spec, runtime, **build_ahead_option(runtime, options))
 
     # ----- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:

@@ -85,3 +85,53 @@ def test_rank_progress_is_the_ray_planners_view_of_the_slowest_rank():
     progress.built(1, 9, 2)  # another generation
     assert progress.slowest(0) == (2, "DP rank 1")
     assert RankProgress(silent_s=-1).slowest(0) == (None, "")  # silent ranks are taken for gone
+
+
+def test_with_builds_as_who_is_slowest_a_rank_ahead_waits_until_the_slow_rank_builds(tmp_path):
+    """The Ray Planner's rule, run in process: the plan stream with RankProgress, the Constructor's build
+    half asking it through PlannerPlans (plait.runtime.ray.constructor_actor). No polling on the build side:
+    one `admit` per step, answered when the slow rank's builds move the window."""
+    from plait.job.plan_stream import PlanStream
+    from plait.job.rank_builds import RankBuilds
+    from plait.runtime.ray.constructor_actor import PlannerPlans
+
+    class Route:  # the routing a build order brings: none in process
+        version = 0
+
+        def update(self, routing) -> None:
+            pass
+
+    class Orders:  # the Planner actor's build_order, over the plan stream
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __call__(self, method, *args):
+            if method == "build_order":
+                gen, step, rank, _, with_state = args
+                plan = self.stream.plan(gen, step)
+                return plan.for_rank(rank), plan.state_before if with_state else None, None
+            return getattr(self.stream, {"mark_built": "built"}.get(method, method))(*args)
+
+    spec = small_spec(tmp_path)
+    roles = LocalRoles(spec)
+    stream = PlanStream(roles, RankProgress(), size=4)
+    call = Orders(stream)
+    builds = RankBuilds(PlannerPlans(call, call, Route()), lambda plan, key: roles.constructor.build(plan),
+                        ranks=2, dynamic=False, ahead=0, threads=2)
+    got: dict[int, list] = {0: [], 1: []}
+    try:
+        got[1] += builds.get(0, 0, 1)[1]
+        for s in range(4):
+            got[0] += builds.get(0, s, 0)[1]
+        ahead = threading.Thread(target=lambda: got[0].extend(builds.get(0, 4, 0)[1]))
+        ahead.start()
+        ahead.join(1.0)
+        assert ahead.is_alive() and stream.window.waits == 1  # step 4 is 4 ahead of rank 1's step 0
+        got[1] += builds.get(0, 1, 1)[1]  # rank 1 builds step 1: the window moves, rank 0 goes on
+        ahead.join(30)
+        assert not ahead.is_alive()
+    finally:
+        builds.close()
+        roles.close()
+    want = {r: list(plait.Loader(spec, dp_rank=r, read_ahead=0, share="process")) for r in range(2)}
+    assert batch_digest(got[0]) == batch_digest(want[0][:5]) and batch_digest(got[1]) == batch_digest(want[1][:2])

@@ -55,6 +55,15 @@ class PlanSource(Protocol):
     def state_at(self, gen: int, step: int) -> dict: ...
 
 
+def kept_blocks(planner, in_flight) -> tuple[set, set]:
+    """(blocks the Planner still needs, blocks the next steps draw from: those of the carried chunks and of
+    the `in_flight` plans, the shared buffer budget's window): what a loader's `retain` is told."""
+    drawn = set(planner.carry.block_keys()[0])
+    for plan in in_flight:
+        drawn.update(plan.items.block_keys()[0])
+    return planner.live_blocks(), drawn
+
+
 def same_state(a: dict, b: dict) -> bool:
     """Equal as a client sees them (a state that went through JSON has lists for tuples)."""
     return plain_state(a) == plain_state(b)

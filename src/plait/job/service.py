@@ -72,17 +72,10 @@ class JobService:
         if registry is not None:
             registry.register(WindowMetrics(self.window))
 
-    @property
-    def gen(self) -> int:
-        return self.stream.gen
-
-    @property
-    def every_rank_reads(self) -> bool:
-        return self.consumers.every_rank_reads
-
-    @every_rank_reads.setter
-    def every_rank_reads(self, every: bool) -> None:
-        self.consumers.every_rank_reads = every
+    gen = property(lambda self: self.stream.gen, doc="The plan stream's current generation.")
+    every_rank_reads = property(lambda self: self.consumers.every_rank_reads,
+                                lambda self, every: setattr(self.consumers, "every_rank_reads", every),
+                                doc="Whether a step's blocks stay until every rank built it (Consumers.reading).")
 
     def _build(self, plan: StepPlan, key: Key) -> list[MicroBatch]:
         return self.roles.build(plan, key[2])  # outside the stream's lock: the roles lock their loader's gather

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from plait.batch import MicroBatch
 from plait.job.cp_builds import GroupBuilds
+from plait.job.plan_stream import kept_blocks
 from plait.job.service import JobService
 from plait.job.stream import asked, read_rank
 from plait.plan import StepPlan
@@ -74,10 +75,7 @@ class LocalRoles:
         """Let the loader drop blocks that neither the Planner nor the given plans still need; the plans'
         blocks and the carried chunks' are what the next steps draw from (the shared buffer budget's)."""
         with self._lock:
-            live = self.planner.live_blocks()
-            drawn = set(self.planner.carry.block_keys()[0])
-            for plan in in_flight:
-                drawn.update(plan.items.block_keys()[0])
+            live, drawn = kept_blocks(self.planner, in_flight)
             self.loader.retain(live | drawn, drawn)
 
     def state_dict(self) -> dict:

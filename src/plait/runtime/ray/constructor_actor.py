@@ -11,18 +11,18 @@ CP rank is served its shard of the shared build: the cut happens here, so only t
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-import time
+from typing import Callable
 
 from plait.batch import MicroBatch
-from plait.job.builds import BuildCache
-from plait.job.cp_builds import GroupBuilds, served_rank
-from plait.job.window import POLL_S, REPORT_S
+from plait.job.consumers import Ask
+from plait.job.cp_builds import GroupBuilds
+from plait.job.rank_builds import RankBuilds
+from plait.plan import RankPlan
 from plait.roles.constructor import Constructor
 from plait.runtime.ray import standby_planner
 from plait.runtime.ray.payloads import RayPayloads
+from plait.runtime.ray.planner_requests import WINDOW_GROUP
 from plait.runtime.ray.routing import Route
 from plait.runtime.ray.common import (
     NAMESPACE,
@@ -38,9 +38,6 @@ from plait.runtime.ray.common import (
 from plait.telemetry import Stopwatch, Telemetry
 
 
-log = logging.getLogger("plait.serving")
-
-
 MAX_BUILD_THREADS = 16
 GROUPS_KEPT = 4  # steps behind a build whose dynamic-CP groups a Constructor still keeps for their members
 
@@ -53,52 +50,84 @@ def build_threads(ranks: int) -> int:
     return max(2, min(int(ranks), MAX_BUILD_THREADS))
 
 
+class PlannerPlans:
+    """The job's Planner as a Constructor's plan half (job.plan_stream.PlanSource). `ask(method, *args)`
+    reaches it and waits for the answer, `tell` does not wait: over Ray, or by a plain call where the
+    Planner's own process builds (plait.runtime.ray.planner_host). The routing a build order brings is kept
+    in `route`; the window's edge last heard spares a request the Planner's answer it already has."""
+
+    def __init__(self, ask: Callable, tell: Callable, route: Route):
+        self.ask, self.tell, self.route = ask, tell, route
+        self.edge: tuple[int, int] = (-1, 0)  # (generation, a step below which every step is admitted)
+
+    def order(self, gen: int, step: int, rank: int, with_state: bool) -> tuple[RankPlan, dict | None]:
+        plan, state, routing = self.ask("build_order", gen, step, rank, self.route.version, with_state)
+        self.route.update(routing)
+        return plan, state
+
+    def admit(self, gen: int, step: int, ask: Ask | None) -> int | None:
+        if self.edge[0] == gen and step < self.edge[1]:
+            return self.edge[1]
+        edge = self.ask("admit", gen, step, ask)
+        self.edge = (gen, step + 1 if edge is None else edge)  # None: no rank built yet, ask again next step
+        return edge
+
+    def built(self, gen: int, step: int, rank: int) -> None:
+        self.tell("mark_built", gen, step, rank)
+
+    def state_at(self, gen: int, step: int) -> dict:
+        return self.ask("state_at", gen, step)
+
+
 class ConstructorActor:
     """Builds (step, dp_rank) once for all ranks of the replica, `prefetch` steps ahead, on `threads`
-    build threads (build_threads of the ranks it serves)."""
+    build threads (build_threads of the ranks it serves): the build half of the job's service
+    (job.rank_builds.RankBuilds) over the Planner's plan stream. `host`: the Planner actor object itself
+    when it is this process's (planner_host), with its `info` and `routing` answered already."""
 
-    def __init__(self, job: str, prefetch: int, threads: int = 2, planner=None):
+    def __init__(self, job: str, prefetch: int, threads: int = 2, host=None):
         use_numpy_kernels()
-        ray = ray_module()
         self.job = job
-        # `planner`: the Planner's own process hosts this Constructor (plait.runtime.ray.planner_host)
-        self.planner = planner if planner is not None else ray.get_actor(planner_name(job), namespace=NAMESPACE)
-        info = get(self.planner.info.remote())
-        self.route = Route(get(self.planner.routing.remote()))
+        if host is None:
+            self.planner = ray_module().get_actor(planner_name(job), namespace=NAMESPACE)
+            info, routing = get(self.planner.info.remote()), get(self.planner.routing.remote())
+            ask, tell = self._ask_planner, self._tell_planner
+        else:  # calls to the Planner are plain calls; a replaced loader is asked of it over Ray, after its start
+            self.planner = ray_module().get_runtime_context().current_actor
+            info, routing = host.info(), host.routing()
+            ask = tell = lambda method, *args: getattr(host, method)(*args)
+        self.route = Route(routing)
         self.payloads = RayPayloads(self.route, planner=self.planner)
         self.constructor = Constructor(self.payloads)
         # dynamic CP: a group's micro-batch is built once here for the members this Constructor serves (the
         # members served by another Constructor build it there: once per Constructor holding a member)
-        self.dynamic = bool(info.get("dynamic_cp"))
         self.groups = GroupBuilds()
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
-        self.cache = BuildCache(self._build, prefetch, threads=max(1, threads))
-        self.lock = threading.Lock()
-        self.waits = 0  # requests that found their build not finished yet
-        self.requests = 0
-        self.consumed: dict[int, int] = {}  # DP rank -> steps its trainer asked for (last step + 1)
-        self.wait_seconds: dict[int, float] = {}  # DP rank -> seconds its requests waited for a build
-        self.edge: tuple[int, int] = (-1, 0)  # (generation, first step not known to be within the plan window)
-        self.window_waits = 0  # requests that waited for a slower rank (the Planner's window was full)
-        self.lagging = ""  # the rank the last wait was for
+        self.builds = RankBuilds(PlannerPlans(ask, tell, self.route), self._build, ranks=info["ranks"],
+                                 dynamic=bool(info.get("dynamic_cp")), ahead=self.prefetch, threads=max(1, threads))
 
     def _ask_planner(self, method: str, *args):
         """A call to the job's Planner; when it died, to its successor (the job's standby makes it once,
-        whoever asks first)."""
+        whoever asks first). `admit` may wait in the window: on the Planner's threads for it."""
         while True:
             planner = self.planner
+            call = getattr(planner, method)
+            if method == "admit":
+                call = call.options(concurrency_group=WINDOW_GROUP)
             try:
-                return get(getattr(planner, method).remote(*args))
+                return get(call.remote(*args))
             except dead_errors():
                 successor = standby_planner.successor(self.job, planner)
                 if successor is None:
                     raise
                 self.planner = self.payloads.planner = successor[0]
 
-    def _build(self, gen: int, step: int, dp_rank: int, with_state: bool) -> tuple[dict | None, list[MicroBatch]]:
-        plan, state, routing = self._ask_planner("build_order", gen, step, dp_rank, self.route.version, with_state)
-        self.route.update(routing)
+    def _tell_planner(self, method: str, *args) -> None:
+        getattr(self.planner, method).remote(*args)
+
+    def _build(self, plan: RankPlan, key: tuple[int, int, int]) -> list[MicroBatch]:
+        gen, step, _ = key
         with Stopwatch() as t:
             if plan.cp is None:
                 batches = self.constructor.build(plan)
@@ -106,77 +135,19 @@ class ConstructorActor:
                 self.groups.drop(lambda scope: scope[0] == gen and scope[1] >= step - self.prefetch - GROUPS_KEPT)
                 batches = self.groups.rank_batches((gen, step), plan, lambda waves: self.constructor.build(plan, only=waves))
         self.counts.observe_build(batches, t.seconds)
-        self.planner.mark_built.remote(gen, step, dp_rank)
-        return state, batches
+        return batches
 
-    def _within(self, gen: int, step: int, ask: bool = True) -> bool:
-        """Whether `step` is within the Planner's window (`horizon`); asks the Planner when `ask` and the
-        edge known here is not past it."""
-        if self.edge[0] == gen and step < self.edge[1]:
-            return True
-        if not ask:
-            return False
-        edge, self.lagging = self._ask_planner("horizon", gen)
-        if edge is None:  # no rank has built in this generation yet: this one and its build-ahead may go
-            edge = step + self.prefetch + 1
-        self.edge = (gen, edge)
-        return step < edge
-
-    def _pace(self, gen: int, step: int, dp_rank: int) -> None:
-        """Backpressure: wait while `step` is more than the Planner's window ahead of the slowest reading
-        rank (instead of that rank's steps leaving the window); a long wait is logged, naming that rank."""
-        if self._within(gen, step):
-            return
-        self.window_waits += 1
-        t0, reported = time.monotonic(), False
-        while not self._within(gen, step):
-            time.sleep(POLL_S)
-            if not reported and time.monotonic() - t0 >= REPORT_S:
-                reported = True
-                log.warning("plait: DP rank %d's step %d waits for %s (the Planner keeps a window of planned "
-                            "steps) for %.0f s", dp_rank, step, self.lagging, time.monotonic() - t0)
-
-    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None,
-            cp: tuple[int, int] = (1, 0), with_state: bool = True,
-            client: str | None = None) -> tuple[dict | None, list[MicroBatch]]:
+    def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0),
+            with_state: bool = True, client: str | None = None) -> tuple[dict | None, list[MicroBatch]]:
         """(state at the start of `step`, the rank's micro-batches of `step`), each cut to CP rank cp[1]
         of cp[0] (the build is shared by the replica's ranks; only the shard travels to the trainer).
-        Without `with_state` the state is None and the Planner sends none for the build: a thin client
-        fetches it only for a checkpoint (the Planner -> Constructors traffic per step is then the rank's
-        plan alone). Waits while `step` is beyond the Planner's window (`_pace`). `client` (the reader's
-        name) is not used here: the Planner follows the ranks by their builds."""
-        dp_rank, cp = served_rank(self.dynamic, dp_rank, cp)  # dynamic CP: the pool rank's build, cut already
-        self._pace(gen, step, dp_rank)
-        with self.lock:
-            # The build-ahead stops at the window's edge; the last few builds stay for the replica's other ranks.
-            fut = self.cache.request((gen, step, dp_rank), lambda s: (limit is None or s < limit) and
-                                     self._within(gen, s, ask=False), with_state)
-            self.requests += 1
-            self.consumed[dp_rank] = max(self.consumed.get(dp_rank, 0), step + 1)
-            waited = not fut.done()
-            if waited:
-                self.waits += 1
-        t0 = time.perf_counter()
-        try:
-            state, batches = fut.result()
-        except BaseException:
-            with self.lock:
-                self.cache.forget((gen, step, dp_rank))
-            raise
-        finally:
-            if waited:
-                with self.lock:
-                    self.wait_seconds[dp_rank] = self.wait_seconds.get(dp_rank, 0.0) + time.perf_counter() - t0
-        if with_state and state is None:  # built for a client that did not ask for it
-            state = get(self.planner.state_at.remote(gen, step))
-        return BuildCache.served((state, batches), cp, with_state)
+        Without `with_state` the state is None and the Planner sends none for the build (a thin client
+        fetches it only for a checkpoint). Waits while `step` is beyond the Planner's window (RankBuilds.get)."""
+        return self.builds.get(gen, step, dp_rank, limit, cp, with_state, client)
 
     def stats(self) -> dict:
-        return {"requests": self.requests, "waits": self.waits, "pid": os.getpid(), "cached": len(self.cache.builds),
-                "rss": process_rss(), "consumed": dict(self.consumed), "wait_s": dict(self.wait_seconds),
-                "window_waits": self.window_waits,
-                "routing_version": self.route.version, "build_threads": len(self.cache.workers.threads),
-                "group_builds": self.groups.builds}
+        return {**self.builds.stats(), "cached": len(self.builds.cache.builds), "pid": os.getpid(),
+                "rss": process_rss(), "routing_version": self.route.version, "group_builds": self.groups.builds}
 
     def telemetry(self) -> dict:
         """Per-source tokens, samples and images built so far, and build times (Telemetry.delivery_counts)."""

@@ -4,8 +4,8 @@ process fewer).
 `PlannerHostActor` is the job's Planner actor (same name, same methods, same standby) that also serves
 the Constructor's `get`, `telemetry` and `serve_flight`: every trainer process's ConstructorPool hands out
 the Planner's handle as its Constructor. The Constructor role (plait.runtime.ray.constructor_actor) runs
-unchanged inside it: its requests to the Planner go to this very object through `InProcess` (no Ray hop,
-no second copy of a plan) and its payloads still come straight from the loaders. The actor serves many
+unchanged inside it: its build half asks this very object's plan half by plain calls (no Ray hop, no
+second copy of a plan; job.plan_stream.PlanSource) and its payloads still come straight from the loaders. The actor serves many
 calls at once (a trainer waiting for a build must not hold up the others); every Planner request holds the
 Planner's own lock (plait.runtime.ray.planner_requests.planner_call), so they still run one at a time, and
 the Constructor's side here runs beside them.
@@ -16,28 +16,9 @@ node. Off by default.
 
 from __future__ import annotations
 
-from plait.runtime.ray.common import planner_name, ray_module
+from plait.runtime.ray.common import planner_name
 from plait.runtime.ray.constructor_actor import ConstructorActor, build_threads
 from plait.runtime.ray.planner_actor import PlannerActor
-
-
-class InProcess:
-    """Looks like an actor handle of an object in this process: `h.method.remote(*args)` runs the method
-    now (a Planner request takes the Planner's lock itself) and returns an object reference to its result,
-    so code written against actor handles (the Constructor's requests to its Planner) runs unchanged."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def __getattr__(self, name: str):
-        method = getattr(self.target, name)
-
-        class Call:
-            @staticmethod
-            def remote(*args, **kwargs):
-                return ray_module().put(method(*args, **kwargs))
-
-        return Call
 
 
 class PlannerHostActor(PlannerActor):
@@ -48,7 +29,8 @@ class PlannerHostActor(PlannerActor):
     def __init__(self, spec_dict: dict, job: str, options: dict):
         super().__init__(spec_dict, job, options)
         prefetch = int(options.get("prefetch", 2))
-        self.builder = ConstructorActor(job, prefetch, build_threads(self.planner.ranks), planner=InProcess(self))
+        # the build half asks this object's plan half by plain calls (each takes the Planner's lock)
+        self.builder = ConstructorActor(job, prefetch, build_threads(self.planner.ranks), host=self)
         # The job's /metrics asks the Constructors for what they built: this actor is the one.
         names = self.metrics.constructor_names
         self.metrics.constructor_names = lambda: list(names()) + [planner_name(job)]

@@ -40,6 +40,9 @@ class Request:
     built: bool = False
 
 
+WINDOW_GROUP = "window"  # the Planner's concurrency group for `admit`: a Constructor's request waits there
+WINDOW_THREADS = 64  # requests that may wait at once (a node's Constructor serves up to 64 ranks' requests)
+
 INTERNAL = Request()  # a Constructor's or an operator's question: nothing to tell
 READ = Request(trainer=True)
 STATE = Request(trainer=True, state=True)
