@@ -91,7 +91,7 @@ def fill_boundary(result, items: Items, order: np.ndarray, capacity: int, cost_o
     for i in order.tolist():
         rem = int(items.length[i])
         skip = 0
-        if int(items.patches[i]) == 0:  # a document with images is never cut
+        if not items.media[i]:  # a document with media is never cut
             while rem and k < len(room):
                 r, m = room[k]
                 space = capacity - int(result.micro_tokens[r, m])

@@ -24,7 +24,7 @@ from plait.balance.cp_degrees import CommTable, CPLayout
 from plait.balance.cp_plan import plan_dynamic_cp
 from plait.cost import CommCost, CostModel
 from plait.plan import CPGroups, Items, StepPlan
-from plait.planning.step_costs import encoder_cost
+from plait.planning.step_costs import Encoders
 from plait.spec import Spec
 
 
@@ -39,7 +39,7 @@ class DynamicCP:
         self.cap = section.degree_cap(self.pool)
         self.theta, self.pow2 = section.theta, section.groups == "pow2"
         self.model = CostModel.from_spec(spec.cost)
-        self.encoder = encoder_cost(spec)
+        self.encoders = Encoders(spec)
         self.comm = comm_table(CommCost.from_spec(spec.cost), self.cap)
 
     def layout(self, seq_len: int, microbatches: int) -> CPLayout:
@@ -55,18 +55,15 @@ class DynamicCP:
         return np.array(limits, dtype=np.int64)
 
     def costs(self, items: Items) -> np.ndarray:
-        """Each item's whole cost (a group of k members carries it / k): LLM plus its images' encoder."""
-        costs = self.model(items.length)
-        if self.encoder is not None and items.has_images:
-            costs = costs + self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq
-        return costs
+        """Each item's whole cost (a group of k members carries it / k): LLM plus its media's encoders."""
+        return self.model(items.length) + self.encoders.of(items)
 
     def plan(self, step: int, items: Items, priority: np.ndarray, seq_len: int, microbatches: int):
         """(the StepPlan's fields for the placed items, the items left for the carry)."""
         layout = self.layout(seq_len, microbatches)
         costs = self.costs(items)
         result = plan_dynamic_cp(items.length, costs, layout, self.comm, priority=priority,
-                                 minimal=items.patches > 0)
+                                 minimal=items.media)
         a = result.assignment
         placed = np.flatnonzero(a.item_group >= 0)
         placed = placed[np.argsort(a.item_group[placed], kind="stable")]  # group by group, drawn order inside
@@ -87,10 +84,7 @@ class DynamicCP:
         stands for it, the encoder's share of the cost."""
         micro_patches = np.zeros(plan.micro_cost.shape, dtype=np.int64)
         np.add.at(micro_patches, (plan.rank, plan.micro), plan.items.patches)
-        encoder = 0.0
-        if self.encoder is not None:
-            items = plan.items
-            encoder = float((self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq).sum())
+        encoder = float(self.encoders.of(plan.items).sum())
         return {"micro_patches": micro_patches, "encoder_cost": encoder, "cost": float(plan.cost.sum()),
                 "masked_labels": masked_labels}
 

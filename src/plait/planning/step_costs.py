@@ -31,6 +31,28 @@ def audio_encoder_cost(spec: Spec) -> EncoderCost | None:
     return None if spec.audio is None else _encoder(spec.audio.encoder)
 
 
+class Encoders:
+    """The job's media encoders and the one formula of their cost: each item's sum over its media of
+    EncoderCost over the media's units (an image's patches, a clip's attention spans)."""
+
+    def __init__(self, spec: Spec):
+        self.image, self.audio = encoder_cost(spec), audio_encoder_cost(spec)
+
+    def __bool__(self) -> bool:
+        return self.image is not None or self.audio is not None
+
+    def of(self, items: Items) -> np.ndarray:
+        """Each item's whole encoder cost (zeros for text)."""
+        out = np.zeros(len(items))
+        if not items.has_images:
+            return out
+        for cost, units, squares in ((self.image, items.patches, items.patches_sq),
+                                     (self.audio, items.audio_spans, items.audio_spans_sq)):
+            if cost is not None:
+                out = out + cost.linear * units + cost.quadratic * squares
+        return out
+
+
 def _encoder(e) -> EncoderCost | None:
     if e is None:
         return None
@@ -46,8 +68,7 @@ class StepCosts:
         self.spec = spec
         self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
-        self.encoder = encoder_cost(spec)
-        self.audio_encoder = audio_encoder_cost(spec)
+        self.encoders = Encoders(spec)
         self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
         self.max_patches = spec.packing.max_patches
 
@@ -55,13 +76,7 @@ class StepCosts:
         """Each item's cost per CP rank (LLM over its tokens + encoder over its images, both split over
         the cp ranks), and the encoder's part of it."""
         costs = self.cost_model.per_cp_rank(items.length, self.cp)
-        encoder = np.zeros(len(items))
-        if self.encoder is not None and items.has_images:
-            encoder = encoder + self.encoder.linear * items.patches + self.encoder.quadratic * items.patches_sq
-        if self.audio_encoder is not None and items.has_images:
-            encoder = encoder + self.audio_encoder.linear * items.audio_spans + \
-                self.audio_encoder.quadratic * items.audio_spans_sq
-        encoder = encoder / max(1, self.cp)
+        encoder = self.encoders.of(items) / max(1, self.cp)
         return costs + encoder, encoder
 
     def of_tokens(self, lengths: np.ndarray) -> np.ndarray:

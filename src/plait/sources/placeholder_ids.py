@@ -37,6 +37,8 @@ def placeholder_id_names(job) -> dict[int, str]:
         out[int(job.images.image_token_id)] = "images.image_token_id"
     if job is not None and getattr(job, "videos", None) is not None:
         out[int(job.videos.video_token_id)] = "videos.video_token_id"
+    if job is not None and getattr(job, "audio", None) is not None:
+        out[int(job.audio.audio_token_id)] = "audio.audio_token_id"
     return out
 
 
