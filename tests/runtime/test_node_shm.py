@@ -94,6 +94,29 @@ def test_the_ranks_of_one_replica_map_one_segment_that_goes_when_all_have(tmp_pa
     assert (tmp_path / again[0]).exists()  # connection 2 reads DP rank 0 too
     segments.forget(2)  # its trainer died
     assert not list(tmp_path.iterdir()) and len(segments) == 0
+    full = Segments(tmp_path / "missing", "plait-1-t-")  # as a full /dev/shm refuses a write
+    with pytest.raises(PlaitError, match="cannot write step 5 of DP rank 0 into .*PLAIT_NODE_TRANSPORT=flight"):
+        full.get(1, key, [mb])
+
+
+def test_a_client_without_the_jobs_token_is_refused(tmp_path):
+    """The socket's name is in the abstract namespace, readable by anyone on the machine: the job's token
+    (HMAC challenge of multiprocessing.connection) is what keeps other users out."""
+    from types import SimpleNamespace
+
+    from plait.runtime.node_shm_client import ShmChannel
+    from plait.runtime.node_shm_host import NodeShmServer
+
+    server = NodeShmServer(SimpleNamespace(service=None, token="the-jobs-token"), tmp_path, "tok")
+    try:
+        with pytest.raises(PlaitError, match="refused the token"):
+            ShmChannel(server.address, "another-token")
+        with pytest.raises(PlaitError, match="unknown request 'nonsense'"):
+            ShmChannel(server.address, "the-jobs-token").call("nonsense", None)
+    finally:
+        server.close()
+    with pytest.raises(PlaitError, match="LOCAL_RANK 0"):
+        ShmChannel(server.address, "the-jobs-token")  # nobody listens any more
 
 
 def launch_env(monkeypatch, tmp_path, run: str) -> None:

@@ -12,6 +12,7 @@ import functools
 import os
 import threading
 import uuid
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,7 +38,7 @@ class ShmChannel:
         except (OSError, EOFError) as e:
             raise PlaitError(f"no data host answers on this node's socket ({type(e).__name__}: {e}): "
                              f"{HOST_DOWN}") from None
-        except Exception as e:  # noqa: BLE001 - multiprocessing.AuthenticationError: another launch's host
+        except AuthenticationError as e:  # another launch's host
             raise PlaitError(f"this node's data host refused the token in its rendezvous file ({e}): a stale "
                              "file of an earlier launch, or two launches sharing PLAIT_NODE_DIR and run id") from None
         self.lock = threading.Lock()

@@ -23,7 +23,8 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
 from plait.errors import PlaitError
@@ -66,7 +67,13 @@ class Segments:
             if held is not None:
                 return held.reply
             name = f"{self.prefix}{next(self.counter)}"
-            size, layouts = write_segment(self.folder / name, batches)
+            try:
+                size, layouts = write_segment(self.folder / name, batches)
+            except OSError as e:  # a container's /dev/shm is often 64 MiB
+                raise PlaitError(
+                    f"this node's data host cannot write step {key[1]} of DP rank {key[2]} into {self.folder}: "
+                    f"{e.strerror or e}. Give the node more shared memory (docker --shm-size), point "
+                    "PLAIT_SHM_DIR at a larger tmpfs, or read over Flight (PLAIT_NODE_TRANSPORT=flight)") from None
             reply = (name if size else None, size, layouts)
             if size:
                 self.held[key] = Held(name, gen, reads, reply)
@@ -128,11 +135,9 @@ class NodeShmServer:
         while not self.closed.is_set():
             try:
                 conn = self.listener.accept()
-            except (OSError, EOFError):
+            except (OSError, EOFError, AuthenticationError):  # a peer without the token, or one that left
                 if self.closed.is_set():
                     return
-                continue  # a peer without the token (AuthenticationError is an OSError's sibling: below)
-            except Exception:  # noqa: BLE001 - multiprocessing.AuthenticationError: refused, keep serving
                 continue
             if self.closed.is_set():
                 conn.close()
@@ -176,10 +181,8 @@ class NodeShmServer:
             return
         self.closed.set()
         try:  # wake the accepting thread
-            from multiprocessing.connection import Client
-
             Client(self.address, family="AF_UNIX", authkey=self.token.encode()).close()
-        except Exception:  # noqa: BLE001 - gone already
-            pass
+        except (OSError, EOFError, AuthenticationError):
+            pass  # not listening any more
         self.listener.close()
         self.segments.close()
