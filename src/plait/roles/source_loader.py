@@ -23,6 +23,7 @@ from plait.state.deltas import DeltaTracker
 from plait.kernels import copy_spans
 from plait.heap import HEAP_TRIM
 from plait.sources import BlockKey, DocBlock, Source
+from plait.sources.blocks import late_failures, without_late_failures
 from plait.sources.buffer_budget import FullKey, fit_budgets, retain_blocks, window_limit
 from plait.sources.media_payload import ImageWork, decode_payload
 from plait.sources.reader import OpenStreams
@@ -59,6 +60,7 @@ class GatheredMedia:
     tokens: np.ndarray
     work: ImageWork
     length: np.ndarray
+    failed: np.ndarray | None = None  # items that failed late (sources/blocks.py): left out of the payload
 
 
 @dataclass
@@ -143,26 +145,25 @@ class SourceLoader:
         )
 
     # ----- payloads (to Constructors) ------------------------------------------------------------
-    def gather(
-        self, source: np.ndarray, keys: list[FullKey], block_index: np.ndarray, position: np.ndarray,
-        offset: np.ndarray, length: np.ndarray,
-    ) -> np.ndarray:
-        """Tokens of the requested spans, concatenated in request order.
+    def gather(self, *request) -> np.ndarray | Payload:
+        """`copy_tokens`' tokens; a Payload where a document failed after planning (sources/blocks.py)."""
+        return without_late_failures(*self.copy_tokens(*request), request[-1])
 
-        `block_index[i]` indexes `keys`; span i is tokens [offset, offset+length) of the document at
-        shuffled `position[i]` of that block.
-        """
+    def copy_tokens(self, source, keys: list[FullKey], block_index, position, offset, length) -> tuple:
+        """Tokens of the requested spans in request order (span i: tokens [offset, offset+length) of the
+        document at shuffled `position[i]` of block `keys[block_index[i]]`), and which failed late (unwritten)."""
         t0 = time.perf_counter()
         length = np.asarray(length, dtype=np.int64)
         self.delta_tracker.note_served(keys, block_index, position, np.asarray(offset) // self.spec.packing.seq_len)
         out = np.empty(int(length.sum()), dtype=np.int32)
         out_start = np.cumsum(length) - length
+        failed = np.zeros(len(length), dtype=bool)
         for b in np.unique(block_index):
             sel = np.flatnonzero(block_index == b)
             full = keys[int(b)]
             block = self.block(full[0], full[1:])
             t_copy = time.perf_counter()
-            doc = np.searchsorted(block.positions, position[sel])
+            sel, doc = late_failures(block, sel, np.searchsorted(block.positions, position[sel]), failed)
             src_start = block.starts[doc] + offset[sel]
             copy_spans(block.tokens, src_start, length[sel], out, out_start[sel])
             with self.counts_lock:
@@ -170,7 +171,7 @@ class SourceLoader:
                                  samples=int(np.count_nonzero(np.asarray(offset)[sel] == 0)))
         with self.counts_lock:
             self.busy_seconds += time.perf_counter() - t0
-        return out
+        return out, failed
 
     @property
     def has_images(self) -> bool:
@@ -194,16 +195,16 @@ class SourceLoader:
         It touches the block cache (callers that share the loader between threads hold their lock for
         it); the second half, `decode_gathered`, touches only the pool and the counts, so several threads'
         gathers decode at once and the pool stays full between them."""
-        tokens = self.gather(source, keys, block_index, position, offset, length)
+        tokens, failed = self.copy_tokens(source, keys, block_index, position, offset, length)
         work = ImageWork.of_gather(self.sources, self.block, keys, block_index, position)
-        return GatheredMedia(tokens, work, np.asarray(length, dtype=np.int64))
+        return GatheredMedia(tokens, work, np.asarray(length, dtype=np.int64), failed)
 
     def decode_gathered(self, gathered: "GatheredMedia") -> Payload:
         """The payload of a `gather_media`: its media decoded on the pool (thread-safe: the blocks it
         reads are held by `gathered`, even once the cache has dropped them)."""
         work = gathered.work
         if not work.tasks:
-            return Payload(gathered.tokens, None)
+            return without_late_failures(Payload(gathered.tokens, None), gathered.failed, gathered.length)
         t0 = time.perf_counter()
         payload, done = decode_payload(work, gathered.tokens, gathered.length, self.pool)
         with self.counts_lock:
@@ -211,7 +212,7 @@ class SourceLoader:
                 count_production(self, source_idx, seconds, images=1)
             self.images_decoded += len(work.tasks)
             self.busy_seconds += max(time.perf_counter() - t0, float(sum(seconds for seconds, _ in done)))
-        return payload
+        return without_late_failures(payload, gathered.failed, gathered.length)
 
     def retain(self, live: set[FullKey], drawn: set[FullKey] | None = None) -> None:
         """Drop cached blocks that no pending or future step needs; `drawn` (default: all of `live`): those

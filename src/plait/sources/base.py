@@ -67,8 +67,8 @@ class Source:
     `length_field`, or a format whose index holds them), `read_lengths` serves planning and the tokens
     are decoded only by `read_block`, which then checks them against those lengths: a record whose
     tokens disagree (or that turns out unreadable) is a bad record. The plan already holds it at the
-    planned length, so under `skip` it is counted, named and delivered cut or padded (eos, else 0) to
-    that length; under `raise` it stops the run.
+    planned length, so under `skip` it is counted, named and dropped from its batch as a dropped sample
+    (blocks.py); under `raise` it stops the run.
 
     Its parts: the policy over bad records and files is `bad` (bad_records.py), the column-to-tokens
     checks are `column` (token_columns.py), the lengths check is blocks.reconcile."""

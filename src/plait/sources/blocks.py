@@ -2,6 +2,13 @@
 (BlockLengths, for planning), and the check that makes the first agree with the second.
 
 A block key (epoch, file_pos, block_pos) names a block in the source's order (sources/base.py).
+
+A record planned from its length alone (a `length_field`, Megatron's index) that then fails to decode,
+or whose tokens disagree with that length, is a late failure: the plan (of every rank) already holds it
+at its planned length, so it stays in the block's documents, marked `failed`, and a gather leaves it out
+as a dropped sample (`Payload.dropped`, as an image that fails after planning): not delivered, counted in
+the micro-batch's `dropped_samples` and its labels in `dropped_label_tokens`, so that the step's
+`global_label_tokens` less them is exactly what the loss sees.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from plait.batch import Payload
+from plait.ragged import ragged_arange
 from plait.sources.multimodal import ImageTable
 from plait.spec import SourceSpec
 
@@ -24,7 +33,8 @@ class DocBlock:
     Document i (in shuffled order) is tokens[starts[i] : starts[i] + lengths[i]], sample id
     (shard, rows[i]), at shuffled position positions[i]. `tokens` stays in file order (for token-id
     sources it is the Arrow buffer itself, zero-copy); only the small index arrays are shuffled.
-    Positions of dropped (bad) records are absent from `positions`.
+    Positions of dropped (bad) records are absent from `positions`, except late failures (module
+    docstring): listed, marked in `failed`, their span empty (it starts at the end of `tokens`).
     """
 
     source: int
@@ -37,10 +47,12 @@ class DocBlock:
     lengths: np.ndarray  # int64 [n]
     num_positions: int  # shuffled positions in the block, bad records included (what a cursor counts)
     images: ImageTable | None = None  # image sources: each document's images (sources/multimodal.py)
+    failed: np.ndarray | None = None  # bool [n]: late failures (module docstring); None: none
 
     @property
     def nbytes(self) -> int:
         extra = self.images.nbytes if self.images is not None else 0
+        extra += self.failed.nbytes if self.failed is not None else 0
         return extra + sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
 
 
@@ -63,27 +75,57 @@ def reconcile(block: DocBlock, meta: BlockLengths, spec: SourceSpec, path: str,
     """The decoded block made to hold exactly the planned documents at their planned lengths.
 
     A record whose tokens disagree with the lengths planning read (or that turns out unreadable) is a
-    bad record, reported (`report(path, record, reason)`: raise, or count) and delivered cut or padded
-    (eos, else 0) to the planned length: the plan already holds it there."""
+    bad record, reported (`report(path, record, reason)`: raise, or count) and marked `failed`: a late
+    failure, dropped from its batch (module docstring)."""
     if np.array_equal(block.positions, meta.positions) and np.array_equal(block.lengths, meta.lengths):
         return block
+    want = meta.lengths.astype(np.int64)
+    at = np.searchsorted(block.positions, meta.positions)
+    found = at < len(block.positions)
+    found[found] = block.positions[at[found]] == meta.positions[found]
+    held = np.full(len(want), -1, np.int64)
+    held[found] = block.lengths[at[found]]
+    failed = held != want
     what = f"length_field {spec.length_field!r}" if spec.length_field else "the format's index"
-    pad = spec.eos if spec.eos is not None else 0
-    at = np.minimum(np.searchsorted(block.positions, meta.positions), max(len(block.positions) - 1, 0))
-    found = (at < len(block.positions)) & (block.positions[at] == meta.positions) if len(block.positions) \
-        else np.zeros(len(meta.positions), bool)
-    pieces = []
-    for j in range(len(meta.positions)):
-        want = int(meta.lengths[j])
-        doc = block.tokens[block.starts[at[j]] : block.starts[at[j]] + block.lengths[at[j]]] if found[j] else None
-        if doc is None or len(doc) != want:
-            held = "cannot be read" if doc is None else f"holds {len(doc)}"
-            report(path, str(int(meta.rows[j])), f"{what} says {want} tokens (bos/eos included) but the "
-                   f"record {held}; planned at {want}, it is delivered cut or padded with id {pad}")
-            doc = np.full(want, pad, np.int32) if doc is None else \
-                np.concatenate([doc[:want], np.full(max(want - len(doc), 0), pad, np.int32)])
-        pieces.append(doc)
-    tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
-    lengths = meta.lengths.astype(np.int64)
-    return DocBlock(block.source, block.key, meta.shard, meta.positions, meta.rows, tokens,
-                    np.cumsum(lengths) - lengths, lengths, meta.num_positions)
+    for j in np.flatnonzero(failed):
+        got = "cannot be read" if held[j] < 0 else f"holds {held[j]}"
+        report(path, str(int(meta.rows[j])), f"{what} says {want[j]} tokens (bos/eos included) but the record "
+               f"{got}; it was planned at that length, so its sample is dropped from its batch")
+    kept = want * ~failed
+    starts = np.cumsum(kept) - kept
+    tokens = block.tokens[ragged_arange(block.starts[at[~failed]], want[~failed])].astype(np.int32, copy=False)
+    starts[failed] = len(tokens)
+    return DocBlock(block.source, block.key, meta.shard, meta.positions, meta.rows, tokens, starts, want,
+                    meta.num_positions, failed=failed if failed.any() else None)
+
+
+def late_failures(block: DocBlock, sel: np.ndarray, doc: np.ndarray, failed: np.ndarray):
+    """The requested items `sel` (documents `doc` of `block`) less the block's late failures, which are
+    marked in `failed` (per item of the whole request)."""
+    if block.failed is None:
+        return sel, doc
+    failed[sel] = block.failed[doc]
+    keep = ~block.failed[doc]
+    return sel[keep], doc[keep]
+
+
+def without_late_failures(payload: np.ndarray | Payload, failed: np.ndarray | None,
+                          length: np.ndarray) -> np.ndarray | Payload:
+    """A gather's payload (tokens, or a Payload) with its late failures (`failed`, per requested item; their
+    tokens never copied) left out and listed as dropped, each with the labels the step counted for it
+    (every token but the last: a text document has no placeholders). Unchanged when none failed."""
+    if failed is None or not failed.any():
+        return payload
+    length = np.asarray(length, np.int64)
+    payload = payload if isinstance(payload, Payload) else Payload(payload, None)
+    none = np.zeros(0, np.int64)
+    dropped = none if payload.dropped is None else np.asarray(payload.dropped, np.int64)
+    labels = none if payload.dropped_labels is None else np.asarray(payload.dropped_labels, np.int64)
+    present = np.ones(len(length), bool)  # items whose tokens are in the payload (not dropped for their media)
+    present[dropped] = False
+    tokens = payload.tokens[np.repeat(~failed[present], length[present])]
+    gone = np.flatnonzero(failed)
+    all_gone = np.concatenate([gone, dropped])
+    order = np.argsort(all_gone, kind="stable")
+    all_labels = np.concatenate([(length[gone] - 1).clip(min=0), labels])
+    return payload._replace(tokens=tokens, dropped=all_gone[order], dropped_labels=all_labels[order])
