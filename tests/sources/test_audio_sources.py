@@ -92,10 +92,13 @@ def test_placeholder_runs_labels_and_global_label_tokens_are_exact(run):
         assert labels == mbs[0].stats["global_label_tokens"]
 
 
-def test_features_equal_the_qwen2_audio_processor_on_the_same_waveform(run):
+def test_features_and_placeholders_equal_the_qwen2_audio_processor_on_the_same_waveform(run):
     from transformers import WhisperFeatureExtractor
 
+    from media.test_audio_reference import AUDIO, qwen2_audio_processor
+
     extractor = WhisperFeatureExtractor(feature_size=80)
+    processor = qwen2_audio_processor(80)
     mb = next(mb for mbs in run[0] for mb in mbs if mb.stats["audio_clips"] >= 2)
     rows = np.concatenate([[0], np.cumsum(mb.audio_windows)])
     checked = set()
@@ -109,6 +112,10 @@ def test_features_equal_the_qwen2_audio_processor_on_the_same_waveform(run):
                         return_tensors="np")
         ours = slice(rows[k], rows[k + 1])
         assert np.abs(mb.input_features[ours] - ref["input_features"]).max() <= TOLERANCE
+        expanded = processor(text=[f"hello {AUDIO}"] * len(windows), audio=windows, sampling_rate=16000,
+                             return_tensors="np", padding=True)
+        assert int((expanded["input_ids"] == processor.tokenizer.convert_tokens_to_ids(AUDIO)).sum()) == \
+            mb.stats["audio_clip_tokens"][k]
         np.testing.assert_array_equal(mb.feature_attention_mask[ours], ref["attention_mask"])
         checked.add(int(source))
     assert len(checked) >= 2
