@@ -103,3 +103,15 @@ def test_a_ray_instance_plait_starts_returns_a_gather_inline():
         init, _ = long_run_settings(dashboard)
         assert init["_system_config"]["max_direct_call_object_size"] == INLINE_RETURN_BYTES
     assert 512 * 1024 <= INLINE_RETURN_BYTES <= 4 * 2**20
+
+
+def test_build_ahead_is_the_ray_runtimes_name_too():
+    """RayOptions takes `build_ahead` (every runtime's name for it); `prefetch` is its deprecated name."""
+    from plait.errors import PlaitError
+    from plait.runtime.ray.runtime import RayOptions
+
+    assert RayOptions().build_ahead == 2 and RayOptions(build_ahead=0).build_ahead == 0
+    with pytest.warns(DeprecationWarning, match="prefetch= is deprecated"):
+        assert RayOptions(prefetch=3).build_ahead == 3
+    with pytest.raises(PlaitError, match="both given"):
+        RayOptions(prefetch=3, build_ahead=1)

@@ -23,6 +23,7 @@ from plait.job.stream import read_rank, state_after
 from plait.errors import PlaitError
 from plait.plan import StepPlan
 from plait.state.log import PlannerLog
+from plait.runtime.options import renamed
 from plait.runtime.placement import LoaderLayout
 from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
@@ -91,7 +92,7 @@ class RayOptions:
       step_time     seconds per training step the loaders must keep up with (auto only; default 1.0):
                     each loader is sized to be busy at most half of it
       on_layout     called with the layout, one row per loader (plait.runtime.scaling.describe), once
-      prefetch      steps each Constructor builds ahead (default 2)
+      build_ahead   steps each Constructor builds ahead (default 2; `prefetch` is its deprecated name)
       constructors  "node" (one per node, default) or "replica" (one per DP replica), or "planner": the
                     Planner's process builds every rank's batches (a one-node job: one process fewer;
                     plait.runtime.ray.planner_host)
@@ -128,7 +129,8 @@ class RayOptions:
     partitions: int | dict[str, int] | None = None
     step_time: float = 1.0
     on_layout: Callable[[list[dict]], None] | None = None
-    prefetch: int = 2
+    build_ahead: int | None = None
+    prefetch: int | None = None  # the deprecated name of build_ahead
     constructors: str = "node"
     dp: int | None = None
     loader_cpus: float = 0
@@ -142,6 +144,9 @@ class RayOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "loaders", loaders_option(self.loaders))
+        ahead = renamed("prefetch", self.prefetch, "build_ahead", self.build_ahead)
+        object.__setattr__(self, "build_ahead", 2 if ahead is None else int(ahead))
+        object.__setattr__(self, "prefetch", None)
         if self.autoscale is not None and self.autoscale is not False:
             from plait.runtime.autoscale import AutoscaleOptions
 
@@ -168,7 +173,7 @@ class RayOptions:
                 "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout,
                 "heartbeat_interval": self.heartbeat_interval, "run": restart_count(),
                 "autoscale": self.autoscale or None, "planner_standby": self.planner_standby,
-                "constructors": self.constructors, "prefetch": self.prefetch}
+                "constructors": self.constructors, "prefetch": self.build_ahead}
 
 
 def restart_count() -> int:
@@ -199,7 +204,7 @@ class RayRuntime:
         ray = ray_module()  # imported by RayUse, after the authentication mode of the instance it joins is set
         self.shared = opts.job is not None
         self.job = opts.job or f"job-{uuid.uuid4().hex[:12]}"
-        self.prefetch = opts.prefetch
+        self.prefetch = opts.build_ahead
         self.dp = opts.dp or self.spec.topology.dp
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         planner_options = opts.planner_options(self.dp, cpus)
