@@ -1,16 +1,16 @@
 """`plait bench audio`: plait's audio gather against a plain PyAV + WhisperFeatureExtractor loop.
 
-On --clips generated speech-like clips (WAV, FLAC, MP3, Ogg/Opus, M4A in turn; 8-48 kHz; 1, 2 or 6
-channels) or the first --clips of your files (--path: a folder or a glob), in one process on the same cores:
+It measures --clips generated speech-like clips (WAV, FLAC, MP3, Ogg/Opus, M4A in turn; 8-48 kHz; 1, 2 or 6
+channels) or the first --clips of your own files (--path: a folder or a glob), in one process on the same
+cores. Planning: plait's header probe of every clip, which decodes nothing; a file it cannot read is named and
+left out. plait: the gather, one PyAV decode (16 kHz, channels averaged) and a numpy log-mel of the frames
+that hold audio. Plain: PyAV decode with its resampler to 16 kHz mono, then transformers'
+WhisperFeatureExtractor (padding="max_length", one row per 30 s window, as the Qwen2-Audio processor calls
+it). Each side runs --repeats times, alternating; the best pass counts.
 
-  planning  plait's header probe of every clip (no decode); a file it cannot read is named and left out.
-  plait     the gather: one PyAV decode (16 kHz, channels averaged), numpy log-mel of the frames that hold audio.
-  plain     PyAV decode with its resampler to 16 kHz mono, then transformers' WhisperFeatureExtractor
-            (padding="max_length", one row per 30 s window, as the Qwen2-Audio processor calls it).
-
-Best of --repeats alternating passes. ratio_wall = plain wall / plait wall (target >= 1); decodes_per_clip
-(target 1); planning_decodes (decode passes and frames while probing: 0); max_feature_diff (plait's features
-against the extractor's on the same waveform: <= 1e-4), and each float32 path against float64. Without
+Reported: ratio_wall = plain wall / plait wall (target >= 1); decodes_per_clip (target 1); planning_decodes,
+decode passes and frames while probing (target 0); max_feature_diff, plait's features against the
+extractor's on the same waveform (target <= 1e-4), and each float32 path against float64. Without
 transformers, plait's own rate only.
 """
 
