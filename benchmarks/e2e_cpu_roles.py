@@ -28,11 +28,25 @@ import time
 
 import psutil
 
-from plait.cli.bench.soak_sampler import ray_process_name
+
+def ray_process_name(p: psutil.Process) -> str:
+    """A short name for one of Ray's processes: its title (`ray::IDLE`, `ray::LoaderActor.gather`) or program
+    (gcs_server, raylet, log_monitor.py, ...); "?" when it cannot be read (it ended)."""
+    try:
+        args = p.cmdline()
+        if not args or not args[0]:  # psutil reads no arguments of a title that setproctitle rewrote
+            args = [p.name()]
+    except psutil.Error:
+        return "?"
+    head = args[0].split(" ")[0]
+    if not head.startswith("ray::") and len(args) > 1 and head.rsplit("/", 1)[-1].startswith("python"):
+        head = next((a for a in args[1:] if a.endswith(".py")), head)  # python .../log_monitor.py
+    return head.rsplit("/", 1)[-1]
+
 
 def role(p: psutil.Process, me: int) -> str:
     """driver, DataLoader worker, a Ray worker still starting, an actor's class (its title) or the
-    program of one of Ray's own processes (plait.cli.bench.soak_sampler.ray_process_name)."""
+    program of one of Ray's own processes (ray_process_name)."""
     if p.pid == me:
         return "driver"
     if p.name().startswith("pt_data_worker"):
@@ -58,7 +72,7 @@ class Sampler:
             try:
                 t, name = p.cpu_times(), role(p, self.me.pid)
                 old = self.procs.get(p.pid)
-                if old is not None and name in ("ray::IDLE", "ray-worker-starting") and old[0] not in ("ray-worker-starting",):
+                if old is not None and name in ("ray::IDLE", "ray-worker-starting", "?") and old[0] not in ("ray-worker-starting", "?"):
                     name = old[0]  # an actor's title stays its role between calls
                 self.procs[p.pid] = (name, t.user + t.system)
                 self.nice[p.pid] = p.nice()
@@ -109,10 +123,10 @@ def measure(which: str, e2e_argv: list[str]) -> dict:
         if which == "local":
             row = run_plait_local(spec, args, clock)
         elif which == "ray":
-            start_ray(num_cpus=args.cpus, include_dashboard=False)
+            start_ray_as_plait(start_ray, args.cpus)
             row = run_plait(spec, args, clock, autoscale=not args.no_autoscale and autoscale_available())
         elif which == "cpu-pool":
-            from plait.cli.bench.e2e_workloads import run_cpu_pool
+            from benchmarks.e2e_workloads import run_cpu_pool
 
             args.strategy_list = ["plait"]
             row = run_cpu_pool(args, spec, clock, autoscale_available() and not args.no_autoscale, Console(stderr=True))[-1]
@@ -123,7 +137,9 @@ def measure(which: str, e2e_argv: list[str]) -> dict:
             row = run_per_rank(spec, args, clock)
     load.append(os.getloadavg()[0])
     by, count = collections.defaultdict(float), collections.Counter()
+    full = {name for name, _ in s.procs.values()}
     for name, cpu in s.procs.values():
+        name = untruncated(name, full)
         by[name] += cpu
         count[name] += 1
     threads = collections.defaultdict(float)
@@ -141,6 +157,30 @@ def measure(which: str, e2e_argv: list[str]) -> dict:
         "driver_threads": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v >= 0.01},
         "by_role_and_affinity": {k: round(v, 2) for k, v in sorted(cores.items(), key=lambda x: -x[1])},
     }
+
+
+def untruncated(name: str, names: set[str]) -> str:
+    """An actor's title as read from its 15-character process name (`ray::PlannerAct`, when its arguments
+    read empty) -> its full title seen in another sample (`ray::PlannerActor`), where there is one."""
+    if len(name) != 15 or not name.startswith("ray::"):
+        return name
+    longer = sorted(n for n in names if n.startswith(name) and n != name)
+    return longer[0] if longer else name
+
+
+def start_ray_as_plait(start_ray, cpus: int) -> None:
+    """A Ray instance of `cpus` CPUs set up as plait sets up one it starts (plait.runtime.ray.common.
+    long_run_settings and malloc_env: no dashboard or metrics export, bounded task events, returns up to
+    1 MiB inline, jemalloc in the workers),
+    so that the row measures plait's data plane, not Ray's defaults (as benchmarks.e2e_workloads does)."""
+    from plait.runtime.ray.common import long_run_settings, malloc_env
+    from plait.runtime.ray.instance import daemon_env
+
+    settings, env = long_run_settings()
+    for name, value in env.items():
+        os.environ.setdefault(name, value)
+    with daemon_env(malloc_env()):
+        start_ray(num_cpus=cpus, include_dashboard=False, _system_config=settings["_system_config"])
 
 
 def marginal(short: dict, long: dict) -> dict:
@@ -161,9 +201,10 @@ def run_alone(which: str, steps: int, e2e_argv: list[str]) -> dict:
     """`measure` in a fresh Python process: nothing of one strategy (a Ray instance, pools) stays for the next."""
     cmd = [sys.executable, "-m", "benchmarks.e2e_cpu_roles", "--one", which, "--", "--steps", str(steps), *e2e_argv]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{which} at {steps} steps failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]  # Ray may print after it
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{which} at {steps} steps failed:\n{done.stdout[-1000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def parser() -> argparse.ArgumentParser:
