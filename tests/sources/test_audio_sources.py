@@ -213,3 +213,12 @@ def test_the_audio_encoder_cost_follows_the_window_policy(sources):
     assert with_audio.any() and (padded_spans[with_audio] % 1500 == 0).all()
     assert (padded_spans[~with_audio] == 0).all()
     assert 0 < chunked_spans.sum() < padded_spans.sum()
+
+
+def test_a_clip_longer_than_seq_len_allows_is_a_named_bad_record(tmp_path):
+    """A document with audio is never cut: one whose placeholders exceed seq_len is refused, named."""
+    src = webdataset_audio(tmp_path, shards=1, per_shard=6)  # sample 5: a 31.5 s clip, 787 tokens
+    with pytest.raises(SourceError) as e:
+        stream(audio_spec([src], dp=1, microbatches=1, seq_len=512), 1)
+    assert "000000005" in str(e.value) or "00000005" in str(e.value)
+    assert "more than seq_len 512" in str(e.value)

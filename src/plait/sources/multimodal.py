@@ -375,10 +375,11 @@ class ImageDocs:
                 return f"its text holds the {kind} token id {token_id} outside its {kind}s' placeholders ({extra} time(s))"
         leads = bool(len(doc)) and any(doc[0] == token_id for token_id, _, _ in self._placeholder_ids(plans))
         if has_images and leads != placeholder_leads(self.source):
-            return "its first image is not where the template puts it (the text before it tokenizes to nothing)"
+            return "its first media is not where the template puts it (the text before it tokenizes to nothing)"
         if has_images and len(doc) > self.seq_len:
-            return (f"a document holding images is {len(doc)} tokens, more than seq_len {self.seq_len} (documents "
-                    "with images are never cut through; raise seq_len, lower the image policy's max_pixels)")
+            return (f"a document holding media is {len(doc)} tokens, more than seq_len {self.seq_len} (documents "
+                    "with media are never cut through; raise seq_len, lower the image policy's max_pixels, or "
+                    "keep clips shorter: 750 tokens per 30 s of audio)")
         if self.max_patches is not None and patches > self.max_patches:
             return f"its images hold {patches} patches, more than packing.max_patches {self.max_patches}"
         if self.vocab_size is not None and len(doc) and int(doc.max()) >= self.vocab_size:
