@@ -222,3 +222,18 @@ def test_a_clip_longer_than_seq_len_allows_is_a_named_bad_record(tmp_path):
         stream(audio_spec([src], dp=1, microbatches=1, seq_len=512), 1)
     assert "000000005" in str(e.value) or "00000005" in str(e.value)
     assert "more than seq_len 512" in str(e.value)
+
+
+def test_audio_fields_cross_the_flight_wire_unchanged(run):
+    """A thin trainer's micro-batch (Arrow Flight's one-row record batch) keeps the 3-D features, the mask,
+    the per-clip arrays and the audio stats."""
+    from plait.runtime.flight import decode_batch, encode_batch, step_schema
+
+    mbs = run[0][0]
+    schema = step_schema(None, mbs)
+    for mb in mbs:
+        back = decode_batch(*encode_batch(schema, mb))
+        for name in ("input_ids", "labels", "input_features", "feature_attention_mask", "audio_windows", "audio_document"):
+            np.testing.assert_array_equal(getattr(back, name), getattr(mb, name))
+            assert getattr(back, name).dtype == getattr(mb, name).dtype
+        assert back.stats["audio_clip_tokens"] == mb.stats["audio_clip_tokens"]
