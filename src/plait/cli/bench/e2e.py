@@ -226,7 +226,12 @@ def mixture_rows(args, dps, specs, err, failures: list[dict]) -> list[dict]:
         started = not ray.is_initialized()  # (a caller's instance is used as it is, and left running)
         if started:
             try:
-                start_ray(num_cpus=args.cpus, include_dashboard=False)
+                from plait.runtime.ray.common import long_run_settings
+
+                settings, env = long_run_settings()  # as plait starts its own instance: the data plane's settings
+                for name, value in env.items():
+                    os.environ.setdefault(name, value)
+                start_ray(num_cpus=args.cpus, include_dashboard=False, _system_config=settings["_system_config"])
             except Exception as e:  # noqa: BLE001 - the per-rank rows above are still reported
                 failures.append({"workload": ",".join(w for w, _ in runs), "strategy": "plait", "error": str(e)})
                 err.print(f"[red]e2e: Ray did not start ({e}); plait's rows of {failures[-1]['workload']} are missing[/]")

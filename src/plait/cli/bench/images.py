@@ -110,7 +110,7 @@ def measure_ray(spec, steps: int) -> dict:
     """The same steps on the ray runtime: images delivered, and the decodes the loader actors report."""
     from plait.runtime import make_runtime
 
-    rt = make_runtime(spec, "ray", loaders=2, prefetch=0)  # no build ahead: decodes = delivered steps
+    rt = make_runtime(spec, "ray", loaders=2, build_ahead=0)  # no build ahead: decodes = delivered steps
     images = 0
     try:
         for _ in range(steps):
