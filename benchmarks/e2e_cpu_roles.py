@@ -190,8 +190,11 @@ def marginal(short: dict, long: dict) -> dict:
     if images <= 0:
         raise SystemExit(f"{long['strategy']}: the longer run delivered no more images than the shorter one "
                          f"({long['images_delivered']} vs {short['images_delivered']}): lengthen --lengths")
-    roles = set(short["roles"]) | set(long["roles"])
-    cpu = {r: long["roles"].get(r, {}).get("cpu_s", 0.0) - short["roles"].get(r, {}).get("cpu_s", 0.0) for r in roles}
+    names = set(short["roles"]) | set(long["roles"])
+    cpu: dict[str, float] = collections.defaultdict(float)
+    for run, sign in ((long, 1.0), (short, -1.0)):  # an actor's short name in one run, its title in the other
+        for r, figures in run["roles"].items():
+            cpu[untruncated(r, names)] += sign * figures["cpu_s"]
     return {"strategy": long["strategy"], "images": images,
             "marginal_cpu_ms_per_image": round(1000 * (long["total_cpu_s"] - short["total_cpu_s"]) / images, 3),
             "roles": {r: round(1000 * c / images, 3) for r, c in sorted(cpu.items(), key=lambda x: -x[1])}}

@@ -53,6 +53,8 @@ def test_an_actor_read_by_its_short_process_name_counts_under_its_title():
     assert untruncated("ray::PlannerAct", names) == "ray::PlannerActor"
     assert untruncated("ray::LoaderActo", names) == "ray::LoaderActo"  # no full title seen: kept
     assert untruncated("raylet", names) == "raylet"
+    short, long = run(100, 300, {"ray::PlannerAct": 1.0}, {"ray::PlannerActor": 1.4})
+    assert marginal(short, long)["roles"] == {"ray::PlannerActor": 2.0}  # not +7 and -5 for two names
 
 
 class Titled:
