@@ -19,7 +19,10 @@ Workloads: `caption` (one image of 256-16k patches, dynamic resolution, and a sh
 (documents of 2-8 images and long text), `hires` (captions with high-resolution images, 30% text-only),
 `video` (60% samples with one clip of 2 s to 10 min, 640x360, under the Qwen2-VL rule with its defaults,
 20% with an image, the rest text; a video of grid (t, h, w) enters as t encoder sequences of h*w patches,
-as Qwen2-VL's vision tower attends per temporal patch: its cost grows with t*h*w).
+as Qwen2-VL's vision tower attends per temporal patch: its cost grows with t*h*w), `audio` (50% samples
+with one clip of 1 s to 2 min under the qwen2audio window policy: 25 placeholder tokens a second, the
+audio encoder (Whisper-large-v3's dimensions) on every padded 30 s window; 20% with an image; the rest
+text; audio takes no patch capacity).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ DESCRIPTION = (
     "capacity-aware lower bound of the total cost, max/mean, token fill and planning time."
 )
 
-WORKLOADS = ("caption", "interleaved", "hires", "video")
+WORKLOADS = ("caption", "interleaved", "hires", "video", "audio")
 DPS = (8, 64, 512)
 STRATEGIES = ("naive", "llm-only", "plait")
 PATCHES_PER_TOKEN = 4  # an image of P patches takes P / 4 placeholder tokens (2x2 merge)
@@ -72,9 +75,19 @@ def cost_models(encoder: str):
 def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng: np.random.Generator):
     """Samples of one step in stream order, until `budget` tokens: (tokens, patches per image, CSR
     offsets of each sample's images). A sample's tokens include its images' placeholders."""
-    toks, pats, counts, total = [], [], [], 0
+    toks, pats, counts, total, extra = [], [], [], 0, []
     while total < budget:
         n = 4096
+        if workload == "audio":
+            for L, p, cost in zip(*audio_samples(rng, n, seq_len, max_patches)):
+                toks.append(L)
+                pats.append(p)
+                counts.append(len(p))
+                extra.append(cost)
+                total += L
+                if total >= budget:
+                    break
+            continue
         if workload == "caption":
             k = np.ones(n, dtype=np.int64)
             text = np.clip(rng.lognormal(np.log(60), 0.7, n), 8, 1000).astype(np.int64)
@@ -118,7 +131,36 @@ def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng:
                 break
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     per_image = np.concatenate(pats).astype(np.int64) if pats else np.zeros(0, dtype=np.int64)
-    return np.asarray(toks, dtype=np.int64), per_image, offsets
+    audio_cost = np.asarray(extra, dtype=np.float64) if extra else np.zeros(len(toks))
+    return np.asarray(toks, dtype=np.int64), per_image, offsets, audio_cost
+
+
+def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int):
+    """n samples of the `audio` workload that fit one micro-batch: (tokens, image patches, audio encoder
+    cost) each, the clips planned by plait's qwen2audio policy."""
+    from plait.cost import EncoderCost
+    from plait.media.audio import AudioPolicy, encoder_cost
+    from plait.media.audio_features import SAMPLE_RATE
+
+    policy, whisper = AudioPolicy("qwen2audio"), EncoderCost.from_dims(1280, 32, 5120)
+    draw = rng.random(n)
+    text = np.clip(rng.lognormal(np.log(100), 0.9, n), 8, 4000).astype(np.int64)
+    seconds = np.clip(rng.lognormal(np.log(8), 1.0, n), 1, 120)
+    image = (np.clip(rng.lognormal(np.log(1200), 1.0, n), 256, 16384) // 4 * 4).astype(np.int64)
+    toks, pats, costs = [], [], []
+    for i in range(n):
+        p, tokens, cost = np.zeros(0, np.int64), 0, 0.0
+        if draw[i] < 0.5:
+            plan = policy.plan(int(round(seconds[i] * SAMPLE_RATE)))
+            tokens, cost = plan.tokens, encoder_cost(plan, whisper.linear, whisper.quadratic)
+        elif draw[i] < 0.7:
+            p = image[i:i + 1]
+        L = int(text[i] + tokens + p.sum() // PATCHES_PER_TOKEN)
+        if L <= seq_len and p.sum() <= max_patches:
+            toks.append(L)
+            pats.append(p)
+            costs.append(cost)
+    return toks, pats, costs
 
 
 def video_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int):
@@ -207,10 +249,10 @@ def sweep(workloads, dps, args, progress=None) -> list[dict]:
     for w_i, workload in enumerate(workloads):
         for dp in dps:
             rng = np.random.default_rng([args.seed, w_i, dp])
-            lengths, per_image, offsets = sample_step(workload, dp * M * C, C, Pc, rng)
+            lengths, per_image, offsets, audio_cost = sample_step(workload, dp * M * C, C, Pc, rng)
             patches = per_sample(per_image, offsets)
             text_cost = llm(lengths)
-            total = text_cost + vit.per_item(per_image, offsets)
+            total = text_cost + vit.per_item(per_image, offsets) + audio_cost
             enc_share = float(1.0 - text_cost.sum() / total.sum())
             placed = {
                 "naive": place_naive(lengths, patches, dp, M, C, Pc),

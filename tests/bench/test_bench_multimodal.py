@@ -34,3 +34,14 @@ def test_help_runs_nothing_and_a_bad_workload_is_named():
                           timeout=60, cwd=ROOT)
     assert done.returncode == 0 and "--workloads" in done.stdout
     assert bench_main(multimodal, ["--workloads", "mine", "--quiet"]) == 2
+
+
+def test_the_audio_workload_is_balanced_and_llm_only_is_not(tmp_path):
+    """Audio + text + images (issue 42): the audio encoder's cost (padded 30 s windows) in the total; plait's
+    max/LB within 1.02 of the bound, the text-only balancer visibly worse."""
+    out = tmp_path / "audio.json"
+    assert bench_main(multimodal, ["--workloads", "audio", "--dp", "8", "--seq-len", "8192", "--repeats", "1",
+                                   "--quiet", "--json", str(out)]) == 0
+    by = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert 0.3 < by["plait"]["encoder_share"] < 0.9
+    assert by["plait"]["max_over_lb"] <= 1.02 < by["llm-only"]["max_over_lb"]
