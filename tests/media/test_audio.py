@@ -71,6 +71,13 @@ def test_down_mix_is_the_mean_of_the_channels():
     stereo = np.stack([left, np.zeros_like(left)])  # 16 kHz: no resampling, only the down-mix
     wave = decode(encode(stereo, 16000, "wav"))
     np.testing.assert_allclose(wave, np.round(left * 32767) / 32768 / 2, atol=1e-7)  # s16 reads as n / 32768
+    six = np.zeros((6, len(left)), dtype=np.float32)
+    six[3] = left  # 5.1's LFE alone: a mean of six channels, never libswresample's own down-mix weights
+    wave = decode(encode(six, 16000, "flac"))
+    assert probe(encode(six, 16000, "flac")).channels == 6
+    np.testing.assert_allclose(wave, np.round(left * 32767) / 32768 / 6, atol=1e-7)
+    with pytest.raises(ValueError, match="6 channels as .mp3"):
+        encode(six, 16000, "mp3")
 
 
 def test_decoded_length_is_fitted_to_the_planned_one(clips):
