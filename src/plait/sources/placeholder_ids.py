@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from plait.media.registry import KINDS
 from plait.ragged import ragged_arange
 from plait.sources.blocks import DocBlock
 
@@ -32,14 +33,10 @@ log = logging.getLogger("plait.data")
 
 def placeholder_id_names(job) -> dict[int, str]:
     """{id: the spec field that names it} of the job's media placeholders (none without media sections)."""
-    out = {}
-    if job is not None and job.images is not None:
-        out[int(job.images.image_token_id)] = "images.image_token_id"
-    if job is not None and getattr(job, "videos", None) is not None:
-        out[int(job.videos.video_token_id)] = "videos.video_token_id"
-    if job is not None and getattr(job, "audio", None) is not None:
-        out[int(job.audio.audio_token_id)] = "audio.audio_token_id"
-    return out
+    if job is None:
+        return {}
+    return {kind.token_id(job): f"{kind.section}.{kind.token_field}" for kind in KINDS
+            if kind.token_id(job) is not None}
 
 
 class PlaceholderCheck:
