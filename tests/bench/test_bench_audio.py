@@ -37,11 +37,12 @@ def test_users_folder_names_a_bad_file_and_measures_the_rest(tmp_path, capsys):
     (clips / "a.flac").write_bytes(encode(speech_like(22050, 1.5, 2), 22050, "flac"))
     (clips / "deeper" / "b.m4a").write_bytes(encode(speech_like(16000, 2.5, 6), 16000, "m4a"))
     (clips / "broken.mp3").write_bytes(b"ID3" + bytes(500))
+    (clips / "tiny.wav").write_bytes(encode(speech_like(16000, 0.01, 1), 16000, "wav"))  # too short for a token
     (clips / "notes.txt").write_text("not audio")
     r = bench(["--path", str(clips), "--policy", "chunked", "--mel-bins", "80"], tmp_path / "audio.json")
     assert r["clips"] == 2 and r["source"] == str(clips) and r["policy"] == "chunked" and r["mel_bins"] == 80
     assert r["planning_decodes"] == 0 and r["decodes_per_clip"] == 1.0 and r["max_feature_diff"] <= 1e-4
-    assert r["skipped"] == 1 and "broken.mp3" in r["errors"][0]
+    assert r["skipped"] == 2 and "broken.mp3" in r["errors"][0] and "tiny.wav: " in r["errors"][1]
     glob = bench(["--path", str(clips / "**" / "*.m4a")], tmp_path / "glob.json")
     assert glob["clips"] == 1 and glob["tokens"] == 62  # 2.5 s: the Qwen2-Audio processor's count
     (tmp_path / "none").mkdir()

@@ -89,13 +89,13 @@ def check_clips(paths: list[Path], policy, extractor, errors: list[str], advance
     for path, info in infos.items():
         try:
             wave = audio.decode(str(path), info)
+            ours = policy.features(wave)  # a clip too short for one token is a PlaitError too
         except PlaitError as e:
-            errors.append(str(e))
+            errors.append(str(e) if str(path) in str(e) else f"{path}: {e}")
             continue
         kept.append(path)
         advance()
         if extractor is not None:
-            ours = policy.features(wave)
             ref = extractor(windows_of(wave), sampling_rate=16000, padding="max_length", return_tensors="np")
             windows = np.zeros((ours.plan.windows, 480_000))
             windows.reshape(-1)[: len(wave)] = wave
