@@ -169,6 +169,12 @@ class RankProgress:
         self.silent_s = float(silent_s)
         self.last: dict[int, tuple[int, int, float]] = {}  # DP rank -> (generation, highest step built, when)
 
+    def join(self, client: str, pid: int) -> None:
+        """Processes say nothing here: a Ray job's trainers attach to the job (plait.runtime.ray.jobs)."""
+
+    def leave(self, client: str) -> None:
+        """As `join`."""
+
     def asked(self, ask: Ask, gen: int, step: int) -> None:
         """Asks say nothing here: a rank's position is what it built."""
 

@@ -223,8 +223,13 @@ class PlanStream:
             self.window.admit(gen, step)
             return self.window.edge()
 
-    def moved(self) -> None:
-        """A reader left: waiting ranks look again, steps nobody needs go."""
+    def join(self, client: str, pid: int) -> None:
+        """A trainer process `pid` reads the stream as `client` (it holds the window until it leaves or dies)."""
+        self.readers.join(client, pid)
+
+    def leave(self, client: str) -> None:
+        """`client` reads no more: waiting ranks look again, steps and blocks nobody needs go."""
+        self.readers.leave(client)
         with self.lock:
             self.window.moved()
             self.release()

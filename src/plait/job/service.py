@@ -67,7 +67,7 @@ class JobService:
         self.state_at, self.state_after = self.stream.state_at, self.stream.state_after
         self.replan_after, self.set_weights, self.report = (self.stream.replan_after, self.stream.set_weights,
                                                             self.stream.report)
-        self.stop, self.get = self.stream.stop, self.builds.get
+        self.join, self.leave, self.stop, self.get = self.stream.join, self.stream.leave, self.stream.stop, self.builds.get
         registry = getattr(getattr(roles, "telemetry", None), "registry", None)
         if registry is not None:
             registry.register(WindowMetrics(self.window))
@@ -83,14 +83,6 @@ class JobService:
     def error_report(self) -> dict:
         with self.stream.lock:
             return self.roles.error_report()
-
-    # ----- the readers --------------------------------------------------------------------------------
-    def join(self, client: str, pid: int) -> None:
-        self.consumers.join(client, pid)
-
-    def leave(self, client: str) -> None:
-        self.consumers.leave(client)
-        self.stream.moved()
 
     def stats(self) -> dict:
         """The window (size, longest, waits, who was waited for) and the builds held."""
