@@ -19,10 +19,14 @@ Workloads: `caption` (one image of 256-16k patches, dynamic resolution, and a sh
 (documents of 2-8 images and long text), `hires` (captions with high-resolution images, 30% text-only),
 `video` (60% samples with one clip of 2 s to 10 min, 640x360, under the Qwen2-VL rule with its defaults,
 20% with an image, the rest text; a video of grid (t, h, w) enters as t encoder sequences of h*w patches,
-as Qwen2-VL's vision tower attends per temporal patch: its cost grows with t*h*w), `audio` (50% samples
-with one clip of 1 s to 2 min under the qwen2audio window policy: 25 placeholder tokens a second, the
-audio encoder (Whisper-large-v3's dimensions) on every padded 30 s window; 20% with an image; the rest
-text; audio takes no patch capacity).
+as Qwen2-VL's vision tower attends per temporal patch: its cost grows with t*h*w).
+
+Audio workloads (issue 42), each under both window policies (`--audio-policies`) on the same samples:
+`audio-text` (85% samples with one speech clip and a short text, the rest text documents), `audio-images`
+(50% clips, 25% images), `audio-video` (40% clips, 20% images, 20% videos as in `video`). Clips last
+1-30 s (median 5 s), one in ten 30 s-2 min; plait's AudioPolicy plans them (25 placeholder tokens a
+second) and the audio encoder (Whisper-large-v3's dimensions) costs every padded 30 s window under
+`qwen2audio`, chunks of 2 s growing with the duration under `chunked`. Audio takes no patch capacity.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ DESCRIPTION = (
     "capacity-aware lower bound of the total cost, max/mean, token fill and planning time."
 )
 
-WORKLOADS = ("caption", "interleaved", "hires", "video", "audio")
+WORKLOADS = ("caption", "interleaved", "hires", "video", "audio-text", "audio-images", "audio-video")
 DPS = (8, 64, 512)
 STRATEGIES = ("naive", "llm-only", "plait")
 PATCHES_PER_TOKEN = 4  # an image of P patches takes P / 4 placeholder tokens (2x2 merge)
@@ -52,6 +56,8 @@ PATCHES_PER_TOKEN = 4  # an image of P patches takes P / 4 placeholder tokens (2
 def add_arguments(p) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"default {','.join(WORKLOADS)}")
     p.add_argument("--dp", default=",".join(map(str, DPS)), help=f"DP sizes (default {','.join(map(str, DPS))})")
+    p.add_argument("--audio-policies", default=",".join(AUDIO_POLICIES),
+                   help="window policies the audio workloads run under (default qwen2audio,chunked)")
     p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
     p.add_argument("--max-patches", type=int, default=32768, help="image patches per micro-batch (encoder memory)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank per step")
@@ -72,14 +78,16 @@ def cost_models(encoder: str):
 
 
 # ----- samples ---------------------------------------------------------------------------------
-def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng: np.random.Generator):
+def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng: np.random.Generator,
+                audio_policy: str | None = None):
     """Samples of one step in stream order, until `budget` tokens: (tokens, patches per image, CSR
-    offsets of each sample's images). A sample's tokens include its images' placeholders."""
+    offsets of each sample's images, audio encoder cost). A sample's tokens include its images' and
+    clips' placeholders."""
     toks, pats, counts, total, extra = [], [], [], 0, []
     while total < budget:
         n = 4096
-        if workload == "audio":
-            for L, p, cost in zip(*audio_samples(rng, n, seq_len, max_patches)):
+        if workload in AUDIO_MIXES:
+            for L, p, cost in zip(*audio_samples(rng, n, seq_len, max_patches, workload, audio_policy)):
                 toks.append(L)
                 pats.append(p)
                 counts.append(len(p))
@@ -135,49 +143,88 @@ def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng:
     return np.asarray(toks, dtype=np.int64), per_image, offsets, audio_cost
 
 
-def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int):
-    """n samples of the `audio` workload that fit one micro-batch: (tokens, image patches, audio encoder
-    cost) each, the clips planned by plait's qwen2audio policy."""
+AUDIO_MIXES = {  # workload: shares of samples with a clip, an image, a video (the rest: text only)
+    "audio-text": (0.85, 0.0, 0.0),
+    "audio-images": (0.5, 0.25, 0.0),
+    "audio-video": (0.4, 0.2, 0.2),
+}
+AUDIO_POLICIES = ("qwen2audio", "chunked")
+
+
+def speech_seconds(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Clip durations of a speech corpus: utterances of 1-30 s (median 5 s), one in ten a long recording
+    of 30 s to 2 min; rounded to the 10 ms feature hop."""
+    short = np.clip(rng.lognormal(np.log(5), 0.8, n), 1, 30)
+    long = np.clip(rng.lognormal(np.log(45), 0.5, n), 30, 120)
+    return np.round(np.where(rng.random(n) < 0.1, long, short), 2)
+
+
+def clip_tokens_and_costs(seconds: np.ndarray, policy_kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Placeholder tokens and audio encoder cost (Whisper-large-v3's dimensions, the spec's default) of each
+    clip, as plait plans it under `policy_kind`: one plan per distinct duration."""
     from plait.cost import EncoderCost
     from plait.media.audio import AudioPolicy, encoder_cost
     from plait.media.audio_features import SAMPLE_RATE
 
-    policy, whisper = AudioPolicy("qwen2audio"), EncoderCost.from_dims(1280, 32, 5120)
-    draw = rng.random(n)
-    text = np.clip(rng.lognormal(np.log(100), 0.9, n), 8, 4000).astype(np.int64)
-    seconds = np.clip(rng.lognormal(np.log(8), 1.0, n), 1, 120)
+    policy, whisper = AudioPolicy(policy_kind), EncoderCost.from_dims(1280, 32, 5120)
+    distinct, back = np.unique(np.round(seconds * SAMPLE_RATE).astype(np.int64), return_inverse=True)
+    plans = [policy.plan(int(samples)) for samples in distinct]
+    tokens = np.array([plan.tokens for plan in plans], dtype=np.int64)
+    costs = np.array([encoder_cost(plan, whisper.linear, whisper.quadratic) for plan in plans])
+    return tokens[back], costs[back]
+
+
+def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int, workload: str, policy: str):
+    """n samples of an audio workload that fit one micro-batch: (tokens, encoder sequences' patches, audio
+    encoder cost) each. A clip's sample carries a short text (transcript, question, answer); text-only
+    samples are documents. The draws do not depend on `policy`: both policies see the same samples."""
+    shares = np.cumsum(AUDIO_MIXES[workload])
+    kind = np.searchsorted(shares, rng.random(n), side="right")  # 0 clip, 1 image, 2 video, 3 text only
+    short_text = np.clip(rng.lognormal(np.log(60), 0.8, n), 4, 2000).astype(np.int64)
+    documents = np.clip(rng.lognormal(np.log(1500), 1.0, n), 16, seq_len).astype(np.int64)
+    seconds = speech_seconds(rng, n)
     image = (np.clip(rng.lognormal(np.log(1200), 1.0, n), 256, 16384) // 4 * 4).astype(np.int64)
-    toks, pats, costs = [], [], []
+    video = video_patches(np.clip(rng.lognormal(np.log(30), 1.3, n), 2, 600), kind == 2)
+    clip_tokens, clip_costs = clip_tokens_and_costs(seconds, policy)
+    has_clip = kind == 0
+    text = np.where(kind == 3, documents, short_text) + np.where(has_clip, clip_tokens, 0)
+    costs = np.where(has_clip, clip_costs, 0.0)
+    toks, pats, kept = [], [], []
     for i in range(n):
-        p, tokens, cost = np.zeros(0, np.int64), 0, 0.0
-        if draw[i] < 0.5:
-            plan = policy.plan(int(round(seconds[i] * SAMPLE_RATE)))
-            tokens, cost = plan.tokens, encoder_cost(plan, whisper.linear, whisper.quadratic)
-        elif draw[i] < 0.7:
-            p = image[i:i + 1]
-        L = int(text[i] + tokens + p.sum() // PATCHES_PER_TOKEN)
+        p = image[i:i + 1] if kind[i] == 1 else video[i]
+        L = int(text[i] + p.sum() // PATCHES_PER_TOKEN)
         if L <= seq_len and p.sum() <= max_patches:
             toks.append(L)
             pats.append(p)
-            costs.append(cost)
-    return toks, pats, costs
+            kept.append(costs[i])
+    return toks, pats, kept
+
+
+def video_patches(seconds: np.ndarray, has_video: np.ndarray) -> list[np.ndarray]:
+    """Per sample, its video's encoder sequences (t of h*w patches, 640x360 under the Qwen2-VL rule), or
+    none where `has_video` is False."""
+    from plait.transforms.video import VideoInfo, VideoPolicy
+
+    policy, none = VideoPolicy(), np.zeros(0, np.int64)
+    out = []
+    for s, has in zip(seconds, has_video):
+        if has:
+            t, h, w = policy.plan(VideoInfo(640, 360, int(s * 30), 30.0, float(s), "h264")).grid
+        out.append(np.full(t, h * w, np.int64) if has else none)
+    return out
 
 
 def video_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int):
     """n samples of the `video` workload that fit one micro-batch: (tokens, per-sequence patches) each."""
-    from plait.transforms.video import VideoInfo, VideoPolicy
-
-    policy = VideoPolicy()
     toks, pats = [], []
     draw = rng.random(n)
     text = np.clip(rng.lognormal(np.log(150), 0.9, n), 8, 4000).astype(np.int64)
     seconds = np.clip(rng.lognormal(np.log(30), 1.3, n), 2, 600)
     image = (np.clip(rng.lognormal(np.log(1200), 1.0, n), 256, 16384) // 4 * 4).astype(np.int64)
+    video = video_patches(seconds, draw < 0.6)
     for i in range(n):
         if draw[i] < 0.6:
-            plan = policy.plan(VideoInfo(640, 360, int(seconds[i] * 30), 30.0, float(seconds[i]), "h264"))
-            t, h, w = plan.grid
-            p = np.full(t, h * w, np.int64)
+            p = video[i]
         elif draw[i] < 0.8:
             p = image[i:i + 1]
         else:
@@ -246,28 +293,33 @@ def sweep(workloads, dps, args, progress=None) -> list[dict]:
     llm, vit = cost_models(args.encoder)
     C, Pc, M = args.seq_len, args.max_patches, args.microbatches
     rows = []
-    for w_i, workload in enumerate(workloads):
-        for dp in dps:
-            rng = np.random.default_rng([args.seed, w_i, dp])
-            lengths, per_image, offsets, audio_cost = sample_step(workload, dp * M * C, C, Pc, rng)
-            patches = per_sample(per_image, offsets)
-            text_cost = llm(lengths)
-            total = text_cost + vit.per_item(per_image, offsets) + audio_cost
-            enc_share = float(1.0 - text_cost.sum() / total.sum())
-            placed = {
-                "naive": place_naive(lengths, patches, dp, M, C, Pc),
-                "llm-only": place_plait(lengths, text_cost, patches, dp, M, C, Pc, args.repeats),
-                "plait": place_plait(lengths, total, patches, dp, M, C, Pc, args.repeats),
-            }
-            for name in STRATEGIES:
-                rank, plan_ms = placed[name]
-                row = {"workload": workload, "dp": dp, "strategy": name, "samples": len(lengths),
-                       "samples_per_rank": len(lengths) / dp, "encoder_share": enc_share}
-                row.update(measure(rank, lengths, total, patches, dp, M, C, Pc))
-                row["plan_ms"] = plan_ms
-                rows.append(row)
-            if progress:
-                progress()
+    steps = [(workload, dp, policy) for workload in workloads for dp in dps
+             for policy in (args.audio_policy_list if workload in AUDIO_MIXES else [None])]
+    for workload, dp, policy in steps:
+        # seeded by the workload's name, not its place in --workloads: a row is the same in any selection,
+        # and both audio policies see the same samples
+        rng = np.random.default_rng([args.seed, WORKLOADS.index(workload), dp])
+        lengths, per_image, offsets, audio_cost = sample_step(workload, dp * M * C, C, Pc, rng, policy)
+        patches = per_sample(per_image, offsets)
+        text_cost = llm(lengths)
+        total = text_cost + vit.per_item(per_image, offsets) + audio_cost
+        enc_share = float(1.0 - text_cost.sum() / total.sum())
+        placed = {
+            "naive": place_naive(lengths, patches, dp, M, C, Pc),
+            "llm-only": place_plait(lengths, text_cost, patches, dp, M, C, Pc, args.repeats),
+            "plait": place_plait(lengths, total, patches, dp, M, C, Pc, args.repeats),
+        }
+        for name in STRATEGIES:
+            rank, plan_ms = placed[name]
+            row = {"workload": workload, "dp": dp, "strategy": name, "samples": len(lengths),
+                   "samples_per_rank": len(lengths) / dp, "encoder_share": enc_share}
+            if policy:
+                row["audio_policy"] = policy
+            row.update(measure(rank, lengths, total, patches, dp, M, C, Pc))
+            row["plan_ms"] = plan_ms
+            rows.append(row)
+        if progress:
+            progress()
     return rows
 
 
@@ -298,11 +350,15 @@ def run(args) -> int:
         raise PlaitError("dp, seq_len, max_patches and microbatches must be >= 1")
     if args.max_patches < 256:
         raise PlaitError("max_patches must hold one image of the smallest size (256 patches)")
+    args.audio_policy_list = [x.strip() for x in args.audio_policies.split(",") if x.strip()]
+    if not args.audio_policy_list or set(args.audio_policy_list) - set(AUDIO_POLICIES):
+        raise PlaitError(f"audio policies must be among {', '.join(AUDIO_POLICIES)}, got {args.audio_policies!r}")
     balance.warmup()
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]multimodal[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                   TimeElapsedColumn(), console=err, disable=args.quiet) as bar:
-        task = bar.add_task("sweep", total=len(workloads) * len(dps))
+        per_dp = sum(len(args.audio_policy_list) if w in AUDIO_MIXES else 1 for w in workloads)
+        task = bar.add_task("sweep", total=per_dp * len(dps))
         rows = sweep(workloads, dps, args, progress=lambda: bar.advance(task))
     if not args.quiet:
         out = Console()
@@ -313,7 +369,7 @@ def run(args) -> int:
                           ("plan ms", "right")):
             t.add_column(col, justify=just)
         for r in rows:
-            t.add_row(r["workload"], str(r["dp"]), f"{r['samples_per_rank']:.0f}", f"{r['encoder_share']:.0%}",
+            t.add_row(" ".join(filter(None, (r["workload"], r.get("audio_policy")))), str(r["dp"]), f"{r['samples_per_rank']:.0f}", f"{r['encoder_share']:.0%}",
                       r["strategy"], f"{r['max_over_lb']:.4f}", f"{r['max_over_mean']:.4f}", f"{r['fill']:.3f}",
                       f"{r['plan_ms']:.1f}" if r["strategy"] != "naive" else "-")
         out.print(t)
