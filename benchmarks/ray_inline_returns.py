@@ -9,10 +9,11 @@ CPU is every process of the run (driver, actors, raylet, GCS), user + system, fr
 instance per (rows, inline limit), started with `_system_config={"max_direct_call_object_size": LIMIT}`.
 A return under the limit travels in the call's reply; above it, through the object store (plasma).
 
-Measured 2026-12-05 (2 cores shared with other sessions, load 15-19; CPU ms per call, all processes):
-0.45 MiB returns: 3.7-3.9 through plasma (Ray's 100 KiB default), 2.6 inline; 4.5 MiB returns: 5.2
-through plasma, 13.7 inline. plait's limit for a Ray instance it starts (plait.runtime.ray.common.
-INLINE_RETURN_BYTES) is 1 MiB: gathers inline, builds through the store.
+Measured 2026-12-05 (2 cores shared with other sessions, load 13-19; CPU ms per call, all processes):
+0.45 MiB returns: 3.7-3.9 through plasma (Ray's 100 KiB default), 2.6 inline; 1 MiB: 4.5 plasma, 5.1
+inline; 2 MiB: 5.2 plasma, 7.6 inline; 4.5 MiB: 5.2 plasma, 13.7 inline. plait's limit for a Ray instance
+it starts (plait.runtime.ray.common.INLINE_RETURN_BYTES) is 512 KiB: small gathers inline, the rest through
+the store.
 """
 
 from __future__ import annotations

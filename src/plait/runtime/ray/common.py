@@ -134,10 +134,10 @@ def malloc_env() -> dict[str, str]:
 # ----- a Ray instance plait starts itself, configured for a job of days or weeks -------------------------
 TASK_EVENTS_IN_GCS = 10_000  # Ray's default keeps 100,000 task events in the GCS (every actor call is one)
 # A return up to this size travels inline in the call's reply instead of through the object store. Ray's
-# 100 KiB default sends a loader's gather (a few decoded images, ~0.5 MiB) through plasma: create, seal,
-# map, release and free per call cost ~1.2 CPU ms more than the reply's copy (benchmarks/ray_inline_returns.py).
-# Past a few MiB the reply's copies cost more than plasma's mapping: the Constructor's builds stay there.
-INLINE_RETURN_BYTES = 2**20
+# 100 KiB default sends a loader's gather of a few small images (~0.45 MiB) through plasma: create, seal,
+# map, release and free cost ~1.2 CPU ms more per call than the reply's copies; at 1 MiB the copies cost
+# ~0.6 ms more than plasma (benchmarks/ray_inline_returns.py): builds and larger gathers stay in the store.
+INLINE_RETURN_BYTES = 512 * 2**10
 LOG_ROTATION_BYTES = 64 * 2**20  # per log file of Ray's processes (Ray's default: 512 MiB, 5 backups)
 LOG_ROTATION_BACKUPS = 2
 
