@@ -34,6 +34,7 @@ def test_help_runs_nothing_and_a_bad_workload_is_named():
                           timeout=60, cwd=ROOT)
     assert done.returncode == 0 and "--workloads" in done.stdout
     assert bench_main(multimodal, ["--workloads", "mine", "--quiet"]) == 2
+    assert bench_main(multimodal, ["--workloads", "audio-text", "--audio-policies", "whisper", "--quiet"]) == 2
 
 
 def test_audio_rows_under_both_window_policies_and_plait_beats_llm_only(tmp_path):
