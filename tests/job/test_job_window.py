@@ -117,7 +117,7 @@ def test_with_builds_as_who_is_slowest_a_rank_ahead_waits_until_the_slow_rank_bu
     stream = PlanStream(roles, RankProgress(), size=4)
     call = Orders(stream)
     builds = RankBuilds(PlannerPlans(call, call, Route()), lambda plan, key: roles.constructor.build(plan),
-                        ranks=2, dynamic=False, ahead=0, threads=2)
+                        builds=2, dynamic=False, ahead=0, threads=2)
     got: dict[int, list] = {0: [], 1: []}
     try:
         got[1] += builds.get(0, 0, 1)[1]

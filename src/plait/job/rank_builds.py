@@ -24,14 +24,15 @@ Build = Callable[[Any, Key], list[MicroBatch]]  # (the order, (gen, step, build 
 
 
 class RankBuilds:
-    """Builds of a job's `ranks` DP ranks from `plans` with `build`; `dynamic`: context parallelism planned
-    per document (a trainer reads its pool rank's build, cut already). `ahead` steps are built ahead of a
-    rank's request on `threads` threads (None: job.builds.default_threads)."""
+    """Builds of a job's steps from `plans` with `build`: `builds` a step (its DP ranks, or with dynamic
+    context parallelism, `dynamic`, its pool of DP x CP ranks: a trainer reads its pool rank's build, cut
+    already). `ahead` steps are built ahead of a rank's request on `threads` threads (None:
+    job.builds.default_threads)."""
 
-    def __init__(self, plans: PlanSource, build: Build, *, ranks: int, dynamic: bool, ahead: int,
+    def __init__(self, plans: PlanSource, build: Build, *, builds: int, dynamic: bool, ahead: int,
                  threads: int | None = None):
         self.plans, self.build = plans, build
-        self.ranks, self.dynamic = int(ranks), bool(dynamic)
+        self.builds, self.dynamic = int(builds), bool(dynamic)
         self.cache = BuildCache(self._build, ahead, threads)
         self.lock = threading.Lock()
         self.requests = 0
@@ -51,9 +52,10 @@ class RankBuilds:
         to CP rank cp[1] of cp[0]); the rank's next steps are queued behind it, up to `limit` and the
         window's edge. `client` names the reader (default: its ranks). Waits while `step` is more than the
         window ahead of the slowest reader (the plan stream's rule)."""
-        if not 0 <= dp_rank < self.ranks:
-            raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {self.ranks} DP ranks")
         rank, cut = served_rank(self.dynamic, dp_rank, cp)  # dynamic CP: the pool rank's build, cut already
+        if not (0 <= rank < self.builds and dp_rank >= 0):
+            whose = f"pool of {self.builds} DP x CP ranks" if self.dynamic else f"{self.builds} DP ranks"
+            raise PlaitError(f"dp_rank {dp_rank} is not one of this job's {whose}")
         ask = Ask(client or f"rank-{dp_rank}-cp-{cp[1]}", dp_rank, cp[1], rank, limit)
         edge = self.plans.admit(gen, step, ask)
         with self.lock:

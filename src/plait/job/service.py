@@ -58,8 +58,8 @@ class JobService:
         size = int(window or os.environ.get(WINDOW_ENV) or WINDOW)
         report_s = float(os.environ.get(REPORT_ENV) or REPORT_S)
         self.stream = PlanStream(roles, self.consumers, size=size, report_s=report_s)
-        self.builds = RankBuilds(self.stream, self._build, ranks=self.ranks, dynamic=is_dynamic(roles.spec),
-                                 ahead=build_ahead, threads=threads)
+        self.builds = RankBuilds(self.stream, self._build, builds=self.stream.builds_per_step,
+                                 dynamic=is_dynamic(roles.spec), ahead=build_ahead, threads=threads)
         self.stream.on_reset = self.builds.forget
         self.window, self.cache = self.stream.window, self.builds.cache
         # the plan stream's answers, as they are

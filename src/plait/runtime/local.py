@@ -151,9 +151,7 @@ class LocalRuntime:
     def build(self, plan: StepPlan, dp_rank: int, only: set[int] | None = None) -> list[MicroBatch]:
         """Rank `dp_rank`'s micro-batches of a step `plan` returned (with dynamic CP a pool rank's), built
         once by the job service (`only`: those micro-batch indices)."""
-        cp = self.spec.topology.cp if self.service.builds.dynamic else 1
-        _, batches = self.service.get(self.service.gen, plan.step, dp_rank // cp, cp=(cp, dp_rank % cp),
-                                      with_state=False)
+        _, batches = self.service.get(self.service.gen, plan.step, dp_rank, with_state=False)  # uncut
         return [mb for mb in batches if only is None or mb.microbatch in only]
 
     def release(self, *in_flight: StepPlan) -> None:

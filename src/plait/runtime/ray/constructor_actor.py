@@ -104,7 +104,7 @@ class ConstructorActor:
         self.groups = GroupBuilds()
         self.counts = Telemetry(info["sources"])  # what it built, summed by the job's /metrics (never served)
         self.prefetch = max(0, int(prefetch))
-        self.builds = RankBuilds(PlannerPlans(ask, tell, self.route), self._build, ranks=info["ranks"],
+        self.builds = RankBuilds(PlannerPlans(ask, tell, self.route), self._build, builds=info["builds"],
                                  dynamic=bool(info.get("dynamic_cp")), ahead=self.prefetch, threads=max(1, threads))
 
     def _ask_planner(self, method: str, *args):
