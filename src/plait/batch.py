@@ -41,9 +41,9 @@ class ImagePayload(NamedTuple):
 
 
 class Payload(NamedTuple):
-    """What `PayloadSource.fetch(items)` returns for image sources: tokens (int32, the items' spans
+    """What `PayloadSource.fetch(items)` returns for media sources: tokens (int32, the items' spans
     concatenated in request order, placeholder runs included; dropped items' spans left out), their
-    images (None: none; `item` numbers the request's items), the request indices of the items dropped
+    images (None: none; `item` numbers the request's items; their clips in `audio`, videos in `videos`), the request indices of the items dropped
     because an image failed to decode after planning (on_error: skip; None: none) and, per dropped item,
     the labels it would have had that are not -100 (the step's `global_label_tokens` counted them)."""
 
@@ -52,6 +52,7 @@ class Payload(NamedTuple):
     dropped: np.ndarray | None = None
     dropped_labels: np.ndarray | None = None
     audio: AudioPayload | None = None  # the items' clips (plait.audio_batch); None: none
+    videos: ImagePayload | None = None  # the items' videos (kind VIDEO_KIND, plait.video_batch); None: none
 
 
 def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
@@ -76,7 +77,8 @@ def merge_payloads(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray
     dropped = np.flatnonzero(~keep)
     images = merge_images([(sel, part.images) for sel, part in parts if isinstance(part, Payload)])
     audio = merge_audio([(sel, part.audio) for sel, part in parts if isinstance(part, Payload)])
-    return Payload(out, images, *((dropped, lost_labels[dropped]) if len(dropped) else (None, None)), audio)
+    videos = merge_images([(sel, part.videos) for sel, part in parts if isinstance(part, Payload)])
+    return Payload(out, images, *((dropped, lost_labels[dropped]) if len(dropped) else (None, None)), audio, videos)
 
 
 def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePayload | None:

@@ -1,9 +1,9 @@
 """The video fields of a micro-batch: a payload's videos apart from its images, and their layout.
 
-A SourceLoader's payload holds a fetch's images and videos together (plait.batch.ImagePayload with
-`kind`): both are rows of patch*patch*3 uint8, a video's grid counted in frames (frames, h, w). Here the
-Constructor separates them once per rank fetch (`split_videos`) and cuts each micro-batch's share
-(`video_fields`): a video's rows become its spatio-temporal patches, [t*h*w, tp*patch*patch*3] with
+A SourceLoader's payload holds a fetch's videos in a payload of their own (plait.batch.Payload.videos, an
+ImagePayload with `kind`): rows of patch*patch*3 uint8, a video's grid counted in frames (frames, h, w); a
+payload made before that, with videos among its images, is separated once per rank fetch (`split_videos`).
+The Constructor cuts each micro-batch's share (`video_fields`): a video's rows become its spatio-temporal patches, [t*h*w, tp*patch*patch*3] with
 t = frames / tp (each row a (tp, patch, patch, 3) uint8 block, raster order per temporal patch), its grid
 (t, h, w), and `video_cu_seqlens` one encoder sequence of h*w patches per temporal patch. The Hugging Face
 layout (merge-window order, (C, tp, patch, patch) rows, the video processor's normalisation) is made from

@@ -91,17 +91,17 @@ class Constructor:
         sel = sel[np.argsort(plan.micro[sel], kind="stable")]
         items = plan.items.take(sel)
         tokens = self.payloads.fetch(items)
-        images = audio = None
+        images = audio = videos = None
         stats = plan.stats
         short = np.zeros(plan.microbatches, dtype=np.int64)  # samples dropped per micro-batch
         lost = np.zeros(plan.microbatches, dtype=np.int64)  # their labels (global_label_tokens counted them)
         if isinstance(tokens, Payload):
-            tokens, images, dropped, dropped_labels, audio = tokens
+            tokens, images, dropped, dropped_labels, audio, videos = tokens
             if dropped is not None:  # a media failed after planning (skip): its sample is not delivered
                 short = np.bincount(plan.micro[sel[dropped]], minlength=plan.microbatches)
                 lost = np.bincount(plan.micro[sel[dropped]], weights=dropped_labels,
                                    minlength=plan.microbatches).astype(np.int64)
-                items, sel, images, audio = without_dropped(items, sel, images, dropped, audio)
+                items, sel, images, audio, videos = without_dropped(items, sel, images, dropped, audio, videos)
         # Positions and labels for the whole rank in one pass; every micro-batch boundary is also a
         # document boundary, so each micro-batch is a slice.
         fields = pack_fields(tokens, items.length)
@@ -109,16 +109,18 @@ class Constructor:
         # a label predicting a placeholder is not trained on; only inside documents with images or videos
         # (where the id means nothing else: multimodal.ImageDocs), so that the Planner's
         # global_label_tokens is exact
-        media_ids = (() if images is None else (images.token_id, images.video_token_id)) + \
+        if videos is None:  # a payload whose images still hold its videos (plait.video_batch)
+            images, videos = split_videos(images)
+        pictures = images if images is not None else videos
+        media_ids = (() if pictures is None else (pictures.token_id, pictures.video_token_id)) + \
             (() if audio is None else (audio.token_id,))
         in_images = np.repeat(items.media, items.length) if media_ids else None
         placeholders = media_ids
         if media_ids:
             labels[in_images & np.isin(labels, placeholders)] = IGNORE_INDEX
-        if images is not None:
+        if pictures is not None:
             # the qwen2vl layout finds each medium's placeholder run by these (plait.qwen2vl_layout)
-            stats = {**stats, "image_token_id": int(images.token_id), "video_token_id": int(images.video_token_id)}
-        images, videos = split_videos(images)
+            stats = {**stats, "image_token_id": int(pictures.token_id), "video_token_id": int(pictures.video_token_id)}
         counts = np.bincount(plan.micro[sel], minlength=plan.microbatches)
         item_bounds = np.concatenate([[0], np.cumsum(counts)])
         sample_ids = items.sample_ids()
@@ -149,7 +151,7 @@ class Constructor:
 
 
 def without_dropped(items: Items, sel: np.ndarray, images: ImagePayload | None, dropped: np.ndarray,
-                    audio: AudioPayload | None = None):
+                    audio: AudioPayload | None = None, videos: ImagePayload | None = None):
     """The request's items, their indices into the rank plan, their images and clips, less the dropped
     items (each micro-batch keeps its other samples, in order; media item numbers follow the kept items)."""
     keep = np.ones(len(items), dtype=bool)
@@ -160,7 +162,9 @@ def without_dropped(items: Items, sel: np.ndarray, images: ImagePayload | None, 
         images = images._replace(item=renumber[images.item])
     if audio is not None:
         audio = audio._replace(item=renumber[audio.item])
-    return items.take(kept), sel[kept], images, audio
+    if videos is not None:
+        videos = videos._replace(item=renumber[videos.item])
+    return items.take(kept), sel[kept], images, audio, videos
 
 
 def image_fields(images: ImagePayload | None, a: int, b: int) -> dict:

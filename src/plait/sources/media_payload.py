@@ -18,6 +18,7 @@ from plait.batch import ImagePayload, Payload
 from plait.ragged import ragged_arange
 from plait.sources.audio import AudioRef
 from plait.sources.base import DocBlock, Source
+from plait.sources.video import VIDEO_KIND
 from plait.sources.workers import WorkerPool
 
 AUDIO_KIND = 2  # an ImageWork task's kind for a clip (0 image, 1 video): decoded to features, not pixels
@@ -111,20 +112,26 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
                                 (int(work.token_id), int(work.video_token_id), int(work.audio_token_id)))
         tokens = tokens[np.repeat(keep_item, np.asarray(length, dtype=np.int64))]
         kept = keep_item[owner]
-        pixels = pixels[np.repeat(kept, rows)]
-        frames = frames[np.repeat(kept, frame_counts)]
     audio = None
     if (kept & clip).any():  # items numbered in the request, as images are (the Constructor renumbers)
         take = np.flatnonzero(kept & clip)
         audio = AudioPayload.of_clips([clips[k][0] for k in take], owner[take], work.audio_token_id)
-    pictures = kept & ~clip
-    if not pictures.any():
-        return Payload(tokens, None, gone, lost_labels, audio), done
-    grids, owner, kinds = grids[pictures], owner[pictures], kinds[pictures]
-    images = ImagePayload(pixels, grids, owner, int(work.token_id), int(work.patch),
-                          kinds if kinds.any() else None, work.video_token_id, work.temporal_patch,
-                          frames if kinds.any() else None)
-    return Payload(tokens, images, gone, lost_labels, audio), done
+    images, videos = (_pictures(work, kept & ~clip & (kinds == k), pixels, rows, frames, frame_counts)
+                      for k in (0, VIDEO_KIND))
+    return Payload(tokens, images, gone, lost_labels, audio, videos), done
+
+
+def _pictures(work: ImageWork, sel: np.ndarray, pixels: np.ndarray, rows: np.ndarray, frames: np.ndarray,
+              frame_counts: np.ndarray) -> ImagePayload | None:
+    """The images (or the videos: `kind` and sampled frames kept) of the tasks `sel`, None for none."""
+    if not sel.any():
+        return None
+    grids = np.asarray([t[5] for t in work.tasks], np.int64).reshape(-1, 3)[sel]
+    owner = np.asarray([t[0] for t in work.tasks], np.int64)[sel]
+    video = work.tasks[int(np.flatnonzero(sel)[0])][6] == VIDEO_KIND
+    return ImagePayload(pixels[np.repeat(sel, rows)], grids, owner, int(work.token_id), int(work.patch),
+                        np.full(len(owner), VIDEO_KIND, np.int64) if video else None, work.video_token_id,
+                        work.temporal_patch, frames[np.repeat(sel, frame_counts)] if video else None)
 
 
 def labels_of(tokens: np.ndarray, length: np.ndarray, items: np.ndarray, placeholders: tuple[int, int]) -> np.ndarray:
