@@ -109,5 +109,7 @@ def warm_up() -> None:
     tokens = np.arange(8, dtype=np.int32)
     out = np.empty(4, dtype=np.int32)
     copy_spans(tokens, np.array([2], np.int64), np.array([4], np.int64), out, np.array([0], np.int64))
+    # and from a compact block's uint16 ids (sources/blocks.compact)
+    copy_spans(tokens.astype(np.uint16), np.array([2], np.int64), np.array([4], np.int64), out, np.array([0], np.int64))
     cu = np.array([0, 4], dtype=np.int32)
     fill_positions_labels(out, cu, np.empty(4, np.int32), np.empty(4, np.int32), -100)

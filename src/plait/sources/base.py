@@ -66,9 +66,8 @@ class Source:
     Lengths without tokens. When the reader can give a block's lengths alone (`reads_lengths`: a
     `length_field`, or a format whose index holds them), `read_lengths` serves planning and the tokens
     are decoded only by `read_block`, which then checks them against those lengths: a record whose
-    tokens disagree (or that turns out unreadable) is a bad record. The plan already holds it at the
-    planned length, so under `skip` it is counted, named and dropped from its batch as a dropped sample
-    (blocks.py); under `raise` it stops the run.
+    tokens disagree (or that turns out unreadable) is a bad record: every rank's plan holds it, so under
+    `skip` it is counted, named and dropped from its batch (blocks.py); under `raise` it stops the run.
 
     Its parts: the policy over bad records and files is `bad` (bad_records.py), the column-to-tokens
     checks are `column` (token_columns.py), the lengths check is blocks.reconcile."""
@@ -213,6 +212,7 @@ class Source:
     def read_block(self, key: BlockKey) -> DocBlock:
         with self.bad.reading(key[0]):  # what is bad here counts for this epoch (bad_records.py)
             block = self._decode(key)
+            pa.default_memory_pool().release_unused()  # the decoded column's freed pages (docs/memory.md)
             if not self.reads_lengths(key):
                 return block
             return reconcile(block, self.read_lengths(key), self.spec, self.files[block.shard], self.bad.record)

@@ -13,7 +13,7 @@ the micro-batch's `dropped_samples` and its labels in `dropped_label_tokens`, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -48,12 +48,27 @@ class DocBlock:
     num_positions: int  # shuffled positions in the block, bad records included (what a cursor counts)
     images: ImageTable | None = None  # image sources: each document's images (sources/multimodal.py)
     failed: np.ndarray | None = None  # bool [n]: late failures (module docstring); None: none
+    wide: bool = False  # an id beyond uint16 was found: `compact` leaves it as it is (checked once)
 
     @property
     def nbytes(self) -> int:
         extra = self.images.nbytes if self.images is not None else 0
         extra += self.failed.nbytes if self.failed is not None else 0
         return extra + sum(a.nbytes for a in (self.tokens, self.starts, self.lengths, self.rows, self.positions))
+
+
+def compact(block: DocBlock) -> DocBlock:
+    """The block with its ids held as uint16 where all of them fit: half the bytes, the same values (so
+    the same batches). For a block kept while no planned step draws from it (a source's cursor block:
+    buffer_budget.retain_blocks), which is most of what a job of many sources buffers; a gather copies
+    from it as from int32 ids."""
+    tokens = block.tokens
+    if block.wide or tokens.dtype == np.uint16:
+        return block
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(np.uint16).max):
+        block.wide = True
+        return block
+    return replace(block, tokens=tokens.astype(np.uint16))
 
 
 @dataclass
