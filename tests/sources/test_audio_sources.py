@@ -237,3 +237,18 @@ def test_audio_fields_cross_the_flight_wire_unchanged(run):
             np.testing.assert_array_equal(getattr(back, name), getattr(mb, name))
             assert getattr(back, name).dtype == getattr(mb, name).dtype
         assert back.stats["audio_clip_tokens"] == mb.stats["audio_clip_tokens"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_same_stream_on_ray(sources, ray_session):
+    """Local and Ray give the same digest with audio (features included), decoded in the loader actors: a
+    Ray worker computes features on one BLAS thread, a trainer on several, and the bits must not depend on it."""
+    from plait.cli.stream import stream as run_stream
+    from plait.metrics import combined_digest
+
+    spec = plait.load_spec(audio_spec(sources[:2])).with_overrides(steps=2)
+    local = run_stream(spec, steps=2, runtime="local", progress=False)
+    remote = run_stream(spec, steps=2, runtime="ray", progress=False, runtime_options={"loaders": 2})
+    assert combined_digest(remote["digests"]) == combined_digest(local["digests"])
+    assert remote["audio_clips"] == local["audio_clips"] > 0

@@ -60,6 +60,34 @@ def mel_filters(bins: int, dtype=np.float32) -> np.ndarray:
 
 
 @lru_cache(maxsize=None)
+def filter_taps(bins: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """The filter bank as taps: rows [taps, bins] (bin b's k-th frequency row, from its triangle's first) and
+    weights [taps, bins] (0 past the triangle). A triangle spans a few of the 201 rows."""
+    filters = mel_filters(bins, dtype)
+    nonzero = filters != 0
+    first = np.where(nonzero.any(axis=0), nonzero.argmax(axis=0), 0)
+    last = np.where(nonzero.any(axis=0), filters.shape[0] - 1 - nonzero[::-1].argmax(axis=0), -1)
+    taps = max(int((last - first).max()) + 1, 1)
+    rows = np.minimum(first[None, :] + np.arange(taps)[:, None], filters.shape[0] - 1)
+    weights = np.where(rows <= last[None, :], filters[rows, np.arange(bins)[None, :]], 0).astype(dtype)
+    rows.setflags(write=False), weights.setflags(write=False)
+    return rows, weights
+
+
+def mel_product(power: np.ndarray, bins: int) -> np.ndarray:
+    """The filter bank applied to power [n, 201], as [bins, n]: summed tap by tap in a fixed order. A BLAS
+    product rounds differently with its thread count (float32 bits differed between a Ray worker's one
+    thread and a trainer's two, so the same clip had two digests); a triangle spans a few rows, so the taps
+    are also fewer multiply-adds than the dense product (frequency-major, each tap reads whole rows)."""
+    rows, weights = filter_taps(bins, power.dtype)
+    by_frequency = np.ascontiguousarray(power.T)
+    out = by_frequency[rows[0]] * weights[0][:, None]
+    for k in range(1, len(rows)):
+        out += by_frequency[rows[k]] * weights[k][:, None]
+    return out
+
+
+@lru_cache(maxsize=None)
 def _hann(dtype) -> np.ndarray:
     return (0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(N_FFT) / N_FFT)).astype(dtype)
 
@@ -85,10 +113,9 @@ def log_mel(windows: np.ndarray, lengths: np.ndarray, bins: int, dtype=np.float3
     frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT, axis=1)[:, : needed * HOP : HOP]
     spectrum = np.fft.rfft(frames * _hann(dtype), axis=-1)
     power = (spectrum.real**2 + spectrum.imag**2).reshape(-1, N_FFT // 2 + 1)
-    # one 2-D product: numpy's stacked (3-D) matmul runs several times slower than a single BLAS call
-    mel = np.log10(np.maximum(np.dot(power, mel_filters(bins, dtype)), LOG_FLOOR))  # [W * needed, bins]
+    mel = np.log10(np.maximum(mel_product(power, bins), LOG_FLOOR))  # [bins, W * needed]
     out = np.full((count, bins, WINDOW_FRAMES), np.log10(LOG_FLOOR), dtype=dtype)
-    out[:, :, :needed] = mel.reshape(count, needed, bins).transpose(0, 2, 1)
+    out[:, :, :needed] = mel.reshape(bins, count, needed).transpose(1, 0, 2)
     floor = out.max(axis=(1, 2), keepdims=True) - DYNAMIC_RANGE
     np.maximum(out, floor, out=out)
     out += 4.0
