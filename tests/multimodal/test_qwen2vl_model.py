@@ -169,14 +169,14 @@ def test_packed_documents_get_the_logits_of_each_document_run_alone(batch, model
 
 def docs_snippet() -> str:
     """The Qwen2-VL training-step block of the docs, as written."""
-    text = (ROOT / "docs" / "multimodal-correctness.md").read_text()
+    text = (ROOT / "docs" / "multimodal-images.md").read_text()
     section = text[text.index("## The Qwen2-VL layout"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_the_documented_call_runs_as_written(batch, model, alone):
     namespace = {"batch": batch, "model": model, "device": "cpu"}
-    exec(compile(docs_snippet(), "docs/multimodal-correctness.md", "exec"), namespace)
+    exec(compile(docs_snippet(), "docs/multimodal-images.md", "exec"), namespace)
     loss = namespace["loss"].detach()
     # the same loss from each document run alone
     labels = torch.from_numpy(batch.labels.astype(np.int64))

@@ -13,7 +13,7 @@ Decoding (`decode`), in order:
   2. the plan from the oriented header size; only with `policy.fast_jpeg`, for a JPEG shrunk by >= 2x
      on both sides, `Image.draft` lets libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling), never
      below the target size. Off by default: the draft's pixels differ from the full decode + BICUBIC
-     resize that Hugging Face's processors do (measured in docs/multimodal-correctness.md);
+     resize that Hugging Face's processors do (measured in docs/multimodal-images.md);
   3. to RGB: alpha (RGBA, LA, PA, P with transparency) is composited onto white, as Qwen2-VL's
      loader does; 16-bit greyscale keeps its top 8 bits; everything else via `convert("RGB")`;
   4. resize with BICUBIC to the plan's size (in stored orientation), then the EXIF transpose (same

@@ -129,7 +129,7 @@ class ImagePolicy:
     `max_pixels` (defaults: Qwen2-VL's 56*56 and the commonly used 28*28*1280); tiles uses `tile`,
     `min_tiles`, `max_tiles` and `thumbnail` (defaults: InternVL's 448, 1, 12, True). `fast_jpeg`: let
     libjpeg decode a JPEG shrunk by 2x or more at 1/2, 1/4 or 1/8 scale (Pillow's draft): faster, but
-    its pixels differ from the reference processor's (off by default; docs/multimodal-correctness.md)."""
+    its pixels differ from the reference processor's (off by default; docs/multimodal-images.md)."""
 
     kind: str = "dynamic"
     patch: int = 14
