@@ -1,5 +1,5 @@
 """`build_ahead=` is one Loader option for every runtime that builds: checked, and handed to the runtime
-under the name it takes (RayOptions calls it `prefetch`, which on a Loader means read_ahead)."""
+under one name (RayOptions once called it `prefetch`, which on a Loader means read_ahead)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_a_bad_build_ahead_is_refused_naming_the_value(spec, bad):
 
 
 def test_each_runtime_gets_build_ahead_under_its_own_name_and_a_thin_client_refuses_it():
-    assert build_ahead_option("ray", {"build_ahead": 4, "loaders": 2}) == {"prefetch": 4, "loaders": 2}
+    assert build_ahead_option("ray", {"build_ahead": 4, "loaders": 2}) == {"build_ahead": 4, "loaders": 2}
     assert build_ahead_option("node", {"build_ahead": 0}) == {"build_ahead": 0}
     assert build_ahead_option("local", {"build_ahead": None}) == {}
     with pytest.raises(PlaitError, match="plait serve --build-ahead"):

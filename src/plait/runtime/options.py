@@ -22,7 +22,7 @@ def renamed(old: str, old_value, new: str, new_value):
 
 # The name each runtime's constructor takes for the steps its job builds ahead of a rank's request; a Loader
 # takes `build_ahead=` for all of them (RayOptions' name is `prefetch`: on a Loader that name is read_ahead's).
-BUILD_AHEAD_NAMES = {"local": "build_ahead", "node": "build_ahead", "ray": "prefetch"}
+BUILD_AHEAD_NAMES = {"local": "build_ahead", "node": "build_ahead", "ray": "build_ahead"}
 
 
 def build_ahead_option(runtime: str, options: dict) -> dict:
