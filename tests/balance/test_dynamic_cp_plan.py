@@ -60,3 +60,31 @@ def test_fixed_mode_plans_have_no_cp_fields():
     plan.cp_groups = plan.item_group = None
     assert plan.for_rank(0).cp is None
     assert "waves" not in plan.stats()
+
+
+def test_dynamic_cp_counts_the_audio_placeholder_labels_the_constructor_masks():
+    """An audio-only spec under dynamic CP: the step's global_label_tokens leaves out the labels masked over
+    audio placeholders, as fixed CP does (the loss normaliser divides by it)."""
+    import plait
+    from helpers import FakeProvider, make_spec
+    from plait.roles.planner import Planner
+    from plait.roles.source_loader import BlockMeta
+
+    class AudioProvider(FakeProvider):
+        def block_meta(self, source, key):
+            m = super().block_meta(source, key)
+            audio = np.zeros((len(m.lengths), 3), np.int64)
+            audio[:, 0], audio[:, 1], audio[:, 2] = 750, 750 * 750, 10  # one 10-token clip a document
+            return BlockMeta(m.source, m.key, m.next_key, m.shard, m.positions, m.rows, m.lengths,
+                             m.num_positions, np.zeros(len(m.lengths), np.int64), np.zeros(len(m.lengths), np.int64),
+                             audio)
+
+    for cp in ({"context_parallel": {"mode": "dynamic", "groups": "pow2"}}, {}):
+        d = make_spec([{"name": "a", "path": "/nowhere", "tokens_field": "t"}], seq_len=128, microbatches=1, dp=2,
+                      topology={"dp": 2, "cp": 2}, **cp)
+        d["audio"] = {"audio_token_id": 300}
+        planner = Planner(plait.load_spec(d), AudioProvider([(20, 60)]))
+        plan = planner.plan_step()
+        masked = planner.costs.masked_labels(plan.items)
+        assert masked > 0
+        assert plan.stats()["global_label_tokens"] == int((plan.items.length - 1).clip(min=0).sum()) - masked

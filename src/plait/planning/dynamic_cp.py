@@ -108,7 +108,7 @@ def finish_step(planner, items: Items, priority: np.ndarray, outliers: Items, co
         label_horizon=planner.spec.packing.label_horizon, weights=context["weights"],
         drawn=planner.drawn - context["drawn_before"],
     )
-    if planner.images:
+    if planner.images or planner.spec.audio is not None:  # as fixed CP: media's masked placeholder labels
         plan.images = dcp.image_stats(plan, planner.costs.masked_labels(plan.items))
     planner.delivered_tokens += plan.tokens
     planner.delivered_samples += len(plan.items)
