@@ -119,6 +119,43 @@ def test_a_client_without_the_jobs_token_is_refused(tmp_path):
         ShmChannel(server.address, "the-jobs-token")  # nobody listens any more
 
 
+def test_the_host_serves_its_connections_from_one_thread_and_a_waiting_request_holds_up_no_other(tmp_path):
+    """Two connections per rank used to mean two threads each (and a glibc malloc arena each: the host's RSS
+    rose above Flight's); now one thread serves them all and only a request that waits takes a thread."""
+    import threading
+    from types import SimpleNamespace
+
+    from plait.runtime.node_shm_client import ShmChannel
+    from plait.runtime.node_shm_host import NodeShmServer
+
+    release = threading.Event()
+
+    def get(gen, step, dp_rank, *rest):
+        assert release.wait(60)  # a step beyond the window: waits for a slower rank
+        return {"step": step}, []
+
+    host = SimpleNamespace(service=SimpleNamespace(get=get), token="tok",
+                           server=SimpleNamespace(answer=lambda name, body, peer: (name, body)))
+    server = NodeShmServer(host, tmp_path, "thr")
+    try:
+        waiting = ShmChannel(server.address, "tok")
+        got = []
+        reader = threading.Thread(target=lambda: got.append(waiting.call("get", (0, 3, 0, None, (1, 0), True, None))))
+        reader.start()
+        channels = [ShmChannel(server.address, "tok") for _ in range(16)]
+        assert [c.call("action", ("hello", {"n": i})) for i, c in enumerate(channels)] == \
+            [("hello", {"n": i}) for i in range(16)]  # answered while the get waits
+        shm_threads = [t.name for t in threading.enumerate() if t.name.startswith("plait-shm")]
+        assert len(shm_threads) <= 4, shm_threads  # accept, serve, the waiting get's, one reused for actions
+        release.set()
+        reader.join(30)
+        assert got == [({"step": 3}, (None, 0, []))]
+    finally:
+        release.set()
+        server.close()
+    assert not [t for t in threading.enumerate() if t.name == "plait-shm-serve"]
+
+
 def launch_env(monkeypatch, tmp_path, run: str) -> None:
     for k, v in {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "TORCHELASTIC_RUN_ID": run,
                  "PLAIT_NODE_DIR": tmp_path / "rdzv"}.items():
