@@ -180,7 +180,8 @@ def corrupt_flac() -> bytes:
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_a_clip_that_fails_at_gather_is_named_or_its_sample_dropped(tmp_path, on_error):
-    extra = {0: [("bad00001.flac", corrupt_flac()), ("bad00001.txt", b"a bad clip")]}
+    # token id 0 in the dropped text (NUL bytes): a real token, whose labels the dropped sample takes out too
+    extra = {0: [("bad00001.flac", corrupt_flac()), ("bad00001.txt", b"a bad clip\x00\x00\x00")]}
     src = {**webdataset_audio(tmp_path, shards=1, per_shard=2, extra=extra), "on_error": on_error}
     if on_error == "raise":
         with pytest.raises(SourceError) as e:

@@ -31,7 +31,7 @@ class ImageWork:
 
     def __init__(self):
         self.tasks: list[tuple[int, int, DocBlock, int, Source, np.ndarray, int, tuple[int, ...]]] = []
-        self.token_id = self.patch = 0
+        self.token_id, self.patch = -1, 0  # -1: no placeholder (a token id never is): id 0 is a real token
         self.video_token_id, self.temporal_patch, self.audio_token_id = -1, 1, -1
 
     @classmethod
