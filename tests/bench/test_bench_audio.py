@@ -62,3 +62,11 @@ def test_help(capsys):
         main(["bench", "audio", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "WhisperFeatureExtractor" in out and "--path" in out
+
+
+def test_a_clip_a_few_samples_past_a_window_is_measured(tmp_path):
+    """30.005 s: the last 80 samples are too short for a token, so plait keeps one window; the check compares
+    the same samples on both sides instead of failing the whole run on the tail."""
+    (tmp_path / "long.wav").write_bytes(encode(speech_like(16000, 30.005, 1, seed=3), 16000, "wav"))
+    r = bench(["--path", str(tmp_path)], tmp_path / "audio.json")
+    assert r["clips"] == 1 and r["skipped"] == 0 and r["max_feature_diff"] <= 1e-4

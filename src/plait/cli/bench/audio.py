@@ -47,17 +47,18 @@ def windows_of(wave: np.ndarray) -> list[np.ndarray]:
     return [wave[i:i + 480_000] for i in range(0, max(len(wave), 1), 480_000)]  # 30 s at 16 kHz
 
 
-def plain_loop(paths: list[Path], extractor, advance) -> float:
-    """Wall seconds of PyAV decode (its own down-mix and resampling), then the extractor, per clip."""
+def plain_loop(paths: list[Path], extractor, advance, samples: list[int]) -> float:
+    """Wall seconds of PyAV decode (its own down-mix and resampling), then the extractor, per clip (cut to the
+    samples plait's plan keeps: a tail too short for one token is no window on either side)."""
     import av
 
     start = time.perf_counter()
-    for path in paths:
+    for path, keep in zip(paths, samples):
         with av.open(str(path)) as container:
             resampler = av.AudioResampler(format="flt", layout="mono", rate=16000)
             pieces = [out.to_ndarray()[0] for frame in container.decode(audio=0) for out in resampler.resample(frame)]
             pieces += [out.to_ndarray()[0] for out in resampler.resample(None)]
-        extractor(windows_of(np.concatenate(pieces)), sampling_rate=16000, padding="max_length",
+        extractor(windows_of(np.concatenate(pieces)[:keep]), sampling_rate=16000, padding="max_length",
                   return_attention_mask=True, return_tensors="np")
         advance()
     return time.perf_counter() - start
@@ -90,6 +91,7 @@ def check_clips(paths: list[Path], policy, extractor, errors: list[str], advance
         try:
             wave = audio.decode(str(path), info)
             ours = policy.features(wave)  # a clip too short for one token is a PlaitError too
+            wave = wave[: ours.plan.samples]  # the windows plait keeps (a tail shorter than a token is cut)
         except PlaitError as e:
             errors.append(str(e) if str(path) in str(e) else f"{path}: {e}")
             continue
@@ -130,7 +132,8 @@ def measure(args, paths: list[Path], bar) -> dict:
         plait_walls.append(plait_gather(paths, infos, policy, lambda: bar.advance(task)))
         decodes.append(audio.AUDIO_DECODES.count - passes)
         if extractor is not None:
-            plain_walls.append(plain_loop(paths, extractor, lambda: bar.advance(task)))
+            plain_walls.append(plain_loop(paths, extractor, lambda: bar.advance(task),
+                                          [policy.plan(info).samples for info in infos]))
     seconds = sum(info.duration for info in infos)
     plans = [policy.plan(info) for info in infos]
     plait_wall, plain_wall = min(plait_walls), min(plain_walls, default=None)
