@@ -24,7 +24,7 @@ BAD = (0, 3)  # (shard, row) of the record that fails after planning
 STEPS = 8
 
 
-def parquet_with_a_wrong_length(root, bad_length: int) -> tuple[dict, str]:
+def parquet_with_a_wrong_length(root, bad_length: int, row_group_size: int = 8) -> tuple[dict, str]:
     """One Parquet file of token ids and a stored n_tokens; record BAD's stored length is `bad_length`
     and its tokens are long enough to be cut into several chunks (seq_len 64)."""
     root.mkdir(parents=True)
@@ -34,7 +34,7 @@ def parquet_with_a_wrong_length(root, bad_length: int) -> tuple[dict, str]:
     n[BAD[1]] = bad_length
     path = str(root / "part-0.parquet")
     pq.write_table(pa.table({"doc": pa.array([d.tolist() for d in docs], pa.list_(pa.int32())),
-                             "n_tokens": pa.array(n, pa.int32())}), path, row_group_size=8)
+                             "n_tokens": pa.array(n, pa.int32())}), path, row_group_size=row_group_size)
     return {"name": "p", "path": path, "tokens_field": "doc", "length_field": "n_tokens", "eos": 7}, path
 
 
@@ -110,3 +110,17 @@ def test_late_failures_join_the_payload_s_media_drops():
     np.testing.assert_array_equal(out.dropped_labels, [2, 3])
     plain = np.arange(4, dtype=np.int32)
     assert without_late_failures(plain, np.zeros(2, bool), np.array([2, 2])) is plain
+
+
+def test_inspect_names_a_late_failure_instead_of_an_empty_document(tmp_path, capsys):
+    """`plait inspect` previews the bad record as failed at decode, not as a document of 0 tokens."""
+    import yaml
+
+    from plait.cli import main
+
+    source, _ = parquet_with_a_wrong_length(tmp_path / "data", bad_length=40, row_group_size=24)  # one block
+    spec = make_spec([{**source, "on_error": "skip"}], seq_len=64, microbatches=2, dp=2, vocab_size=1000)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["inspect", str(tmp_path / "spec.yaml"), "--docs", "24"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "part-0.parquet" in line]
+    assert len(rows) == 24 and [r for r in rows if "failed at decode" in r] == [r for r in rows if "│ 3 " in r]

@@ -53,7 +53,9 @@ def run(args) -> int:
                       tok_vocab, max_id)
         for d in range(min(args.docs, len(lens))):
             toks = block.tokens[block.starts[d] : block.starts[d] + block.lengths[d]]
-            previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]), len(toks), toks[:12].tolist()))
+            failed = block.failed is not None and bool(block.failed[d])  # planned, then failed at decode (counted)
+            previews.append((s.name, Path(src.files[block.shard]).name, int(block.rows[d]),
+                             "failed at decode" if failed else len(toks), toks[:12].tolist()))
         videos += video_rows(s.name, block, min(args.docs, len(lens)))
         clips += audio_rows(s.name, block, min(args.docs, len(lens)))
         placeholders += placeholder_lines(s.name, src)

@@ -63,6 +63,8 @@ def source_documents(source: Source, share: int, shares: int) -> Iterator[Docume
             if not by_block:
                 docs = docs[(doc_count + docs) % shares == share]
                 doc_count += len(block.lengths)
+            if block.failed is not None:  # planned, then failed at decode: a dropped sample, as plait drops it
+                docs = docs[~block.failed[docs]]
             for d in docs:
                 start, length = int(block.starts[d]), int(block.lengths[d])
                 pixels, grids = [], []
