@@ -115,3 +115,61 @@ def test_build_ahead_is_the_ray_runtimes_name_too():
         assert RayOptions(prefetch=3).build_ahead == 3
     with pytest.raises(PlaitError, match="both given"):
         RayOptions(prefetch=3, build_ahead=1)
+
+
+class FakeRef:
+    """A call's answer, ready when the test says so (or failing)."""
+
+    def __init__(self, requests, images):
+        self.requests, self.images = requests, images
+        self.ready = __import__("threading").Event()
+        self.error: Exception | None = None
+
+
+class FakeLoader:
+    """A loader handle whose `gather_batch.remote(requests, images)` records the call."""
+
+    def __init__(self):
+        self.calls: list[FakeRef] = []
+        self.gather_batch = self
+
+    def remote(self, requests, images):
+        ref = FakeRef(requests, images)
+        self.calls.append(ref)
+        return ref
+
+
+def fake_get(ref):
+    assert ref.ready.wait(10)
+    if ref.error is not None:
+        raise ref.error
+    return [("answer", r, ref.images) for r in ref.requests]
+
+
+def test_requests_that_wait_for_a_loader_go_together_in_its_next_call(monkeypatch):
+    """One call in flight per loader: what arrives meanwhile is one call, sent when the first is read; each
+    request gets its own answer; a failed call fails its requests and the loader's next call still goes."""
+    from plait.runtime.ray import payloads
+
+    monkeypatch.setattr(payloads, "get", fake_get)
+    calls, loader = payloads.LoaderCalls(), FakeLoader()
+    first = calls.submit(loader, "r1", True)
+    assert [c.requests for c in loader.calls] == [["r1"]]  # an idle loader: sent at once
+    later = [calls.submit(loader, r, True) for r in ("r2", "r3")]
+    other = calls.submit(loader, "t1", False)  # tokens-only gathers are a call of their own
+    assert [c.requests for c in loader.calls] == [["r1"], ["t1"]]
+    loader.calls[0].ready.set()
+    assert calls.result(first) == ("answer", "r1", True)
+    assert [c.requests for c in loader.calls] == [["r1"], ["t1"], ["r2", "r3"]]
+    loader.calls[2].error = RuntimeError("loader 0 died")
+    loader.calls[2].ready.set()
+    gone = calls.submit(loader, "r4", True)  # waits behind the failing call
+    for g in later:
+        with pytest.raises(RuntimeError, match="died"):
+            calls.result(g)
+    assert [c.requests for c in loader.calls][3:] == [["r4"]]
+    loader.calls[3].ready.set()
+    assert calls.result(gone) == ("answer", "r4", True)
+    calls.settle([other])  # not read: the loader still takes its next call, at once
+    calls.submit(loader, "t2", False)
+    assert [c.requests for c in loader.calls][4:] == [["t2"]]

@@ -69,6 +69,13 @@ class LoaderActor:
             gathered = self.loader.gather_media(*request)
         return self.loader.decode_gathered(gathered)
 
+    def gather_batch(self, requests: list[tuple], images: bool) -> list:
+        """`gather` (or `gather_payload` with `images`) of each request, in order: one Constructor's
+        requests that waited for its previous call to this loader, sent as one call
+        (plait.runtime.ray.payloads.LoaderCalls says why)."""
+        serve = self.gather_payload if images else self.gather
+        return [serve(request) for request in requests]
+
     def retain(self, live, drawn=None) -> None:
         with self.lock:
             mine = {k for k in live if k[0] in self.loader.sources}

@@ -3,6 +3,8 @@ the Planner. `RayPayloads` is plait.roles.constructor.PayloadSource for the Ray 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from plait.batch import Payload, merge_payloads
@@ -21,6 +23,7 @@ class RayPayloads:
     def __init__(self, route: Route, planner=None):
         self.route = route
         self.planner = planner  # asked to replace a loader found dead (None: errors propagate)
+        self.calls = LoaderCalls()
 
     def fetch(self, items):
         """Tokens (text), or a Payload (tokens and images) when an item holds images: the images are
@@ -44,7 +47,7 @@ class RayPayloads:
             sel = np.flatnonzero(owner == k)
             sels.append(sel)
             owners.append((int(k), loaders[int(k)]))
-            refs.append(self._gather(loaders[int(k)], items, keys, block_index, sel, images))
+            refs.append(self.calls.submit(loaders[int(k)], request_of(items, keys, block_index, sel), images))
         parts = self._collect(refs, owners, version)
         if parts is None:
             return None
@@ -52,27 +55,121 @@ class RayPayloads:
             return parts[0]
         return merge_fetched(items.length, list(zip(sels, parts)))
 
-    @staticmethod
-    def _gather(handle, items, keys, block_index, sel, images: bool = False):
-        call = handle.gather_payload if images else handle.gather
-        return call.remote((items.source[sel], keys, block_index[sel], items.position[sel],  # one argument:
-                            items.offset[sel], items.length[sel]))  # LoaderActor.gather says why
-
-    def _collect(self, refs, owners, version: int) -> list | None:
+    def _collect(self, gathers: list["Gather"], owners, version: int) -> list | None:
         """Each loader's part; None after a loader was found dead (the Planner replaced it, or it belonged
         to a retired layout) and the routing was refreshed."""
         try:
-            return get(refs)
+            return [self.calls.result(g) for g in gathers]
         except dead_errors():
             if self.planner is None:
                 raise
-        for ref, (k, handle) in zip(refs, owners):
+        finally:
+            self.calls.settle(gathers)
+        for g, (k, handle) in zip(gathers, owners):
             try:
-                get(ref)
+                self.calls.result(g)
             except dead_errors():
                 self.route.update(get(self.planner.replace_loader.remote(k, handle, version)))
                 return None
         return None  # every part answered on a second look (a transient error): ask again
+
+
+def request_of(items, keys, block_index, sel) -> tuple:
+    """A gather's request for the items `sel`: (source, keys, block_index, position, offset, length), one
+    tuple (LoaderActor.gather says why)."""
+    return (items.source[sel], keys, block_index[sel], items.position[sel], items.offset[sel], items.length[sel])
+
+
+class Gather:
+    """One request's place in a call to a loader: set once the call that carries it is sent."""
+
+    def __init__(self, request: tuple):
+        self.request = request
+        self.sent = threading.Event()
+        self.call: LoaderCall | None = None
+        self.index = 0
+
+
+class LoaderCall:
+    """One call to a loader carrying several requests: its answer, read once for all of them, and whether
+    the loader's next call went out."""
+
+    def __init__(self, key: tuple, ref):
+        self.key, self.ref = key, ref
+        self.reading = threading.Lock()
+        self.answer: tuple | None = None  # (answers, None) or (None, the error)
+        self.done = False
+
+
+class LoaderCalls:
+    """A Constructor's gathers, at most one call in flight per loader: the requests for a loader that arrive
+    while its call is out (the other ranks' builds of the step, on their own threads) go together in the
+    next call, sent as soon as the current call's answer is read. A call costs the loader, the Constructor
+    and the raylet a few CPU ms whatever it carries (serialisation; the object store's create, seal, map and
+    free: benchmarks/ray_inline_returns.py), about a millisecond per image when each call carried one
+    rank's three images. No timer: a request that finds its loader idle is sent at once. Each request gets
+    the answer a call of its own would have had (LoaderActor.gather_batch serves them in order). Whoever
+    submits must `result` or `settle` every gather, in the order of the loaders' indices (RayPayloads
+    does): a loader's next call waits for its current one to be read."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.waiting: dict[tuple, list[Gather]] = {}
+        self.busy: set[tuple] = set()
+
+    def submit(self, handle, request: tuple, images: bool) -> Gather:
+        gather = Gather(request)
+        key = (handle, images)  # an actor handle hashes as its actor
+        with self.lock:
+            self.waiting.setdefault(key, []).append(gather)
+            idle = key not in self.busy
+            self.busy.add(key)
+        if idle:
+            self._send(key)
+        return gather
+
+    def _send(self, key: tuple) -> None:
+        """Send what waits for this loader as one call (the caller holds its turn), or leave it idle."""
+        with self.lock:
+            batch = self.waiting.pop(key, [])
+            if not batch:
+                self.busy.discard(key)
+                return
+        handle, images = key
+        call = LoaderCall(key, handle.gather_batch.remote([g.request for g in batch], images))
+        for i, gather in enumerate(batch):
+            gather.call, gather.index = call, i
+            gather.sent.set()
+
+    def _finish(self, call: LoaderCall) -> None:
+        with self.lock:
+            first, call.done = not call.done, True
+        if first:
+            self._send(call.key)
+
+    def result(self, gather: Gather):
+        """The answer to `gather`'s request (its loader's error raised)."""
+        gather.sent.wait()
+        call = gather.call
+        try:
+            with call.reading:
+                if call.answer is None:
+                    try:
+                        call.answer = (get(call.ref), None)
+                    except BaseException as e:  # noqa: BLE001 - every request of the call gets it
+                        call.answer = (None, e)
+        finally:
+            self._finish(call)
+        answers, error = call.answer
+        if error is not None:
+            raise error
+        return answers[gather.index]
+
+    def settle(self, gathers: list[Gather]) -> None:
+        """Let the loaders of gathers whose answers are not wanted (a fetch that failed) take their next call."""
+        for gather in gathers:
+            gather.sent.wait()
+            self._finish(gather.call)
 
 
 def merge_fetched(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
