@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import posixpath
 import threading
 from typing import BinaryIO
 
 from plait.errors import PlaitError
 
-__all__ = ["DecodeCounter", "MediaData", "MediaError", "describe", "ffmpeg_reason", "open_container", "peek"]
+__all__ = ["DecodeCounter", "MediaData", "MediaError", "describe", "ffmpeg_reason", "field_media", "open_container", "peek"]
 
 MediaData = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO  # bytes, a local path, or a file-like
 
@@ -43,6 +44,25 @@ class DecodeCounter:
     @property
     def count(self) -> int:
         return self._n
+
+
+def field_media(value, root: str | None, kind: str) -> list[bytes | str]:
+    """A record's media field (images, videos, audio) as data: None -> none; a path, bytes, Hugging Face's
+    {"bytes" | "path"} struct, or a list of them; relative paths joined to `root`. ValueError naming `kind`
+    for anything else."""
+    if value is None:
+        return []
+    out: list[bytes | str] = []
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, dict):
+            v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
+        if isinstance(v, (bytes, bytearray)):
+            out.append(bytes(v))
+        elif isinstance(v, str) and v:
+            out.append(v if (root is None or "://" in v or posixpath.isabs(v)) else posixpath.join(root, v))
+        else:
+            raise ValueError(f"{kind} field holds {type(v).__name__}, not a path or {kind} bytes")
+    return out
 
 
 def describe(data: MediaData, name: str | None) -> str:

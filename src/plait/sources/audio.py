@@ -16,13 +16,12 @@ WebDataset member, a remote file or inline bytes are read into memory).
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from plait.errors import PlaitError
 from plait.media.audio import AudioFeatures, AudioInfo, AudioPlan, probe
-from plait.media.base import MediaError
+from plait.media.base import MediaError, field_media
 from plait.media.registry import audio_policy
 from plait.spec import Spec
 
@@ -52,21 +51,8 @@ class ClipPlan(NamedTuple):
 
 
 def audio_list(value, root: str | None) -> list[AudioRef]:
-    """A record's audio field as references: None -> none; a path, bytes, Hugging Face's {"path" | "bytes"}
-    or a list of them (relative paths joined to `root`). ValueError for anything else."""
-    if value is None:
-        return []
-    out = []
-    for v in value if isinstance(value, list) else [value]:
-        if isinstance(v, dict):
-            v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
-        if isinstance(v, (bytes, bytearray)):
-            out.append(AudioRef(bytes(v)))
-        elif isinstance(v, str) and v:
-            out.append(AudioRef(v if (root is None or "://" in v or posixpath.isabs(v)) else posixpath.join(root, v)))
-        else:
-            raise ValueError(f"audio field holds {type(v).__name__}, not a path or audio bytes")
-    return out
+    """A record's audio field as references (media.base.field_media). ValueError for anything else."""
+    return [AudioRef(data) for data in field_media(value, root, "audio")]
 
 
 class AudioDocs:

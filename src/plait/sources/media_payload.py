@@ -121,6 +121,16 @@ def decode_payload(work: ImageWork, tokens: np.ndarray, length: np.ndarray,
     return Payload(tokens, images, gone, lost_labels, audio, videos), done
 
 
+def rows_of(pixels: np.ndarray, sel: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The patch rows of the tasks `sel`: a view where they are one run (images alone, or videos alone: the
+    decoders wrote them into the buffer the trainer gets), a copy only where images and videos interleave."""
+    picked = np.flatnonzero(sel)
+    if picked[-1] - picked[0] + 1 == len(picked):
+        ends = np.cumsum(rows)
+        return pixels[int(ends[picked[0]] - rows[picked[0]]) : int(ends[picked[-1]])]
+    return pixels[np.repeat(sel, rows)]
+
+
 def _pictures(work: ImageWork, sel: np.ndarray, pixels: np.ndarray, rows: np.ndarray, frames: np.ndarray,
               frame_counts: np.ndarray) -> ImagePayload | None:
     """The images (or the videos: `kind` and sampled frames kept) of the tasks `sel`, None for none."""
@@ -129,7 +139,7 @@ def _pictures(work: ImageWork, sel: np.ndarray, pixels: np.ndarray, rows: np.nda
     grids = np.asarray([t[5] for t in work.tasks], np.int64).reshape(-1, 3)[sel]
     owner = np.asarray([t[0] for t in work.tasks], np.int64)[sel]
     video = work.tasks[int(np.flatnonzero(sel)[0])][6] == VIDEO_KIND
-    return ImagePayload(pixels[np.repeat(sel, rows)], grids, owner, int(work.token_id), int(work.patch),
+    return ImagePayload(rows_of(pixels, sel, rows), grids, owner, int(work.token_id), int(work.patch),
                         np.full(len(owner), VIDEO_KIND, np.int64) if video else None, work.video_token_id,
                         work.temporal_patch, frames[np.repeat(sel, frame_counts)] if video else None)
 

@@ -35,7 +35,6 @@ plane must plan the same steps, so what one of them found at gather cannot chang
 from __future__ import annotations
 
 import json
-import posixpath
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pyarrow as pa
 
-from plait.media.base import MediaError
+from plait.media.base import MediaError, field_media
 from plait.media.registry import AUDIO, IMAGE, VIDEO
 from plait.spec import SourceSpec, Spec
 from plait.sources.audio import AudioDocs, AudioRef, ClipPlan, audio_list
@@ -145,22 +144,11 @@ def _with_media(text, images: list, videos: list, audios: list, template: str | 
 
 
 def image_list(value, root: str | None) -> list[ImageRef]:
-    """A record's image field as references: None -> none; a path, bytes, a {bytes, path} struct, or a
-    list of them. Relative paths are joined to `root`."""
-    if value is None:
-        return []
-    items = value if isinstance(value, list) else [value]
-    out: list[ImageRef] = []
-    for v in items:
-        if isinstance(v, dict):
-            v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
-        if isinstance(v, (bytes, bytearray)):
-            out.append(bytes(v))
-        elif isinstance(v, str) and v:
-            out.append(v if (root is None or "://" in v or posixpath.isabs(v)) else posixpath.join(root, v))
-        else:
-            raise BadRecord(f"image field holds {type(v).__name__}, not a path or image bytes")
-    return out
+    """A record's image field as references (media.base.field_media); BadRecord for anything else."""
+    try:
+        return field_media(value, root, "image")
+    except ValueError as e:
+        raise BadRecord(str(e)) from None
 
 
 def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str], videos: list | None = None,

@@ -18,12 +18,12 @@ probe reads only the headers; a WebDataset member, a remote file or inline bytes
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 
+from plait.media.base import field_media
 from plait.sources.reader import RawBlock
 from plait.spec import Spec
 from plait.transforms.container_size import probe_whole  # probe, less a container shorter than it says
@@ -43,21 +43,8 @@ def video_policy(spec: Spec) -> VideoPolicy | None:
 
 
 def video_list(value, root: str | None) -> list[VideoRef]:
-    """A record's video field as references: None -> none; a path, bytes, or a list of them (relative
-    paths joined to `root`). ValueError for anything else."""
-    if value is None:
-        return []
-    out = []
-    for v in value if isinstance(value, list) else [value]:
-        if isinstance(v, dict):
-            v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
-        if isinstance(v, (bytes, bytearray)):
-            out.append(VideoRef(bytes(v)))
-        elif isinstance(v, str) and v:
-            out.append(VideoRef(v if (root is None or "://" in v or posixpath.isabs(v)) else posixpath.join(root, v)))
-        else:
-            raise ValueError(f"video field holds {type(v).__name__}, not a path or video bytes")
-    return out
+    """A record's video field as references (media.base.field_media). ValueError for anything else."""
+    return [VideoRef(data) for data in field_media(value, root, "video")]
 
 
 class VideoDocs:
