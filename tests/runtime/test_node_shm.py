@@ -35,7 +35,11 @@ def spec_dict(tmp_path_factory):
 
 
 def segments_of(pid: int) -> list[str]:
-    return sorted(p.name for p in SHM.glob(f"plait-{pid}-*"))
+    return sorted(p.name for p in SHM.glob(f"plait-{pid}-*") if p.suffix != ".lock")  # a live host's lock stays
+
+
+def segment_files(folder) -> list:
+    return [p for p in folder.iterdir() if p.suffix != ".lock"]
 
 
 def wait_for(condition, timeout: float = 60.0) -> bool:
@@ -72,6 +76,24 @@ def test_leftovers_of_a_dead_host_are_removed_and_a_live_ones_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-1", f"plait-{os.getpid()}-job-0"]
 
 
+def test_a_host_that_holds_its_lock_is_live_whatever_its_pid_says(tmp_path):
+    """Containers sharing /dev/shm number their processes apart: a pid that names no process here may be a
+    live host in another PID namespace. Its lock decides: held, its segments stay; free, they go (lock too)."""
+    from plait.runtime.node_shm import hold_host_lock, release_host_lock
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    elsewhere, dead = f"plait-{gone.pid}-other-", f"plait-{gone.pid}-mine-"
+    fd = hold_host_lock(tmp_path, elsewhere)  # a live host (this process holds its lock) under a pid not its own
+    os.close(hold_host_lock(tmp_path, dead))  # a host that died: its lock file is left, and free
+    for prefix in (elsewhere, dead):
+        (tmp_path / f"{prefix}0").touch()
+    assert remove_leftovers(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{elsewhere}0", f"plait-{gone.pid}-other.lock"]
+    release_host_lock(tmp_path, elsewhere, fd)
+    assert remove_leftovers(tmp_path) == 1 and not list(tmp_path.iterdir())
+
+
 def test_the_ranks_of_one_replica_map_one_segment_that_goes_when_all_have(tmp_path):
     """Two TP ranks (connections 1, 2) of DP rank 0 read step 5: one write; its name stays until both mapped
     it. A reader that dies before mapping (its connection closes) does not keep it either."""
@@ -84,16 +106,16 @@ def test_the_ranks_of_one_replica_map_one_segment_that_goes_when_all_have(tmp_pa
                     source_ids=np.zeros(1, np.int32))
     key = (0, 5, 0, 1, 0)
     first = segments.get(1, key, [mb])
-    assert segments.get(2, key, [mb]) == first and len(list(tmp_path.iterdir())) == 1  # written once
+    assert segments.get(2, key, [mb]) == first and len(segment_files(tmp_path)) == 1  # written once
     segments.mapped(1, first[0])
     assert (tmp_path / first[0]).exists()  # rank 2 has not mapped it yet
     segments.mapped(2, first[0])
-    assert not list(tmp_path.iterdir())
+    assert not segment_files(tmp_path)
     again = segments.get(1, (0, 6, 0, 1, 0), [mb])
     segments.mapped(1, again[0])
     assert (tmp_path / again[0]).exists()  # connection 2 reads DP rank 0 too
     segments.forget(2)  # its trainer died
-    assert not list(tmp_path.iterdir()) and len(segments) == 0
+    assert not segment_files(tmp_path) and len(segments) == 0
     full = Segments(tmp_path / "missing", "plait-1-t-")  # as a full /dev/shm refuses a write
     with pytest.raises(PlaitError, match="cannot write step 5 of DP rank 0 into .*PLAIT_NODE_TRANSPORT=flight"):
         full.get(1, key, [mb])

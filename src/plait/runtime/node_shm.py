@@ -8,14 +8,18 @@ trainer maps the segment read-only and hands out numpy views of it: no copy, no 
 carrying payloads. Once mapped, the segment's name is removed (the host unlinks it when its last reader
 has mapped it); its pages live on while the trainer holds a view and go with the last one.
 
-Names: `plait-<host pid>-<job tag>-<n>`. The pid is what makes crash cleanup possible: the segments of a
-host whose process is gone are leftovers, and whoever meets them removes them (a new host, a rank that
-saw its host die: `remove_leftovers`).
+Names: `plait-<host pid>-<job tag>-<n>`, and beside them the host's lock `plait-<host pid>-<job tag>.lock`,
+which the host holds (flock) while it lives: the kernel lets go of it when the process dies, whatever PID
+namespace it ran in. That is what makes crash cleanup safe: the segments of a host whose lock is free are
+leftovers, and whoever meets them removes them (a new host, a rank that saw its host die:
+`remove_leftovers`). A pid alone would not do: containers that share /dev/shm (`docker --ipc=host`) each
+number their processes, and one would take another's live host for a dead one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import mmap
 import os
 from pathlib import Path
@@ -52,20 +56,66 @@ def host_of(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def remove_leftovers(folder: Path, only_pid: int | None = None) -> int:
-    """Remove the segments of hosts whose process is gone (of `only_pid`'s only, when given); how many."""
+def lock_path(folder: Path, prefix: str) -> Path:
+    """The lock of the host whose segments start with `prefix` (`plait-<pid>-<tag>-`)."""
+    return folder / (prefix.rstrip("-") + ".lock")
+
+
+def hold_host_lock(folder: Path, prefix: str) -> int:
+    """Take the host's lock for as long as the returned descriptor stays open (the process's life)."""
+    fd = os.open(lock_path(folder, prefix), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_host_lock(folder: Path, prefix: str, fd: int) -> None:
+    lock_path(folder, prefix).unlink(missing_ok=True)
+    os.close(fd)
+
+
+def host_gone(folder: Path, prefix: str, pid: int) -> bool:
+    """Whether the host that wrote segments `prefix` is gone: its lock is free (or, for a segment with no
+    lock beside it, its pid names no process here)."""
     from plait.job.consumers import process_alive
 
-    removed = 0
-    for path in folder.glob(PREFIX + "*"):
+    try:
+        fd = os.open(lock_path(folder, prefix), os.O_RDWR)
+    except FileNotFoundError:
+        return not process_alive(pid)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(folder: Path, only_pid: int | None = None) -> int:
+    """Remove the segments (and locks) of hosts that are gone (of `only_pid`'s only, when given); how many
+    segments."""
+    removed, gone = 0, {}
+    for path in sorted(folder.glob(PREFIX + "*")):
         pid = host_of(path.name)
-        if pid is None or (only_pid is not None and pid != only_pid) or process_alive(pid):
+        if pid is None or (only_pid is not None and pid != only_pid):
             continue
-        try:
-            path.unlink()
-            removed += 1
-        except OSError:
-            pass  # another process removed it first
+        is_lock = path.suffix == ".lock"  # a host's lock, perhaps with no segment left beside it
+        prefix = path.stem + "-" if is_lock else path.name[: path.name.rindex("-") + 1]
+        if prefix not in gone:
+            gone[prefix] = host_gone(folder, prefix, pid)
+        if gone[prefix] and not is_lock:
+            try:
+                path.unlink()
+                removed += 1
+            except OSError:
+                pass  # another process removed it first
+    for prefix, dead in gone.items():
+        if dead:
+            lock_path(folder, prefix).unlink(missing_ok=True)
     return removed
 
 

@@ -29,7 +29,7 @@ from multiprocessing.connection import Client, Connection, Listener, Pipe, wait
 from pathlib import Path
 
 from plait.errors import PlaitError
-from plait.runtime.node_shm import remove_leftovers, segment_prefix, write_segment
+from plait.runtime.node_shm import hold_host_lock, release_host_lock, remove_leftovers, segment_prefix, write_segment
 
 log = logging.getLogger("plait.node")
 Key = tuple  # (gen, step, dp_rank, cp size, cp rank): one segment serves every reader of it
@@ -51,6 +51,10 @@ class Segments:
 
     def __init__(self, folder: Path, prefix: str):
         self.folder, self.prefix = folder, prefix
+        try:
+            self.host_lock: int | None = hold_host_lock(folder, prefix)  # held while this process lives (node_shm)
+        except OSError:
+            self.host_lock = None  # no folder to write in: the first write says so, naming the remedies
         self.lock = threading.Lock()
         self.held: dict[Key, Held] = {}
         self.readers: dict[int, tuple[int, int]] = {}  # connection id -> (DP rank, CP rank) it reads
@@ -110,6 +114,9 @@ class Segments:
                 self._drop(key)
         for path in self.folder.glob(self.prefix + "*"):  # one written while closing
             path.unlink(missing_ok=True)
+        if self.host_lock is not None:
+            release_host_lock(self.folder, self.prefix, self.host_lock)
+            self.host_lock = None
 
     def __len__(self) -> int:
         return len(self.held)
