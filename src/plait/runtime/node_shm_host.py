@@ -7,12 +7,14 @@ actions of the Flight protocol, answered by the same action table: plait.runtime
 and data (one step of one rank at a time). For a step the host writes the rank's micro-batches once into a
 segment and answers its name and layout; the trainer maps it and says so (`mapped`).
 
-Lifetime: a segment is unlinked as soon as every connection reading its (DP rank, CP rank) has mapped it
-(the TP and PP ranks of a replica read one segment), when the connection that waits for it closes (a
+Lifetime: a segment is unlinked as soon as every connection that has read its (DP rank, CP rank) has
+mapped it (the TP and PP ranks of a replica read one segment; a reader is known from its first request, so
+a peer whose first request comes after the write gets a copy of its own, and a peer that stays connected
+without reading holds its rank's segments until its connection closes), when the connection that waits for it closes (a
 trainer that died: its socket closes with it), when the stream starts a new generation, and when the host
 closes. Back-pressure is the plan window's: a request waits in JobService.get, never here. A host killed
-outright leaves at most the segments written and not yet mapped; they carry its pid, and whoever sees it
-gone removes them (node_shm.remove_leftovers).
+outright leaves at most the segments written and not yet mapped; its lock beside them is free once it is
+gone, and whoever sees that removes them (node_shm.remove_leftovers).
 """
 
 from __future__ import annotations
