@@ -93,6 +93,17 @@ def test_one_process_node_resumes_and_dedupes_run_time_calls(spec_dict, tmp_path
     assert batch_digest(first + rest) == batch_digest(local)
 
 
+def test_build_ahead_reaches_the_nodes_host_from_the_loader(spec_dict, tmp_path, monkeypatch):
+    """plait.Loader(build_ahead=N) under torchrun: the node's host builds N steps ahead (one name for every
+    runtime), and the stream is the same."""
+    launch_env(monkeypatch, tmp_path, 0, 1, "ahead")
+    spec = plait.load_spec(spec_dict)
+    with plait.Loader(spec, dp_rank=0, share="node", build_ahead=0) as loader:
+        assert loader.runtime.serving_stats()["build_ahead"] == 0
+        got = list(loader)
+    assert batch_digest(got) == batch_digest(plait.Loader(spec, dp_rank=0, read_ahead=0, share="process"))
+
+
 def test_identical_set_weights_from_every_rank_is_recorded_once(spec_dict):
     """The node's Planner receives each rank's call: the same call again adds nothing to the data state."""
     from plait.runtime.local import LocalRuntime

@@ -88,6 +88,7 @@ class JobService:
         """The window (size, longest, waits, who was waited for) and the builds held."""
         with self.stream.lock:
             return {**self.window.stats(), "builds": len(self.cache.builds), "most_builds": self.cache.most,
+                    "build_ahead": self.cache.ahead,
                     "readers": self.consumers.positions()}
 
     def close(self) -> None:

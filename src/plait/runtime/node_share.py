@@ -144,11 +144,12 @@ def rendezvous_path(launch: NodeLaunch, job: str, spec: Spec) -> Path:
 
 # ----- the host (LOCAL_RANK 0): one LocalJobServer per rendezvous, shared by the process's Loaders ---------
 class _Host:
-    def __init__(self, spec: Spec, job: str, path: Path, expected: int, metrics_port: int | None):
+    def __init__(self, spec: Spec, job: str, path: Path, serving: dict):
+        """`serving`: LocalJobServer's options (expected, metrics_port, build_ahead)."""
         from plait.runtime.serve_local import LocalJobServer  # pyarrow.flight: loaded only where it serves
 
-        self.server = LocalJobServer(spec, job, "127.0.0.1:0", metrics_port=metrics_port, expected=expected)
-        self.path, self.expected, self.users = path, expected, 0
+        self.server = LocalJobServer(spec, job, "127.0.0.1:0", **serving)
+        self.path, self.expected, self.users = path, serving["expected"], 0
         self.shm = None  # the shared-memory server for this machine's ranks, where the platform has one
         folder = shm_dir()
         if folder is not None and sys.platform.startswith("linux"):  # abstract unix sockets: Linux only
@@ -285,11 +286,11 @@ def _watch_own_trainer() -> None:
     sys.excepthook = on_uncaught
 
 
-def _acquire_host(spec: Spec, job: str, path: Path, expected: int, metrics_port: int | None) -> _Host:
+def _acquire_host(spec: Spec, job: str, path: Path, serving: dict) -> _Host:
     with _HOSTS_LOCK:
         host = _HOSTS.get(path)
         if host is None:
-            host = _HOSTS[path] = _Host(spec, job, path, expected, metrics_port)
+            host = _HOSTS[path] = _Host(spec, job, path, serving)
             atexit.unregister(_serve_on_at_exit)
             atexit.register(_serve_on_at_exit)
             _remove_files_on_sigterm()
@@ -435,15 +436,16 @@ class NodeRuntime:
     plane (see the module's doc). Options: `job` (names the node's job; default from the launch),
     `metrics_port` (the host's Prometheus endpoint), `join_timeout` (seconds to wait for the host;
     `timeout` is its deprecated name), `share` (as plait.Loader's), `transport` (`shm`, the default: read
-    micro-batches from shared memory; `flight`: over Arrow Flight on loopback, as before; node_transport)."""
+    micro-batches from shared memory; `flight`: over Arrow Flight on loopback, as before; node_transport), `build_ahead` (steps the host builds
+    ahead for each rank, default 2; only LOCAL_RANK 0's value counts: it hosts the job)."""
 
     @staticmethod
     def option_names() -> list[str]:
-        return ["job", "metrics_port", "join_timeout", "share", "timeout", "transport"]
+        return ["job", "metrics_port", "join_timeout", "share", "timeout", "transport", "build_ahead"]
 
     def __init__(self, spec: Spec, *, job: str | None = None, metrics_port: int | None = None,
                  join_timeout: float | None = None, share: str = "node", timeout: float | None = None,
-                 transport: str | None = None):
+                 transport: str | None = None, build_ahead: int | None = None):
         transport = node_transport(transport)
         timeout = renamed("timeout", timeout, "join_timeout", join_timeout)
         timeout = JOIN_TIMEOUT if timeout is None else timeout
@@ -453,8 +455,8 @@ class NodeRuntime:
                              "or runtime='local' outside torchrun)")
         job = job or "plait-node-" + hashlib.sha256(launch.launch.encode()).hexdigest()[:12]
         path = rendezvous_path(launch, job, spec)
-        self._host = (_acquire_host(spec, job, path, launch.local_world_size, metrics_port)
-                      if launch.local_rank == 0 else None)
+        serving = {"expected": launch.local_world_size, "metrics_port": metrics_port, "build_ahead": build_ahead}
+        self._host = _acquire_host(spec, job, path, serving) if launch.local_rank == 0 else None
         try:
             self.client, host_pid = join_host(spec, job, path, timeout, transport)
             self.client.control.action("join", {"id": self.client.client_id, "pid": os.getpid()})
