@@ -299,7 +299,7 @@ def production(rt) -> dict | None:
 def run_config(name: str, spec, sizes: dict, fixed_loaders: int) -> dict:
     from plait.runtime import make_runtime
 
-    options: dict = {"prefetch": 2}
+    options: dict = {"build_ahead": 2}
     if name == "fixed":
         options["loaders"] = fixed_loaders
     else:

@@ -86,7 +86,7 @@ def one_rank(spec) -> tuple[int, float, str]:
     from plait.client import Loader
 
     h = hashlib.sha256()
-    loader = Loader(spec, dp_rank=0, prefetch=0)
+    loader = Loader(spec, dp_rank=0, read_ahead=0)
     t = time.perf_counter()
     n = 0
     for mb in loader:

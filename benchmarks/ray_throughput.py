@@ -112,7 +112,7 @@ def run(args) -> int:
                  log_to_driver=False, configure_logging=False)
     try:
         for rt in runtimes:
-            opts = {"prefetch": args.prefetch, **({"loaders": args.loaders} if args.loaders else {})}
+            opts = {"build_ahead": args.prefetch, **({"loaders": args.loaders} if args.loaders else {})}
             result[rt] = measure(spec, rt, args.compute_ms / 1000, args.wait_ms / 1000, opts)
     finally:
         if "ray" in runtimes:

@@ -32,7 +32,9 @@ def fake_batch(rng, rank: int):
     ids = np.arange(10, dtype=np.int32)
     return SimpleNamespace(num_tokens=10, padding_fraction=1 - fill, num_images=0, num_patches=0, video_grid=None, dp_rank=rank,
                            input_ids=ids, labels=ids, position_ids=ids, cu_seqlens=np.array([0, 10], np.int32),
-                           sample_ids=ids.astype(np.int64), pixel_values=None, pixel_values_videos=None)
+                           sample_ids=ids.astype(np.int64), pixel_values=None, pixel_values_videos=None, stats={},
+                           image_grid=None, image_document=None, video_document=None, input_features=None,
+                           feature_attention_mask=None, audio_windows=None, audio_document=None)
 
 
 def sized(obj) -> dict[str, int]:

@@ -69,7 +69,7 @@ def _server(args, spec):
         return LocalJobServer(spec, args.job, args.listen, token=token, build_ahead=args.build_ahead)
     from plait.runtime.ray.serving import JobServer
 
-    options = {"loaders": args.loaders, "prefetch": args.build_ahead, "constructors": args.constructors}
+    options = {"loaders": args.loaders, "build_ahead": args.build_ahead, "constructors": args.constructors}
     if args.ray_address:
         options["address"] = args.ray_address
     if args.dashboard:
