@@ -50,8 +50,9 @@ import pyarrow.flight as flight
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
-from plait.job.stream import asked, read_rank, state_after
+from plait.job.stream import asked, read_rank
 from plait.runtime.options import renamed
+from plait.runtime.served_calls import ServedJobCalls
 from plait.state.log import StateRef
 from plait.spec import Spec, load_spec
 
@@ -279,7 +280,7 @@ class Channel:
         self.client.close()
 
 
-class FlightRuntime:
+class FlightRuntime(ServedJobCalls):
     """The runtime interface (see plait.runtime) as a thin client of a job served over Arrow Flight.
 
     Options: `job_address` (the served job's rendezvous `host:port`; default PLAIT_ADDRESS), `token`
@@ -406,50 +407,6 @@ class FlightRuntime:
                 self.reconnects += 1
                 channel = self._channel(int(ticket["dp_rank"]))
         raise AssertionError("unreachable")
-
-    def _seek(self, state: dict) -> None:
-        self._gen = self.control.action("seek", {"state": state})
-        self._next_step = int(state["step"])
-
-    def state_dict(self) -> dict:
-        return self.state_at(self._gen, self._next_step)
-
-    def state_at(self, gen: int, step: int) -> dict:
-        """The data state at the start of `step` of plan generation `gen`: one control call (the job keeps
-        the states of its plan window)."""
-        if self._base[:2] == (gen, step):
-            return self._base[2]
-        return self.control.action("state_at", {"gen": gen, "step": step})
-
-    def state_after(self, step: int) -> dict | None:
-        """The data state after `step`: the start of the next one (the job's plan window holds it)."""
-        return state_after(self.state_at, self._gen, step)
-
-    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
-        if not allow_spec_change:
-            self._seek(state)
-            return []
-        self._gen, changes = self.control.action("seek_with_changes", {"state": state})
-        self._next_step = int(state["step"])
-        return list(changes)
-
-    def replan_after(self, state: dict, layout: dict) -> dict:
-        """Elastic resume (plait.job.elastic): the job re-plans the step on its saved layout."""
-        return self.control.action("replan_after", {"state": state, "layout": layout})
-
-    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
-        """The job's one Planner applies it (call it from one rank); a planned step is refused."""
-        self.control.action("set_weights", {"weights": dict(weights), "at_step": int(at_step)})
-
-    def report(self, step: int, losses: dict[str, float]) -> None:
-        self.control.action("report", {"step": int(step), "losses": dict(losses)})
-
-    def error_report(self) -> dict:
-        return self.control.action("error_report")
-
-    def scaling_report(self) -> dict:
-        """A thin client sees no loaders (the job's ray driver reports their rescaling)."""
-        return {"events": [], "timeline": [], "options": None}
 
     def close(self) -> None:
         """Close the connections (the served job goes on: `plait serve` owns it)."""

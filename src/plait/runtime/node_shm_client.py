@@ -19,8 +19,9 @@ from typing import Any, Iterator
 
 from plait.batch import MicroBatch
 from plait.errors import PlaitError
-from plait.job.stream import asked, read_rank, state_after
+from plait.job.stream import asked, read_rank
 from plait.runtime.node_shm import map_segment, remove_leftovers
+from plait.runtime.served_calls import ServedJobCalls
 from plait.spec import Spec
 from plait.state.log import StateRef
 
@@ -70,7 +71,7 @@ class ShmChannel:
         self.conn.close()
 
 
-class ShmNodeClient:
+class ShmNodeClient(ServedJobCalls):
     """One trainer process's stream from its node's host through shared memory. `shm`: the rendezvous
     file's {"address", "dir", "pid"}; `token`: the job's."""
 
@@ -127,44 +128,6 @@ class ShmNodeClient:
         if name is not None:
             self.data.tell("mapped", name)  # its name may go: this mapping keeps the pages
         return batches
-
-    def _seek(self, state: dict) -> None:
-        self._gen = self.control.action("seek", {"state": state})
-        self._next_step = int(state["step"])
-
-    def state_dict(self) -> dict:
-        return self.state_at(self._gen, self._next_step)
-
-    def state_at(self, gen: int, step: int) -> dict:
-        if self._base[:2] == (gen, step):
-            return self._base[2]
-        return self.control.action("state_at", {"gen": gen, "step": step})
-
-    def state_after(self, step: int) -> dict | None:
-        return state_after(self.state_at, self._gen, step)
-
-    def load_state_dict(self, state: dict, *, allow_spec_change: bool = False) -> list[str]:
-        if not allow_spec_change:
-            self._seek(state)
-            return []
-        self._gen, changes = self.control.action("seek_with_changes", {"state": state})
-        self._next_step = int(state["step"])
-        return list(changes)
-
-    def replan_after(self, state: dict, layout: dict) -> dict:
-        return self.control.action("replan_after", {"state": state, "layout": layout})
-
-    def set_weights(self, weights: dict[str, float], at_step: int) -> None:
-        self.control.action("set_weights", {"weights": dict(weights), "at_step": int(at_step)})
-
-    def report(self, step: int, losses: dict[str, float]) -> None:
-        self.control.action("report", {"step": int(step), "losses": dict(losses)})
-
-    def error_report(self) -> dict:
-        return self.control.action("error_report")
-
-    def scaling_report(self) -> dict:
-        return {"events": [], "timeline": [], "options": None}
 
     def remove_host_leftovers(self) -> None:
         """The segments a dead host left (written, never mapped); nothing while it lives."""
