@@ -320,13 +320,10 @@ class FlightRuntime(ServedJobCalls):
         try:
             self.info = self.control.action("hello", {"protocol": PROTOCOL})
             self._check(job)
-            self._gen, base = self.control.action("base")
+            self._start_from_base()
         except BaseException:
             self.close()
             raise
-        self.job = self.info["job"]
-        self._next_step = int(base["step"])
-        self._base = (self._gen, self._next_step, base)  # the start state, known without asking again
 
     def _check(self, job: str | None) -> None:
         info = self.info

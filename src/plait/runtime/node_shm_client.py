@@ -85,13 +85,10 @@ class ShmNodeClient(ServedJobCalls):
             self.data = ShmChannel(shm["address"], token)
             self.info = self.control.action("hello")
             self._check(job)
-            self._gen, base = self.control.action("base")
+            self._start_from_base()
         except BaseException:
             self.close()
             raise
-        self.job = self.info["job"]
-        self._next_step = int(base["step"])
-        self._base = (self._gen, self._next_step, base)
 
     def _check(self, job: str | None) -> None:
         info, spec = self.info, self.spec

@@ -12,6 +12,14 @@ from plait.job.stream import state_after
 
 
 class ServedJobCalls:
+    def _start_from_base(self) -> None:
+        """Where this reader starts: the job's current generation and the state it holds (known without
+        asking again). After `hello` and the client's own checks of `info`."""
+        self._gen, base = self.control.action("base")
+        self.job = self.info["job"]
+        self._next_step = int(base["step"])
+        self._base = (self._gen, self._next_step, base)
+
     def _seek(self, state: dict) -> None:
         self._gen = self.control.action("seek", {"state": state})
         self._next_step = int(state["step"])
