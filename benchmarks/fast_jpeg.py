@@ -17,7 +17,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from plait.transforms.images import ImagePolicy, decode
+from plait.media.image import ImagePolicy, decode
 
 
 def photo(width: int, height: int, seed: int) -> bytes:

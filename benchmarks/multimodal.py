@@ -203,7 +203,7 @@ def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: i
 def video_patches(seconds: np.ndarray, has_video: np.ndarray) -> list[np.ndarray]:
     """Per sample, its video's encoder sequences (t of h*w patches, 640x360 under the Qwen2-VL rule), or
     none where `has_video` is False."""
-    from plait.transforms.video import VideoInfo, VideoPolicy
+    from plait.media.video import VideoInfo, VideoPolicy
 
     policy, none = VideoPolicy(), np.zeros(0, np.int64)
     out = []

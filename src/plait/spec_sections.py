@@ -236,7 +236,7 @@ class EncoderSpec(StrictModel):
 
 
 class ImagesSpec(StrictModel):
-    """How images become patches and placeholder tokens (plait.transforms.resize.ImagePolicy)."""
+    """How images become patches and placeholder tokens (plait.media.image_policy.ImagePolicy)."""
 
     policy: Literal["dynamic", "tiles"] = Field("dynamic", description="dynamic (Qwen2-VL) or tiles (InternVL)")
     patch: int = Field(14, ge=1, description="ViT patch side in pixels")

@@ -24,7 +24,7 @@ VIDEO_FIELD_HELP = ("the sample's video(s): webdataset: member extensions ('mp4;
 
 
 class VideosSpec(BaseModel):
-    """How videos become frames, patches and placeholder tokens (plait.transforms.video.VideoPolicy, the
+    """How videos become frames, patches and placeholder tokens (plait.media.video.VideoPolicy, the
     Qwen2-VL rule; patch and merge are the `images` section's). Defaults: qwen-vl-utils QWEN_VL_UTILS's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

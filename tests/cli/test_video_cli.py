@@ -11,7 +11,7 @@ import yaml
 from video_data import VIDEOS, llava_video, video_spec
 
 from plait.cli import main
-from plait.transforms.video import VideoPolicy, probe
+from plait.media.video import VideoPolicy, probe
 
 av = pytest.importorskip("av")
 pytestmark = pytest.mark.timeout(120)

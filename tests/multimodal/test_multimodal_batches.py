@@ -17,7 +17,7 @@ import plait
 from plait.metrics import RunStats, batch_digest_update
 from plait.packing import IGNORE_INDEX
 from plait.runtime.local import LocalRuntime
-from plait.transforms.images import DECODES, ImagePolicy, decode
+from plait.media.image import DECODES, ImagePolicy, decode
 
 PATCH_DIM = 14 * 14 * 3
 

@@ -27,7 +27,7 @@ import plait
 from plait.errors import SourceError
 from plait.metrics import batch_digest_update
 from plait.runtime.local import LocalRuntime
-from plait.transforms.video import FRAME_DECODES, VIDEO_DECODES, VideoPolicy, patchify_frames, probe
+from plait.media.video import FRAME_DECODES, VIDEO_DECODES, VideoPolicy, patchify_frames, probe
 
 av = pytest.importorskip("av")
 POLICY = VideoPolicy(fps=VIDEOS["fps"], min_frames=VIDEOS["min_frames"], max_frames=VIDEOS["max_frames"],

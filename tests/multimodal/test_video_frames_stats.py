@@ -13,7 +13,7 @@ from video_data import VIDEOS, llava_video, parquet_video, video_spec, webdatase
 
 import plait
 from plait.runtime.local import LocalRuntime
-from plait.transforms.video import VideoPolicy, probe
+from plait.media.video import VideoPolicy, probe
 
 av = pytest.importorskip("av")
 POLICY = VideoPolicy(**{k: VIDEOS[k] for k in ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels",

@@ -18,7 +18,7 @@ from video_data import llava_video, video_spec
 import plait
 from plait.errors import SourceError
 from plait.runtime.local import LocalRuntime
-from plait.transforms.video import BadVideo, probe
+from plait.media.video import BadVideo, probe
 
 av = pytest.importorskip("av")
 

@@ -17,7 +17,7 @@ from plait.errors import SourceError, SpecError
 from plait.roles.source_loader import SourceLoader
 from plait.runtime.local import LocalRuntime
 from plait.sources.webdataset import expand_braces
-from plait.transforms.images import DECODES, ImagePolicy, image_size
+from plait.media.image import DECODES, ImagePolicy, image_size
 
 
 def all_docs(loader: SourceLoader, source: int = 0):

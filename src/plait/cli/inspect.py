@@ -11,7 +11,7 @@ from plait.cli.common import table_console
 from plait.roles.source_loader import SourceLoader
 from plait.sources.audio import AudioRef
 from plait.spec import load_spec
-from plait.transforms.video import VideoRef
+from plait.media.video import VideoRef
 
 SHOWN_FRAMES = 6  # sampled frame indices shown before "..." and the last one
 

@@ -2,8 +2,9 @@
 
 A medium's module offers the metadata probe the Planner uses (headers only, no decode, counted so tests can
 prove it), the decode at gather (once per delivery), its placeholder-token rule, its encoder cost and the
-arrays its batch fields carry. `audio` is the first medium here (`audio_features` holds its log-mel); images
-and video join when the media seam replaces their current homes in transforms/ (issue 42).
+arrays its batch fields carry: `image` (with `image_policy`, the Qwen2-VL resize rule), `video` (with
+`container_size`, the truncation check its probe adds) and `audio` (with `audio_features`, its log-mel).
+`registry` names the kinds and what the rest of plait asks of each.
 
 Audio, as the seam will call it:
 
@@ -14,6 +15,6 @@ Audio, as the seam will call it:
 
 A bad file raises base.MediaError naming it; the reader wraps it in a SourceError and applies its policy.
 
-This package sits beside sources/transforms/state in the layers: it imports only plait.errors (and the spec
-sections), never roles, runtime or the face, so a reader or the balancer can take from it without a cycle.
+This package sits beside sources/transforms/state in the layers: it imports only the core below it (errors,
+the spec sections, batch layouts), never roles, runtime or the face, so a reader or the balancer can take from it without a cycle.
 """

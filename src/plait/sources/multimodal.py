@@ -47,8 +47,8 @@ from plait.media.registry import AUDIO, IMAGE, VIDEO
 from plait.spec import SourceSpec, Spec
 from plait.sources.audio import AudioDocs, AudioRef, ClipPlan, audio_list
 from plait.sources.video import VIDEO_KIND, VideoDocs, video_list
-from plait.transforms.images import BadImage, ImagePolicy, decode, image_size
-from plait.transforms.video import VideoPlan, VideoRef
+from plait.media.image import BadImage, ImagePolicy, decode, image_size
+from plait.media.video import VideoPlan, VideoRef
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
 IMAGE_MARKER, VIDEO_MARKER, AUDIO_MARKER = IMAGE.marker, VIDEO.marker, AUDIO.marker

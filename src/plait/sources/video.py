@@ -1,7 +1,7 @@
 """Videos in image-text records: references, header-only planning, decode at gather, clip windows.
 
 A reader that reads a `video_field` puts each video of a record among the record's media as a
-`VideoRef` (transforms/video.py), in the order of the conversation's `<video>` / `<image>` markers
+`VideoRef` (media/video.py), in the order of the conversation's `<video>` / `<image>` markers
 (caption template: images, then videos, then the text). `VideoDocs` is what the record pipeline
 (sources/multimodal.py) calls for them:
 
@@ -26,8 +26,8 @@ import pyarrow as pa
 from plait.media.base import field_media
 from plait.sources.reader import RawBlock
 from plait.spec import Spec
-from plait.transforms.container_size import probe_whole  # probe, less a container shorter than it says
-from plait.transforms.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video
+from plait.media.container_size import probe_whole  # probe, less a container shorter than it says
+from plait.media.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video
 
 MAX_WINDOWS = 4096  # clip windows per record (a 2-hour video at 2 fps and 768 frames a window needs 19)
 VIDEO_KIND = 1  # ImagePayload.kind of a video (0: an image)

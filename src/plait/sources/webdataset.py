@@ -35,7 +35,7 @@ from plait.errors import SourceError
 from plait.sources.audio import AudioRef
 from plait.sources.multimodal import BadRecord, make_record
 from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock
-from plait.transforms.video import VideoRef
+from plait.media.video import VideoRef
 
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)\}")
 

@@ -9,7 +9,7 @@ N of your own image files in one (a file that fails is skipped, counted and name
            may use): read, decode, orient, resize, patchify and assemble `pixel_values`. Images per
            second of wall time of the building (planning, which never decodes, is timed apart).
   pillow   a plain Pillow loop over the same files: open -> resize (BICUBIC, to the same planned size)
-           -> numpy.asarray, files read into memory first (`plait.transforms.images.bench_pillow`).
+           -> numpy.asarray, files read into memory first (`plait.media.image.bench_pillow`).
            Images per second of wall time, on one core, in the same run.
 
 ratio_wall = loader images/s / (N x Pillow images/s), wall against wall (target >= 0.8: N workers on N
@@ -73,7 +73,7 @@ def measure_loader(spec, steps: int) -> dict:
     """Plan `steps` global steps on the local runtime and build every rank's micro-batches."""
     from plait.kernels import warm_up
     from plait.runtime import make_runtime
-    from plait.transforms.images import DECODES
+    from plait.media.image import DECODES
 
     warm_up()
     rt = make_runtime(spec, "local")
@@ -130,7 +130,7 @@ def source_of(args, folder: Path) -> tuple[Path, list[Path]]:
     """The JSONL the loader reads and the files the Pillow loop opens: generated images, or the user's
     files that open as images (absolute paths)."""
     from plait.cli.demo_data import write_image_source
-    from plait.transforms.images import BadImage, image_size
+    from plait.media.image import BadImage, image_size
 
     if not args.path:
         jsonl = write_image_source(folder / "image", args.images, max_side=args.max_side)
@@ -152,8 +152,8 @@ def source_of(args, folder: Path) -> tuple[Path, list[Path]]:
 def run(args) -> int:
     from plait.errors import PlaitError
     from plait.sources.workers import available_cpus
-    from plait.transforms.images import bench_pillow
-    from plait.transforms.resize import ImagePolicy
+    from plait.media.image import bench_pillow
+    from plait.media.image_policy import ImagePolicy
 
     args.workers = available_cpus() if args.workers is None else args.workers
     if args.workers < 1:

@@ -86,7 +86,7 @@ def measure_loader(spec, steps: int, root: Path) -> dict:
     """Plan and build `steps` steps; the delivered videos (path, frame indices, size) in delivery order."""
     from plait.kernels import warm_up
     from plait.runtime import make_runtime
-    from plait.transforms.video import FRAME_DECODES, VIDEO_DECODES
+    from plait.media.video import FRAME_DECODES, VIDEO_DECODES
 
     warm_up()  # the planner's compiled kernels: once per process, not per video
     rt = make_runtime(spec, "local")
@@ -123,7 +123,7 @@ def plain_pyav(paths: list[Path], policy) -> tuple[float, int]:
     """The baseline loop (module docstring): (wall seconds, frames) over `paths` in order."""
     import av
 
-    from plait.transforms.video import probe, resized_frame
+    from plait.media.video import probe, resized_frame
 
     plans = [policy.plan(probe(str(p))) for p in paths]  # the same frames as the loader (not timed)
     frames = 0
@@ -150,7 +150,7 @@ def plain_pyav(paths: list[Path], policy) -> tuple[float, int]:
 
 def compare_resize(paths: list[Path], policy, limit: int = 8) -> dict:
     """The resize both ways on up to `limit` distinct videos of `paths` (module docstring)."""
-    from plait.transforms.video import probe, read_frames
+    from plait.media.video import probe, read_frames
 
     seconds = {False: 0.0, True: 0.0}
     frames = differ = values = 0
@@ -178,7 +178,7 @@ def compare_resize(paths: list[Path], policy, limit: int = 8) -> dict:
 def source_of(args, folder: Path) -> Path:
     """The LLaVA-Video JSON the loader reads: generated videos, or the user's files (absolute paths)."""
     from plait.cli.video_data import write_video_source
-    from plait.transforms.video import VIDEO_EXTENSIONS
+    from plait.media.video import VIDEO_EXTENSIONS
 
     if not args.path:
         return write_video_source(folder, args.videos, max_seconds=args.max_seconds)

@@ -4,7 +4,7 @@ Why two halves. The Planner balances micro-batches by patches and cost before an
 needs every image's size cheaply: `image_size` opens the image lazily (Pillow reads the header only)
 and applies the EXIF orientation to the reported size without decoding. The loader later calls
 `decode`, which must produce exactly the patch count the Planner counted; both go through the same
-pure `ImagePolicy.plan` (transforms/resize.py) on the same oriented header size, so they agree.
+pure `ImagePolicy.plan` (media/image_policy.py) on the same oriented header size, so they agree.
 `DECODES` counts pixel decodes so tests can assert that planning decoded nothing.
 
 Decoding (`decode`), in order:
@@ -49,7 +49,7 @@ from PIL import Image, UnidentifiedImageError
 
 from plait.batch import merge_window_order
 from plait.packing import IGNORE_INDEX
-from plait.transforms.resize import (
+from plait.media.image_policy import (
     MAX_ASPECT,
     BadImage,
     ImagePlan,

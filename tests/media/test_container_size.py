@@ -1,4 +1,4 @@
-"""A video container shorter than its headers say is a bad video while planning (transforms/container_size.py):
+"""A video container shorter than its headers say is a bad video while planning (media/container_size.py):
 MP4/MOV boxes and sample tables, Matroska/WebM segments, cut by as little as one byte, from bytes or a path;
 in a source, such a file is a bad record at planning, never a sample dropped after its step was planned."""
 
@@ -13,8 +13,8 @@ from video_data import frame_pixels, llava_video, video_spec
 import plait
 from plait.packing import IGNORE_INDEX
 from plait.runtime import make_runtime
-from plait.transforms.container_size import check_size
-from plait.transforms.video import BadVideo, probe
+from plait.media.container_size import check_size
+from plait.media.video import BadVideo, probe
 
 av = pytest.importorskip("av")
 
@@ -100,8 +100,8 @@ def test_a_constant_sample_size_with_a_huge_count_builds_no_table():
     count entries (32 GiB) is built; the stated end still says the file is short."""
     import struct
 
-    from plait.transforms.container_size import check_size
-    from plait.transforms.video import BadVideo
+    from plait.media.container_size import check_size
+    from plait.media.video import BadVideo
 
     def box(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", 8 + len(body)) + kind + body

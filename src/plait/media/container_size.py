@@ -1,6 +1,6 @@
 """A video container cut short whose headers still read: caught while planning from the sizes it states.
 
-FFmpeg's probe reads the headers only, and `transforms.video.probe` demuxes the last keyframe's packets;
+FFmpeg's probe reads the headers only, and `media.video.probe` demuxes the last keyframe's packets;
 a file cut by a few hundred bytes (a faststart MP4 whose `mdat` lost its tail, a Matroska file missing
 its last cluster's end) passes both, plans, and is found only when its frames are decoded at gather,
 where the sample is dropped from a step whose loss normaliser already counted it. The containers say
@@ -23,7 +23,7 @@ import struct
 
 import numpy as np
 
-from plait.transforms.video import BadVideo, VideoData, VideoInfo, check_file, probe
+from plait.media.video import BadVideo, VideoData, VideoInfo, check_file, probe
 
 BMFF_TOP = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid", b"styp", b"moof", b"mfra", b"meta"}
 BMFF_PATH = (b"trak", b"mdia", b"minf", b"stbl")  # where moov's sample tables live

@@ -14,7 +14,7 @@ from video_data import VIDEO_TOKEN_ID, encode
 
 import plait
 from plait.sources.video import video_policy
-from plait.transforms.video import VideoInfo, VideoPolicy, probe, read_frames
+from plait.media.video import VideoInfo, VideoPolicy, probe, read_frames
 
 av = pytest.importorskip("av")
 pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from video_data import KINDS, VIDEOS, audio_only, encode, frame_pixels
 
 import plait
 from plait.errors import SpecError
-from plait.transforms.video import (
+from plait.media.video import (
     FRAME_DECODES,
     VIDEO_DECODES,
     BadVideo,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from plait.packing import IGNORE_INDEX
-from plait.transforms.images import (
+from plait.media.image import (
     DECODES,
     BadImage,
     ImagePolicy,
@@ -28,7 +28,7 @@ from plait.transforms.images import (
     patchify,
     placeholder_run,
 )
-from plait.transforms.resize import MAX_ASPECT, tile_grids
+from plait.media.image_policy import MAX_ASPECT, tile_grids
 
 FAST = settings(max_examples=300, deadline=None)
 SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

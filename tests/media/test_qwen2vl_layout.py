@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from plait.batch import MicroBatch
-from plait.transforms.images import ImagePolicy, decode
+from plait.media.image import ImagePolicy, decode
 
 transformers = pytest.importorskip("transformers")
 try:  # transformers >= 5: the PIL / numpy path has its own class (the default one is torchvision's)

@@ -1,6 +1,6 @@
 """Video: header-only probes for the Planner, the Qwen2-VL frame rule, seeking decode + patchify at gather.
 
-The same split as images (transforms/images.py). Planning calls `probe`, which opens the container and
+The same split as images (media/image.py). Planning calls `probe`, which opens the container and
 reads its stream headers only (duration, average frame rate, frame count, frame size): no packet is
 decoded (`FRAME_DECODES` counts every frame any decoder here produced, so a test can assert it stays
 0 while planning). `VideoPolicy.plan` turns that `VideoInfo` into a `VideoPlan` (the sampled frame
@@ -16,7 +16,7 @@ it, video_spec.QWEN_VL_UTILS), with tp = temporal_patch (FRAME_FACTOR), factor =
                           floor(min(max_frames, total) / tp) * tp) / tp) * tp
     indices = round(linspace(0, total - 1, frames))                (round half to even, as torch.round)
     budget  = min(max_pixels, max(min(768 * factor**2, total_pixels / frames * tp), int(min_pixels * 1.05)))
-    (h', w') = smart_resize(h, w, factor, min_pixels, budget)      (transforms/resize.py)
+    (h', w') = smart_resize(h, w, factor, min_pixels, budget)      (media/image_policy.py)
     grid    = (t, h, w) = (frames / tp, h' / patch, w' / patch);   patches = t*h*w;   tokens = patches / merge**2
 
 A video shorter than tp frames, or for which the rule asks more frames than it holds, is a bad video.
@@ -50,8 +50,8 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 from PIL import Image
 
-from plait.transforms.images import DecodeCounter, resize_bicubic
-from plait.transforms.resize import BadImage, smart_resize
+from plait.media.image import DecodeCounter, resize_bicubic
+from plait.media.image_policy import BadImage, smart_resize
 from plait.video_spec import TOTAL_PIXELS, VIDEO_MAX_TOKENS, VIDEO_MIN_TOKENS
 
 __all__ = ["FRAME_DECODES", "VIDEO_DECODES", "VIDEO_EXTENSIONS", "BadVideo", "VideoInfo", "VideoPlan",
