@@ -1,6 +1,6 @@
 """`plait bench images --path` and `plait bench video --path`: a user measures on their own files (a folder,
 searched recursively, or a glob); a file that fails is skipped and named; a path with no such files is one
-sentence. The video bench also measures the reference resize against `fast_resize` on the delivered videos."""
+sentence. `python -m benchmarks.video_resize` measures the reference resize against `fast_resize` on them."""
 
 from __future__ import annotations
 
@@ -56,7 +56,18 @@ def test_bench_video_on_a_glob_of_the_user_s_files(tmp_path):
     r = json.loads(out.read_text())
     assert r["video_files"] == 2 and r["delivered_videos"] > 0 and r["skipped"] == 0
     assert r["decodes_per_video"] == 1.0 and r["planning_frame_decodes"] == 0
-    z = r["resize"]
+
+
+def test_benchmarks_video_resize_on_the_user_s_files(tmp_path):
+    pytest.importorskip("av")
+    from benchmarks import video_resize  # the benchmark under test
+    from benchmarks.common import main as bench_main
+    from video_data import KINDS, write_videos
+
+    write_videos(tmp_path / "clips", KINDS[:4])
+    out = tmp_path / "resize.json"
+    assert bench_main(video_resize, ["--path", str(tmp_path / "clips" / "*.mp4"), "--json", str(out)]) == 0
+    z = json.loads(out.read_text())
     assert z["videos"] == 2 and z["frames"] > 0
     assert z["reference_frames_per_s"] > 0 and z["fast_frames_per_s"] > 0
     assert z["max_abs_diff"] > 0 and 0 < z["share_differing"] <= 1  # the one-pass pixels are not the reference's
