@@ -175,7 +175,7 @@ def per_rank_steps(spec, steps: int, clock: Clock):
 
 def _share_lengths(source, share: int, shares: int):
     """The lengths of share `share` of `shares` of a source, forever (blocks round-robin, or documents where
-    an epoch has fewer blocks than shares: plait.cli.bench.e2e_per_rank.source_documents)."""
+    an epoch has fewer blocks than shares: benchmarks.e2e_per_rank.source_documents)."""
     blocks = sum(source.num_blocks(f) for f in range(len(source.files)))
     key, k, count = source.first_key(0), 0, 0
     while True:

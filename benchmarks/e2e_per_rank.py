@@ -35,7 +35,7 @@ def require_torch():
         import torch
         import torch.utils.data
     except ImportError:
-        raise PlaitError("the e2e benchmarks need torch for its per-rank baseline (torch.utils.data.DataLoader): "
+        raise PlaitError("the e2e benchmarks' per-rank baseline needs torch (torch.utils.data.DataLoader): "
                          "pip install 'plait[torch]' (or torch)") from None
     return torch
 

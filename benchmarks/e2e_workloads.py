@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import e2e as compare
 from benchmarks import e2e_long
 from benchmarks.common import main
 from plait.cli.bench import e2e
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]  # node-images trainers run `python -
 
 
 def add_arguments(p) -> None:
-    e2e.add_job_arguments(p)
+    compare.add_comparison_arguments(p)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"any of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--cpu-pool-runtimes", default="serve,ray",
                    help="cpu-pool: plait's runtimes, one plait row each (serve: `plait serve --runtime local` on the "
@@ -53,8 +54,7 @@ def add_arguments(p) -> None:
 def parse(args) -> list[int]:
     from plait.errors import PlaitError
 
-    e2e.apply_quick(args, add_arguments, QUICK)
-    dps = e2e.parse_job(args)
+    dps = compare.parse_comparison(args, add_arguments, QUICK)
     args.workload_list = e2e.names("workloads", args.workloads, WORKLOADS)
     args.pool_runtime_list = e2e.names("cpu-pool-runtimes", args.cpu_pool_runtimes, ("serve", "ray"))
     if min(args.node_dp, args.node_workers) < 1 or args.node_steps < 2:
@@ -66,7 +66,7 @@ def parse(args) -> list[int]:
 def run(args) -> int:
     from rich.console import Console
 
-    from plait.cli.bench.e2e_per_rank import require_torch
+    from benchmarks.e2e_per_rank import require_torch
     from plait.cli.bench.e2e_run import GpuClock, autoscale_available
 
     dps = parse(args)
@@ -94,7 +94,7 @@ def run(args) -> int:
         rows += attempt("cpu-pool", lambda: run_cpu_pool(args, specs[dps[0]], clock, autoscale, err))
     if "node-images" in args.workload_list:
         rows += attempt("node-images", lambda: run_node_images(args, lambda dp: specs[dp], err))
-    code = e2e.report(args, rows, failures, load_before, err, e2e_long.long_ratios(rows), TARGETS)
+    code = compare.report(args, rows, failures, load_before, err, e2e_long.long_ratios(rows), TARGETS)
     if not args.quiet and any(r["workload"].startswith("long-context") for r in rows):
         e2e_long.table(rows, e2e_long.long_ratios(rows))
     return code
@@ -149,7 +149,7 @@ def run_cpu_pool(args, spec, clock, autoscale: bool, err) -> list[dict]:
     plait gets the same budget (`--cpus` decode threads or loaders) with the other cores as its CPU pool,
     once per runtime of `args.pool_runtime_list` (serve: plait_served_from_pool; ray: plait_on_two_nodes).
     Per-rank loaders cannot use the pool."""
-    from plait.cli.bench.e2e_run import run_per_rank
+    from benchmarks.e2e_per_rank import run_per_rank
 
     saved = os.sched_getaffinity(0)
     cores = sorted(saved)
@@ -276,7 +276,7 @@ def node_trainer(cfg: dict) -> None:
         stream = iter(loader)
         count = lambda mb: int(mb.num_images)  # noqa: E731
     else:
-        from plait.cli.bench.e2e_per_rank import rank_loaders_for
+        from benchmarks.e2e_per_rank import rank_loaders_for
         from plait.spec import load_spec
 
         stream = rank_loaders_for(load_spec(cfg["spec"]), rank, cfg["workers"])

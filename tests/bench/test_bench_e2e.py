@@ -1,5 +1,6 @@
-"""`plait bench e2e`: a short whole run (both strategies, DP 4, a few steps, ~10 s with Ray's start), and
-the pure parts: the synchronous step clock, balance loss, the summary, the per-rank greedy packer."""
+"""`plait bench e2e` (plait alone, its rows against what the GPUs alone allow) and `python -m benchmarks.e2e`
+(per-rank DataLoaders vs plait): short whole runs, and the pure parts: the synchronous step clock, balance
+loss, the summary, the per-rank greedy packer, the ratios."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from plait.cli.bench.e2e_run import (
     run_synchronous,
     summarize,
 )
-from plait.cli.bench.e2e_per_rank import Document, pack_greedy
+from benchmarks.e2e_per_rank import Document, pack_greedy  # the benchmark's baseline under test
 from plait.cost import CostModel, EncoderCost
 from plait.errors import PlaitError
 
@@ -25,14 +26,15 @@ ROW_KEYS = {"workload", "dp", "seq_len", "strategy", "steps_per_s", "tokens_per_
 
 @pytest.mark.ray
 def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_better(tmp_path):
-    from plait.cli import main
+    from benchmarks import e2e
+    from benchmarks.common import main
 
     out = tmp_path / "e2e.json"
     # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
-    argv = ["bench", "e2e", "--quick", "--workloads", "gpu-bound", "--dp", "4", "--steps", "4",
+    argv = ["--quick", "--workloads", "gpu-bound", "--dp", "4", "--steps", "4",
             "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--images", "48", "--cache", str(tmp_path / "data"),
             "--quiet", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(e2e, argv) == 0
     result = json.loads(out.read_text())
     assert len(result["load_average"]["before"]) == 3 and len(result["load_average"]["after"]) == 3
     assert all(ROW_KEYS <= set(r) for r in result["rows"])
@@ -56,13 +58,14 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
 def test_data_bound_runs_plait_on_the_local_runtime_with_the_per_rank_budget(tmp_path):
     """data-bound without Ray: plait in this process (LocalRuntime all_ranks) decoding on --cpus threads,
     per-rank with --cpus worker processes; each image decoded once per delivery; the ratio names its runtime."""
-    from plait.cli import main
+    from benchmarks import e2e
+    from benchmarks.common import main
 
     out = tmp_path / "e2e.json"
-    argv = ["bench", "e2e", "--workloads", "data-bound", "--data-bound-runtimes", "local", "--dp", "2", "--cpus", "2",
+    argv = ["--workloads", "data-bound", "--data-bound-runtimes", "local", "--dp", "2", "--cpus", "2",
             "--steps", "3", "--warmup", "1", "--images", "64", "--seq-len", "4096", "--cache", str(tmp_path / "data"),
             "--quiet", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(e2e, argv) == 0
     result = json.loads(out.read_text())
     assert all(ROW_KEYS <= set(r) for r in result["rows"])
     rows = {r["strategy"]: r for r in result["rows"]}
@@ -77,7 +80,7 @@ def test_data_bound_runs_plait_on_the_local_runtime_with_the_per_rank_budget(tmp
 
 
 def test_a_workload_with_plait_on_two_runtimes_has_a_ratio_per_runtime():
-    from plait.cli.bench.e2e import ratios
+    from benchmarks.e2e import ratios
 
     base = {"workload": "data-bound", "dp": 8, "seq_len": 8192}
     rows = [{**base, "strategy": "per-rank", "steps_per_s": 2.0, "tokens_per_s": 10.0},
@@ -88,7 +91,7 @@ def test_a_workload_with_plait_on_two_runtimes_has_a_ratio_per_runtime():
 
 
 def test_ratios_pair_strategies_per_workload_dp_and_seq_len():
-    from plait.cli.bench.e2e import ratios
+    from benchmarks.e2e import ratios
 
     rows = [{"workload": "gpu-bound", "dp": 8, "seq_len": 32768, "strategy": "per-rank", "steps_per_s": 2.0,
              "tokens_per_s": 10.0},
@@ -184,7 +187,7 @@ def test_bad_options_are_named(capsys):
     from plait.cli import main
 
     for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
-                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--strategies", "mine"], "--strategies"),
+                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--runtimes", "mine"], "--runtimes"),
                        (["--workloads", "long-context"], "--workloads")):
         assert main(["bench", "e2e", *argv]) == 2
         assert word in capsys.readouterr().err
@@ -194,15 +197,33 @@ def test_bad_options_are_named(capsys):
         from plait.cli.bench.e2e import parse
 
         parse(SimpleNamespace(quick=False, dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
-                              images=1, gpu_tflops=1.0, image_weight=0.5, strategies="plait",
-                              data_bound_tflops=1.0, workloads="gpu-bound", data_bound_runtimes="local"))
+                              images=1, gpu_tflops=1.0, image_weight=0.5, data_bound_tflops=1.0,
+                              workloads="gpu-bound", runtimes="local"))
 
 
 def test_missing_torch_is_named(monkeypatch):
     import sys
 
-    from plait.cli.bench.e2e_per_rank import require_torch
+    from benchmarks.e2e_per_rank import require_torch
 
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(PlaitError, match="needs torch"):
         require_torch()
+
+
+def test_plait_bench_e2e_runs_the_job_on_the_local_runtime_against_what_the_gpus_allow(tmp_path):
+    """The product command, no Ray: plait's rows only, each with the GPUs' own rate beside it."""
+    from plait.cli import main
+
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--runtimes", "local", "--dp", "2", "--cpus", "2", "--steps", "3", "--warmup", "1",
+            "--images", "48", "--seq-len", "4096", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["workload"]: r for r in result["rows"]}
+    assert set(rows) == {"gpu-bound", "data-bound"} and result["failures"] == []
+    for r in rows.values():
+        assert ROW_KEYS <= set(r) and r["strategy"] == "plait" and r["runtime"] == "local" and r["steps"] == 3
+        assert r["gpu_busy"] == pytest.approx(r["steps_per_s"] / r["compute_bound_steps_per_s"])
+        assert 0 < r["gpu_busy"] <= 1 + 1e-9  # the job cannot outrun its GPUs
+        assert r["images_decoded"] == r["images_delivered"] > 0

@@ -1,5 +1,5 @@
-"""The simulated training job of `plait bench e2e` and its two strategies (plait.cli.bench.e2e explains
-them): the GPU clock, synchronous DP ranks as threads, the summary, and one run of each strategy."""
+"""The simulated training job of `plait bench e2e` (plait.cli.bench.e2e explains it): the GPU clock,
+synchronous DP ranks as threads, the summary, and one run of plait on each runtime."""
 
 from __future__ import annotations
 
@@ -39,12 +39,6 @@ def plait_shape(mb) -> tuple[np.ndarray, np.ndarray, int]:
     """(document lengths, patches per image, tokens) of a plait.Batch."""
     patches = mb.image_grid.prod(axis=1) if mb.image_grid is not None else np.zeros(0, np.int64)
     return np.diff(mb.cu_seqlens), patches, mb.num_tokens
-
-
-def torch_shape(mb: dict) -> tuple[np.ndarray, np.ndarray, int]:
-    """The same of a per-rank DataLoader's micro-batch (a dict of tensors)."""
-    cu = mb["cu_seqlens"].numpy()
-    return np.diff(cu), mb["image_grid"].numpy().prod(axis=1), int(cu[-1])
 
 
 # ----- the synchronous step clock ----------------------------------------------------------------
@@ -144,28 +138,6 @@ def load_average() -> float:
     """The machine's 1-minute load average (recorded at each row's start and end: this bench shares the
     machine's cores, so a row is read against the load it ran under)."""
     return round(os.getloadavg()[0], 2)
-
-
-def run_per_rank(spec, args, clock: GpuClock) -> dict:
-    import gc
-
-    from plait.cli.bench.e2e_per_rank import rank_loaders
-    from plait.kernels import warm_up
-
-    warm_up()  # compiled before the workers fork, as plait's actors compile theirs at start
-    workers = max(1, args.cpus // spec.topology.dp)
-    load_before = load_average()
-    t0 = time.perf_counter()
-    streams = rank_loaders(spec, workers)
-    trace = run_synchronous(streams, args.steps, args.microbatches, clock, torch_shape)
-    trace.start = t0
-    row = summarize(trace, args.warmup)
-    row["images_delivered"] = int(trace.images.sum())
-    del streams, trace
-    gc.collect()  # ends the DataLoaders' worker processes now
-    row.update(workers_per_rank=workers, processes=workers * spec.topology.dp,
-               load_average=[load_before, load_average()])
-    return row
 
 
 def autoscale_available() -> bool:
@@ -276,3 +248,11 @@ def start_ray(tries: int = 5, **options) -> None:
             if "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
             ray.shutdown()
+
+
+def run_per_rank(spec, args, clock: GpuClock) -> dict:
+    """Transitional (until benchmarks/e2e_cpu_roles.py imports it from there): the per-rank baseline lives
+    in benchmarks.e2e_per_rank, outside the package."""
+    from benchmarks.e2e_per_rank import run_per_rank as baseline
+
+    return baseline(spec, args, clock)
