@@ -19,7 +19,10 @@ _jit.py; the very same Python functions run uncompiled otherwise, so results nev
    rank past the cap to the next step; the pass that certifies best is kept. Carried items go first in
    the next step, uncapped, so nothing waits more than a step for this. A pass that carries but ends
    above the cap all the same is dropped for the plain pass when that places more tokens: carrying
-   is for holding the cap. Later passes resume from snapshots of the first.
+   is for holding the cap. Later passes resume from snapshots of the first. When an encoder capacity
+   leaves items out (the cap, set from all items, is then too loose for those that fit) and the step
+   still certifies above 1 + ENCODER_RECAP_ABOVE after stage 5, a pass capped at the placed items'
+   bound goes through stages 4 and 5 too, and the better one is kept (driver.py).
 4. **Micro-batches** (microbatches.py): inside each rank the items are re-packed cost-first onto the
    least costly micro-batch with room (balanced micro-batch costs shorten pipeline bubbles).
 5. **Rebalance** (exchange.py; equal mode, when the step still certifies worse than 1 + RECAP_ABOVE):

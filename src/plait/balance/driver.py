@@ -84,14 +84,14 @@ def assign(
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
     items = PlacementItems(Us, Ls, Cs, patches[order] if two else NO_PATCHES)
     # Stages 2 and 3: LPT passes at cost caps, the best certificate kept.
-    rank_s, micro_s, rank_cost, micro_cost, room, proom, ratio = _lpt_passes(items, costs, R, W, (C, Pc))
-    # Stage 4: re-pack the micro-batches inside each rank.
-    counts = np.full(R, W, dtype=np.int64)
-    pack_micro(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc), mode == "variable", counts)
-    # Stage 5 (equal mode): rebalance between ranks when the step still certifies badly.
-    if mode == "equal" and R > 1 and n and ratio > 1.0 + tuning.RECAP_ABOVE:
-        rank_cost = rebalance(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc),
-                              int(tuning.REBALANCE_TOKENS * int(Ls.sum())))
+    first, best, ratio = _lpt_passes(items, costs, R, W, (C, Pc))
+    if two and mode == "equal":  # stages 4 and 5 write into the pass; a later rerun resumes from the first's
+        best = best._replace(rank=best.rank.copy(), micro=best.micro.copy())
+    # Stages 4 and 5: micro-batches re-packed inside each rank, then (equal mode) rebalanced.
+    placed = _pack_and_rebalance(items, best, ratio, (R, W, C, Pc), mode)
+    if two and mode == "equal":
+        placed = _recap_encoder_bound(items, first, best, placed, (R, W, C, Pc))
+    rank_s, micro_s, rank_cost, micro_cost, room, counts = placed
     micro_tokens = C - room
     # Stage 6: the heaviest micro-batches to the middle of each rank's order; back to the caller's order.
     new_pos = np.empty((R, W), dtype=np.int64)
@@ -161,4 +161,52 @@ def _lpt_passes(items, costs, R, W, caps):
         plain = plain if plain is not None else first.rerun(np.inf)
         if placed_tokens(plain.rank, Ls) > placed_tokens(best.rank, Ls):
             best, ratio = plain, pass_ratio(plain.rank, plain.rank_cost, Cs, R)
-    return best.rank, best.micro, best.rank_cost, best.micro_cost, best.room, best.proom, ratio
+    return first, best, ratio
+
+
+def _pack_and_rebalance(items, best, ratio, shape, mode):
+    """Stages 4 and 5 on the pass kept: rank, micro, rank_cost, micro_cost, room (tokens) and counts
+    (micro-batches per rank). The pass's arrays are modified in place."""
+    R, W, C, Pc = shape
+    rank_s, micro_s, rank_cost, micro_cost, room, proom = (best.rank, best.micro, best.rank_cost,
+                                                          best.micro_cost, best.room, best.proom)
+    counts = np.full(R, W, dtype=np.int64)
+    pack_micro(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc), mode == "variable", counts)
+    if mode == "equal" and R > 1 and len(rank_s) and ratio > 1.0 + tuning.RECAP_ABOVE:
+        rank_cost = rebalance(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc),
+                              int(tuning.REBALANCE_TOKENS * int(items.lengths.sum())))
+    return rank_s, micro_s, rank_cost, micro_cost, room, counts
+
+
+def _recap_encoder_bound(items, first, best, placed, shape):
+    """When an encoder capacity, not the cost cap, left items out: a pass capped at the placed ones' bound.
+
+    The first pass's cap is the bound of *all* the step's items. When the encoder's capacity binds (the
+    micro-batches full of patches while the step still has items), a large part of the step fits nowhere
+    and the bound of what did fit is lower: the cap is too loose to even the ranks out, the expensive
+    items fill some ranks' patch room early and the cheap ones cannot make up for it (video: max/LB 1.07
+    after stage 5). Only then - items left out beyond those the cap held back, and the step still above
+    1 + ENCODER_RECAP_ABOVE after stages 4 and 5 - the pass capped just above the bound of the placed
+    items runs through stages 4 and 5 too, and is kept if it certifies better while carrying at most
+    ENCODER_RECAP_TOKENS more of the step's tokens (more than RECAP_TOKENS: a step whose encoder binds
+    leaves a large part of itself for the next one anyway; so the step must be clearly off balance,
+    above RECAP_ABOVE, for the delay to pay). Steps that certify well are never touched."""
+    R = shape[0]
+    rank_s, rank_cost = placed[0], placed[2]
+    if int((best.rank < 0).sum()) <= best.skipped:
+        return placed
+    ratio = pass_ratio(rank_s, rank_cost, items.costs, R)
+    if ratio <= 1.0 + tuning.ENCODER_RECAP_ABOVE:
+        return placed
+    recap = lower_bound(items.costs[rank_s >= 0], R) * (1.0 + tuning.CAP_SLACK)
+    again = first.rerun(recap)
+    if not again.skipped:
+        return placed
+    ratio_again = pass_ratio(again.rank, again.rank_cost, items.costs, R)
+    other = _pack_and_rebalance(items, again, ratio_again, shape, "equal")
+    lost = placed_tokens(rank_s, items.lengths) - placed_tokens(other[0], items.lengths)
+    if lost > tuning.ENCODER_RECAP_TOKENS * int(items.lengths.sum()):
+        return placed
+    if pass_ratio(other[0], other[2], items.costs, R) < ratio:
+        return other
+    return placed

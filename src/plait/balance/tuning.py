@@ -12,6 +12,8 @@ from __future__ import annotations
 CAP_SLACK = 0.002  # the capped pass allows rank costs this far above the lower bound
 RECAP_ABOVE = 0.005  # a second capped pass (and stage 5, equal mode) runs above a certificate of 1 + this
 RECAP_TOKENS = 0.02  # the second capped pass is kept if it carries at most this fraction of the tokens more
+ENCODER_RECAP_ABOVE = 0.01  # where an encoder capacity left items out, a step above 1 + this after stage 5 ...
+ENCODER_RECAP_TOKENS = 0.05  # ... tries a pass capped at the placed items' bound, carrying up to this more
 
 # Snapshots of the first LPT pass, from which the other cost-cap passes resume (lpt.LptRun).
 SNAPSHOTS = 16  # the first LPT pass keeps this many snapshots of its state for later passes to resume
@@ -28,5 +30,6 @@ SWAP_SCAN = 256  # micro-batch swaps: the costliest rank tries this many of the 
 CARRY_PATIENCE = 32  # carrying stops after this many carried items (beyond the top ranks) without progress
 REBALANCE_TOKENS = 0.01  # carrying holds back at most this fraction of the step's tokens
 
-NAMES = ("CAP_SLACK", "RECAP_ABOVE", "RECAP_TOKENS", "SNAPSHOTS", "SNAPSHOT_MIN", "ROUND_ITEM", "ROUND_MIN",
+NAMES = ("CAP_SLACK", "RECAP_ABOVE", "RECAP_TOKENS", "ENCODER_RECAP_ABOVE", "ENCODER_RECAP_TOKENS",
+         "SNAPSHOTS", "SNAPSHOT_MIN", "ROUND_ITEM", "ROUND_MIN",
          "ROUND_RANKS", "ROUND_SHORT", "SWAP_SCAN", "CARRY_PATIENCE", "REBALANCE_TOKENS")
