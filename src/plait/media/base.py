@@ -22,11 +22,13 @@ MediaData = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO  # byt
 
 
 class MediaError(PlaitError):
-    """A media file that cannot be used (empty, corrupt, truncated, unsupported). One line, naming it."""
+    """A media file that cannot be used (empty, corrupt, truncated, unsupported). One line, naming it;
+    with no `name` (a decoder that does not know where its bytes came from) the reader that called it
+    puts the media's name in front (sources/multimodal.py)."""
 
     def __init__(self, name: str, reason: str):
         self.name, self.reason = name, reason
-        super().__init__(f"{name}: {reason}")
+        super().__init__(f"{name}: {reason}" if name else reason)
 
 
 class DecodeCounter:
@@ -119,8 +121,10 @@ def open_container(data: MediaData, name: str):
     """PyAV's input container for `data`, closed on exit (a file-like is then put back where it was, so
     that a probe and a later decode read the same bytes); a missing, empty or unreadable file is a
     MediaError."""
-    import av
-
+    try:
+        import av
+    except ImportError:
+        raise MediaError(name, "media sources need PyAV: pip install 'plait[video]'") from None
     try:
         size = _size(data)
     except OSError as e:

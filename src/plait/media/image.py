@@ -48,6 +48,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from plait.batch import merge_window_order
+from plait.media.base import DecodeCounter
 from plait.packing import IGNORE_INDEX
 from plait.media.image_policy import (
     MAX_ASPECT,
@@ -91,23 +92,7 @@ ImageData = bytes | bytearray | memoryview | BinaryIO
 _OPEN_LOCK = threading.Lock()  # warnings.catch_warnings is process state: one opener at a time
 
 
-class DecodeCounter:
-    """How many times `decode` ran in this process (thread-safe). Read `count`; `image_size` never adds."""
-
-    def __init__(self):
-        self._n = 0
-        self._lock = threading.Lock()
-
-    def add(self) -> None:
-        with self._lock:
-            self._n += 1
-
-    @property
-    def count(self) -> int:
-        return self._n
-
-
-DECODES = DecodeCounter()
+DECODES = DecodeCounter()  # how many times `decode` ran in this process; `image_size` never adds
 
 
 class Decoded(NamedTuple):

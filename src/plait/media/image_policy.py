@@ -43,15 +43,19 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.errors import PlaitError
+from plait.media.base import MediaError
 
 MAX_ASPECT = 200  # Qwen2-VL's limit on max(h, w) / min(h, w)
 KINDS = ("dynamic", "tiles")
 
 
-class BadImage(PlaitError):
+class BadImage(MediaError):
     """An image that cannot be used: unreadable, truncated, a decompression bomb, empty, too thin.
-    The message is one line; a Source wraps it in a SourceError naming source, shard and record."""
+    The message is one line, its reason: the decoder sees bytes, so the reader names the image
+    (sources/multimodal.py) and a Source wraps it in a SourceError naming source, shard and record."""
+
+    def __init__(self, reason: str, name: str = ""):
+        super().__init__(name, reason)
 
 
 @dataclass(frozen=True)

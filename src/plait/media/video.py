@@ -41,7 +41,7 @@ Qwen2-VL's video patches (tp, patch, patch, 3) in raster order. Failures are `Ba
 
 from __future__ import annotations
 
-import io
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -50,7 +50,8 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 from PIL import Image
 
-from plait.media.image import DecodeCounter, resize_bicubic
+from plait.media.base import DecodeCounter, MediaError, open_container
+from plait.media.image import resize_bicubic
 from plait.media.image_policy import BadImage, smart_resize
 from plait.video_spec import TOTAL_PIXELS, VIDEO_MAX_TOKENS, VIDEO_MIN_TOKENS
 
@@ -117,23 +118,17 @@ class VideoPlan:
         return len(self.indices) * self.grid[1] * self.grid[2]
 
 
-def _import_av():
-    try:
-        import av
-    except ImportError:
-        raise BadVideo("video sources need PyAV: pip install 'plait[video]'") from None
-    return av
-
-
-def open_container(data: VideoData):
-    """av.open on bytes, a local path or a file object; BadVideo when FFmpeg cannot read it."""
-    av = _import_av()
+@contextlib.contextmanager
+def open_video(data: VideoData):
+    """media.base's container for bytes, a local path or a file object, closed on exit; BadVideo when
+    FFmpeg cannot read it (after check_file's plainer words for a missing, empty or folder path)."""
     check_file(data)
-    source = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    try:
-        return av.open(source, mode="r")
-    except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types on untrusted bytes
-        raise BadVideo(f"not a readable video container: {type(e).__name__}: {e}") from None
+    with contextlib.ExitStack() as stack:
+        try:
+            container = stack.enter_context(open_container(data, ""))
+        except MediaError as e:
+            raise BadVideo(f"not a readable video container ({e.reason})") from None
+        yield container
 
 
 def check_file(data: VideoData) -> None:
@@ -158,8 +153,9 @@ def _stream(container):
 
 def probe(data: VideoData) -> VideoInfo:
     """The video's headers (see VideoInfo); never decodes a frame. BadVideo when they are unusable."""
-    av = _import_av()
-    with open_container(data) as c:
+    import av  # open_video has checked it is installed
+
+    with open_video(data) as c:
         s = _stream(c)
         name = s.codec_context.name if s.codec_context is not None else "unknown"
         try:
@@ -305,7 +301,7 @@ def read_frames(data: VideoData, plan: VideoPlan, fast_resize: bool = False) -> 
     half = 0.5 / plan.fps_video
     out = np.empty((len(times), plan.height, plan.width, 3), dtype=np.uint8)
     VIDEO_DECODES.add()
-    with open_container(data) as c:
+    with open_video(data) as c:
         s = _stream(c)
         s.thread_type = "AUTO"
         start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base is not None else 0.0

@@ -181,6 +181,14 @@ def describe_ref(ref: ImageRef | VideoRef | AudioRef) -> str:
     return f"image {_where(ref)}"
 
 
+def failure(ref, error: Exception) -> str:
+    """What a bad media's record reports: a MediaError that names its file keeps its words (an audio clip's
+    does); else the media is named here, before the decoder's reason (or an OSError's)."""
+    if isinstance(error, MediaError) and error.name:
+        return str(error)
+    return f"{describe_ref(ref)}: {str(error) or type(error).__name__}"
+
+
 def _where(ref: bytes | str) -> str:
     return f"<{len(ref)} inline bytes>" if isinstance(ref, bytes) else ref
 
@@ -279,11 +287,8 @@ class ImageDocs:
             try:
                 for ref in rec.images:
                     rec_plans.append(self.plan(path, ref))
-            except MediaError as e:  # names the clip itself
-                self.bad(path, rec.name, str(e))
-                continue
-            except (BadImage, OSError) as e:
-                self.bad(path, rec.name, f"{describe_ref(ref)}: {str(e) or type(e).__name__}")
+            except (MediaError, OSError) as e:
+                self.bad(path, rec.name, failure(ref, e))
                 continue
             plans.append(rec_plans)
             kept.append(i)
@@ -385,24 +390,22 @@ class ImageDocs:
         if isinstance(table.refs[j], AudioRef):
             try:
                 return self.audio.decode(path, table.refs[j]), None
-            except MediaError as e:
-                return None, str(e)
-            except OSError as e:
-                return None, f"{describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
+            except (MediaError, OSError) as e:
+                return None, failure(table.refs[j], e)
         want = int(table.patches[j])
         try:
             got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy, out)
             if got.plan.patches != want:
                 raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
             return got.patches, None
-        except (BadImage, OSError) as e:
-            return None, f"{describe_ref(table.refs[j])}: {str(e) or type(e).__name__}"
+        except (MediaError, OSError) as e:
+            return None, failure(table.refs[j], e)
 
     def _decode_video(self, path: str, vref: VideoRef, out: np.ndarray | None) -> tuple[np.ndarray | None, str | None]:
         try:
             rows = self.videos.decode(path, vref)
-        except (BadImage, OSError) as e:
-            return None, f"{describe_ref(vref)}: {str(e) or type(e).__name__}"
+        except (MediaError, OSError) as e:
+            return None, failure(vref, e)
         if out is None:
             return rows, None
         out[...] = rows
