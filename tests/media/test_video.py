@@ -5,6 +5,7 @@ messages, and the spec's `videos` section."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -182,6 +183,30 @@ def test_variable_frame_rate_takes_the_frame_at_each_time(vfr):
     for k, i in enumerate(plan.indices):
         j = int(np.flatnonzero(times >= i / info.fps - 0.5 / info.fps)[0])
         np.testing.assert_array_equal(got[k], resized(ref[j], plan))
+
+
+def test_a_frame_taken_twice_is_resized_once(videos, monkeypatch):
+    """A decoded frame that several sampled times take -- an index the plan repeats, or times denser than the
+    frames (as a variable-rate frame held over two times) -- is resized once and copied: the pixels of a
+    resize per time, fewer resizes (counted)."""
+    from plait.media import video as video_module
+
+    data = videos[KINDS[1]]  # mpeg4 in mp4, 64x64, 10 fps, 30 frames
+    info = probe(data)
+    base, ref = SMALL.plan(info), plain_frames(data)
+    real, calls = video_module.resized_frame, []
+    monkeypatch.setattr(video_module, "resized_frame", lambda *a, **k: calls.append(1) or real(*a, **k))
+    repeated = dataclasses.replace(base, indices=(0, 0, 4, 4, 4, 9))
+    got = read_frames(data, repeated)
+    assert len(calls) == 3  # one per distinct frame, not 6
+    for k, i in enumerate(repeated.indices):
+        np.testing.assert_array_equal(got[k], resized(ref[i], base))
+    calls.clear()
+    dense = dataclasses.replace(base, indices=tuple(range(8)), fps_video=info.fps * 2)  # 2 times per frame
+    got = read_frames(data, dense)
+    assert len(calls) == 5  # frames 0..4 for 8 times
+    for k, i in enumerate([0, 1, 1, 2, 2, 3, 3, 4]):
+        np.testing.assert_array_equal(got[k], resized(ref[i], base))
 
 
 def test_patch_layout():

@@ -31,9 +31,10 @@ and the frame taken is the first whose timestamp reaches the time minus half an 
 Decoding (`decode_video`): the sampled times in order; before a time more than SEEK_GAP seconds past the
 last decoded frame (and before the first) the demuxer seeks to the keyframe at or before it, then frames
 are decoded forward. Each wanted frame is converted to full-size RGB24 (PyAV's `to_ndarray`, as the
-reference readers decode) and resized by the image path's resize (`images.resize_bicubic`, Pillow
+reference readers decode) and resized by the image path's resize (`image.resize_bicubic`, Pillow
 BICUBIC), so a frame equals Hugging Face's Qwen2-VL image processor's resize of that RGB frame bit for
-bit. `fast_resize` converts and resizes in one swscale pass instead (`reformat`, BICUBIC): faster, other
+bit. A decoded frame that several sampled times take (an index the rule repeats, a variable-rate frame
+held over two times) is resized once and copied to the others. `fast_resize` converts and resizes in one swscale pass instead (`reformat`, BICUBIC): faster, other
 pixels (docs/video.md measures both). Patch layout: frames grouped by tp; rows of patch*patch*3 uint8, ordered (temporal
 group, patch row, patch column, frame in group), so `rows.reshape(t*h*w, tp*patch*patch*3)` gives
 Qwen2-VL's video patches (tp, patch, patch, 3) in raster order. Failures are `BadVideo` (one line).
@@ -315,8 +316,9 @@ def read_frames(data: VideoData, plan: VideoPlan, fast_resize: bool = False) -> 
                 for frame in c.decode(s):
                     FRAME_DECODES.add()
                     pos = _frame_time(frame, start)
-                    while k < len(times) and pos >= times[k] - half:
-                        out[k] = resized_frame(frame, plan, fast_resize)
+                    first = k  # a frame several times map to (a repeated index, a VFR frame held
+                    while k < len(times) and pos >= times[k] - half:  # long) is resized once, then copied
+                        out[k] = resized_frame(frame, plan, fast_resize) if k == first else out[first]
                         k += 1
                     if k == len(times) or (k != sought and times[k] - pos > SEEK_GAP):
                         ended = False
