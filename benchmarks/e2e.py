@@ -57,7 +57,8 @@ def run(args) -> int:
     from rich.console import Console
 
     from benchmarks.e2e_per_rank import require_torch, run_per_rank
-    from plait.cli.bench.e2e_run import GpuClock
+    from benchmarks.e2e_ray import ray_runner
+    from plait.cli.bench.e2e_run import GpuClock, run_plait_local
 
     dps, err, load_before = parse(args), Console(stderr=True), os.getloadavg()
     require_torch()
@@ -71,10 +72,17 @@ def run(args) -> int:
             err.print(f"[bold]e2e[/] {workload} per-rank, DP {dp} ...")
             row = run_per_rank(specs[dp], args, GpuClock.of_spec(specs[dp], tflops[workload]))
             rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "per-rank", **row})
-    runs = [("gpu-bound", "ray")] * ("gpu-bound" in args.workload_list)
-    runs += [("data-bound", r) for r in args.runtime_list if "data-bound" in args.workload_list]
     failures: list[dict] = []
-    rows += product.plait_rows(args, specs, runs if "plait" in args.strategy_list else [], err, failures)
+    if "plait" in args.strategy_list:  # the local runtime first: Ray's threads start with the ray rows
+        run_ray, stop_ray = ray_runner()
+        runners = {"local": run_plait_local, "ray": run_ray}
+        try:
+            for runtime in ("local", "ray"):  # gpu-bound: plait on Ray; data-bound: on --data-bound-runtimes
+                workloads = [w for w in args.workload_list if (w, runtime) == ("gpu-bound", "ray") or
+                             (w == "data-bound" and runtime in args.runtime_list)]
+                rows += product.plait_rows(args, specs, workloads, err, failures, {runtime: runners[runtime]})
+        finally:
+            stop_ray()
     return report(args, rows, failures, load_before, err)
 
 

@@ -67,7 +67,8 @@ def run(args) -> int:
     from rich.console import Console
 
     from benchmarks.e2e_per_rank import require_torch
-    from plait.cli.bench.e2e_run import GpuClock, autoscale_available
+    from benchmarks.e2e_ray import autoscale_available
+    from plait.cli.bench.e2e_run import GpuClock
 
     dps = parse(args)
     require_torch()
@@ -126,7 +127,7 @@ def start_cluster(err, object_store_memory: int, tries: int = 3):
     export, bounded task events (the helper's default started the dashboard's seven processes)."""
     from ray.cluster_utils import Cluster
 
-    from plait.cli.bench.e2e_run import patient_agents
+    from benchmarks.e2e_ray import patient_agents
     from plait.runtime.ray.common import long_run_settings
 
     patient_agents()
@@ -238,7 +239,7 @@ def plait_on_two_nodes(args, spec, clock, autoscale: bool, err, trainer: set[int
     (measured: docs/e2e.md, "Fifth session")."""
     import ray
 
-    from plait.cli.bench.e2e_run import run_plait, start_ray
+    from benchmarks.e2e_ray import run_plait, start_ray
 
     here = max(1, args.cpus // 2)
     store = node_object_store()  # not ray.cluster_utils' 150 MiB a node: see node_object_store

@@ -187,7 +187,7 @@ def test_bad_options_are_named(capsys):
     from plait.cli import main
 
     for argv, word in ((["--dp", "two"], "--dp"), (["--warmup", "20"], "--warmup"),
-                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--runtimes", "mine"], "--runtimes"),
+                       (["--gpu-tflops", "0"], "--gpu-tflops"), (["--workloads", "mine"], "--workloads"),
                        (["--workloads", "long-context"], "--workloads")):
         assert main(["bench", "e2e", *argv]) == 2
         assert word in capsys.readouterr().err
@@ -198,7 +198,7 @@ def test_bad_options_are_named(capsys):
 
         parse(SimpleNamespace(quick=False, dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
                               images=1, gpu_tflops=1.0, image_weight=0.5, data_bound_tflops=1.0,
-                              workloads="gpu-bound", runtimes="local"))
+                              workloads="gpu-bound"))
 
 
 def test_missing_torch_is_named(monkeypatch):
@@ -216,7 +216,7 @@ def test_plait_bench_e2e_runs_the_job_on_the_local_runtime_against_what_the_gpus
     from plait.cli import main
 
     out = tmp_path / "e2e.json"
-    argv = ["bench", "e2e", "--runtimes", "local", "--dp", "2", "--cpus", "2", "--steps", "3", "--warmup", "1",
+    argv = ["bench", "e2e", "--dp", "2", "--cpus", "2", "--steps", "3", "--warmup", "1",
             "--images", "48", "--seq-len", "4096", "--cache", str(tmp_path / "data"), "--quiet", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())

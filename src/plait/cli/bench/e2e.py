@@ -1,20 +1,13 @@
 """`plait bench e2e`: a simulated synchronous data-parallel training job fed by plait on this machine.
 
-DP ranks (threads of this process) take their micro-batches one by one (the time a call blocks is the
-rank's wait for data) and "compute" each for the cost model's time: the spec's `cost` (a 7B Llama-like
-LLM over each document's tokens plus a ViT-L-like encoder over each image's patches, training FLOPs)
-over a stated GPU speed. A step ends when every rank has finished it (the gradient all-reduce), so a
-straggler, or a rank waiting for data, slows the whole step. The data: the demo's `web` (Parquet text,
-tokenized on read) and `long` (pre-tokenized 4k-64k documents) sources and an `image` source (LLaVA-style
-JSONL captions + JPEG/PNG images in 16 shards), mixed by token weight.
-
-Workloads: `gpu-bound` (a GPU of --gpu-tflops) and `data-bound` (--data-bound-tflops: delivery sets the
-pace), each on the runtimes of --runtimes with a budget of --cpus CPUs: `local` (this process reading every
-rank, loading.workers = --cpus threads) and `ray` (a Ray instance of --cpus CPUs, loaders="auto",
-autoscale). Per row: steps/s after warm-up; gpu_steps_per_s, what the GPUs alone allow with that
-balance; gpu_busy, their ratio (1.0: the GPUs never wait for data); wait_fraction; balance_loss; tokens/s.
-Against per-rank torch DataLoaders on the same CPUs, and the project's other workloads:
-`python -m benchmarks.e2e` and `python -m benchmarks.e2e_workloads`.
+DP ranks (threads) take micro-batches one by one (a blocked call is the rank's wait for data) and "compute"
+each for the cost model's time (a 7B Llama-like LLM plus a ViT-L-like encoder, training FLOPs) over a stated
+GPU speed; a step ends when every rank has finished it (the all-reduce). The data: the demo's text sources
+and an image source (LLaVA-style captions + JPEG/PNG). Workloads: gpu-bound (--gpu-tflops) and data-bound
+(--data-bound-tflops: delivery sets the pace), each on the runtimes of --runtimes with --cpus CPUs: local
+(loading.workers = --cpus threads in this process) and ray (a Ray instance of --cpus CPUs). Per row:
+steps/s; gpu_busy = steps/s over what the GPUs alone allow with that balance (1.0: they never wait);
+wait_fraction, balance_loss, tokens/s. Against per-rank torch DataLoaders: `python -m benchmarks.e2e`.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from plait.cli.bench.e2e_run import GpuClock, autoscale_available, run_plait, run_plait_local, start_ray
+from plait.cli.bench.e2e_run import GpuClock, run_plait_local
 from plait.errors import PlaitError
 
 HELP = "end to end: a simulated synchronous DP job fed by plait (steps/s, and the share the GPUs alone allow)"
@@ -36,8 +29,6 @@ QUICK = {"dp": "2", "steps": 5, "warmup": 2, "cpus": 4, "images": 160}
 def add_arguments(p) -> None:
     add_job_arguments(p)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"any of {', '.join(WORKLOADS)} (default: both)")
-    p.add_argument("--runtimes", default="local,ray", help="plait's runtimes, one row each per workload (local: "
-                   "in this process, no services; ray: a Ray instance of --cpus CPUs)")
 
 
 def add_job_arguments(p) -> None:
@@ -53,9 +44,7 @@ def add_job_arguments(p) -> None:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--images", type=int, default=480, help="distinct images of the image source")
     p.add_argument("--image-weight", type=float, default=0.3, help="token share of the image source")
-    p.add_argument("--local-workers", type=int, default=None, help="local runtime: loading.workers (default --cpus)")
-    p.add_argument("--local-build-threads", type=int, default=None, help="local runtime: build threads")
-    p.add_argument("--no-autoscale", action="store_true", help="plait on Ray without the run-time autoscaler")
+    p.add_argument("--no-autoscale", action="store_true", help="benchmarks' Ray rows: without the autoscaler")
     p.add_argument("--quick", action="store_true", help="small sizes unless given: a smoke run")
     p.add_argument("--cache", default=None, help="folder of the bench's image source (default: plait's cache)")
     p.add_argument("--json", metavar="PATH", help='write {"rows": [...], "load_average": ...}')
@@ -144,56 +133,29 @@ def parse_job(args) -> list[int]:
 def parse(args) -> list[int]:
     apply_quick(args, add_arguments, QUICK)
     dps = parse_job(args)
-    args.runtime_list = names("runtimes", args.runtimes, ("local", "ray"))
     args.workload_list = names("workloads", args.workloads, WORKLOADS)
     return dps
 
 
-def plait_rows(args, specs: dict, runs: list[tuple[str, str]], err, failures: list[dict]) -> list[dict]:
-    """plait's rows of (workload, runtime) `runs` for every DP size; a row that fails is reported in
-    `failures` and the others still run. Ray is started once, for the ray rows (local rows first)."""
+def plait_rows(args, specs: dict, workloads: list[str], err, failures: list[dict], runners=None) -> list[dict]:
+    """plait's rows of every (workload, runtime, DP size), each run by runners[runtime](spec, args, clock)
+    (default: the local runtime); a row that fails is reported in `failures`, the others still run."""
     tflops = {"gpu-bound": args.gpu_tflops, "data-bound": args.data_bound_tflops}
-    autoscale = autoscale_available() and not args.no_autoscale
     rows: list[dict] = []
-    started = False
-    try:
-        for workload, runtime in sorted(runs, key=lambda r: r[1] == "ray"):
+    for runtime, runner in (runners or {"local": run_plait_local}).items():
+        for workload in workloads:
             for dp, spec in specs.items():
                 err.print(f"[bold]e2e[/] {workload} plait ({runtime} runtime), DP {dp} ...")
                 try:
-                    clock = GpuClock.of_spec(spec, tflops[workload])
-                    if runtime == "ray" and not started:
-                        started = start_ray_once(args.cpus)
-                    row = run_plait_local(spec, args, clock) if runtime == "local" else run_plait(spec, args, clock, autoscale)
+                    row = runner(spec, args, GpuClock.of_spec(spec, tflops[workload]))
                 except Exception as e:  # noqa: BLE001 - reported; the other rows still run
                     failures.append({"workload": workload, "dp": dp, "strategy": "plait", "runtime": runtime,
                                      "error": f"{type(e).__name__}: {e}"})
                     err.print(f"[red]e2e: {workload} plait ({runtime}), DP {dp} failed: {e}[/]")
                     continue
-                rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "plait",
-                             **row, "runtime": runtime, "gpu_busy": row["steps_per_s"] / row["compute_bound_steps_per_s"]})
-    finally:
-        if started == "ours":
-            import ray
-
-            ray.shutdown()
+                rows.append({"workload": workload, "dp": dp, "seq_len": args.seq_len, "strategy": "plait", **row,
+                             "runtime": runtime, "gpu_busy": row["steps_per_s"] / row["compute_bound_steps_per_s"]})
     return rows
-
-
-def start_ray_once(cpus: int):
-    """"ours" when this starts Ray (as plait starts its own instance: the data plane's settings), True when
-    a caller's instance is running (used as it is, and left running)."""
-    import ray
-
-    if ray.is_initialized():
-        return True
-    from plait.runtime.ray.common import long_run_settings
-
-    settings, env = long_run_settings()
-    for name, value in env.items():
-        os.environ.setdefault(name, value)
-    start_ray(num_cpus=cpus, include_dashboard=False, _system_config=settings["_system_config"])
-    return "ours"
 
 
 def run(args) -> int:
@@ -203,7 +165,7 @@ def run(args) -> int:
     demo, image_dir = prepare_data(Path(args.cache) if args.cache else None, args.images)
     specs = {dp: e2e_spec(demo, image_dir, dp, args) for dp in dps}
     failures: list[dict] = []
-    rows = plait_rows(args, specs, [(w, r) for w in args.workload_list for r in args.runtime_list], err, failures)
+    rows = plait_rows(args, specs, args.workload_list, err, failures)
     result = {"cpus": args.cpus, "machine_cores": os.cpu_count(), "gpu_tflops": args.gpu_tflops,
               "data_bound_tflops": args.data_bound_tflops, "rows": rows, "failures": failures,
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
