@@ -21,6 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import main
 from plait.cli.bench import e2e as product
+from plait.cli.bench.e2e import e2e_spec, prepare_data
 
 HELP = "end to end: the simulated synchronous DP job fed by per-rank torch DataLoaders vs plait (steps/s ratio)"
 DESCRIPTION = __doc__
@@ -62,8 +63,8 @@ def run(args) -> int:
 
     dps, err, load_before = parse(args), Console(stderr=True), os.getloadavg()
     require_torch()
-    demo, image_dir = product.prepare_data(Path(args.cache) if args.cache else None, args.images)
-    specs = {dp: product.e2e_spec(demo, image_dir, dp, args) for dp in dps}
+    demo, image_dir = prepare_data(Path(args.cache) if args.cache else None, args.images)
+    specs = {dp: e2e_spec(demo, image_dir, dp, args) for dp in dps}
     tflops = {"gpu-bound": args.gpu_tflops, "data-bound": args.data_bound_tflops}
     rows: list[dict] = []
     # per-rank first: its workers fork from this process, which must not hold Ray's threads yet

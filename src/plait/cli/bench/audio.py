@@ -1,16 +1,12 @@
 """`plait bench audio`: plait's audio gather against a plain PyAV + WhisperFeatureExtractor loop.
 
-It measures --clips generated speech-like clips (WAV, FLAC, MP3, Ogg/Opus, M4A in turn; 8-48 kHz; 1, 2 or 6
-channels) or the first --clips of your own files (--path: a folder or a glob), in one process on the same
-cores. Planning: plait's header probe of every clip, which decodes nothing; a file it cannot read is named and
-left out. plait: the gather, one PyAV decode (16 kHz, channels averaged) and a numpy log-mel of the frames
-that hold audio. Plain: PyAV decode with its resampler to 16 kHz mono, then transformers'
-WhisperFeatureExtractor (padding="max_length", one row per 30 s window, as the Qwen2-Audio processor calls
-it). Each side runs --repeats times, alternating; the best pass counts.
-
-Reported: ratio_wall = plain wall / plait wall (target >= 1); decodes_per_clip (target 1); planning_decodes
-(target 0); max_feature_diff, plait's features against the extractor's on the same waveform (target <= 1e-4),
-and each float32 path against float64. Without transformers, plait's own rate only.
+On --clips generated speech-like clips (WAV, FLAC, MP3, Ogg/Opus, M4A; 8-48 kHz; 1, 2 or 6 channels) or the
+first of yours (--path), in one process: plait probes every header (decoding nothing; an unreadable file is
+named and left out), then gathers each clip (one PyAV decode to 16 kHz mono, numpy log-mel); the plain loop
+decodes with PyAV's resampler, then runs transformers' WhisperFeatureExtractor (padding="max_length", one row
+per 30 s window). Best of --repeats passes each. ratio_wall = plain wall / plait wall (target >= 1);
+decodes_per_clip (target 1); planning_decodes (target 0); max_feature_diff against the extractor (target
+<= 1e-4) and each float32 path against float64. Without transformers, plait's own rate only.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """`plait bench balance --lengths FILE`: step-time balance of plait's planner on your document lengths,
-against per-rank loaders.
-
-For each DP size and context length it takes one global step of consecutive documents of FILE (as many
-as fill dp x microbatches x seq_len tokens, from a random start; documents longer than seq_len are cut
-into chunks as the Planner does) and places them two ways: `naive`, each rank packing its contiguous
-share of the stream first-fit (what per-rank loaders do), and `plait` (balance.assign, equal mode).
-Reported per strategy: max/mean and max/LB of the per-rank cost (LB = max(sum c / R, max c)), max/capLB
-(the bound that also respects each rank's token capacity), token fill, the simulated step time and the
-speedup over naive per unit of work; plan_ms is plait's planning CPU time (one core, best of --repeats).
-Synthetic distributions, more strategies and the plot: `python -m benchmarks.balance`.
+against per-rank loaders. Per DP size and context: one global step of consecutive documents of FILE (enough
+to fill dp x microbatches x seq_len tokens, from a random start; long documents cut as the Planner cuts them)
+placed by `naive` (each rank packs its contiguous share first-fit: per-rank loaders) and by `plait`
+(balance.assign). Reported: max/mean, max/LB and max/capLB of the per-rank cost, token fill, the simulated
+step time's speedup over naive per unit of work, and plait's planning CPU time (one core, best of
+--repeats). Synthetic distributions, more strategies and the plot: `python -m benchmarks.balance`.
 """
 
 from __future__ import annotations
@@ -211,21 +207,16 @@ def sweep(cfg: Sweep, progress=None, on_step=None) -> list[dict]:
     return rows
 
 
-def ints(text: str) -> list[int]:
-    from plait.errors import PlaitError
-
-    try:
-        return [int(float(x)) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise PlaitError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def sweep_of(args, draws: dict, strategies: dict | None = None) -> Sweep:
     """The Sweep of the common options, checked."""
     from plait.errors import PlaitError
 
-    cfg = Sweep(draws, ints(args.dp), ints(args.seq_len), args.microbatches, args.pp, args.steps, args.seed,
-                args.repeats, **({"strategies": strategies} if strategies else {}))
+    try:
+        dps, seq_lens = ([int(float(x)) for x in str(v).split(",") if x.strip()] for v in (args.dp, args.seq_len))
+    except ValueError:
+        raise PlaitError(f"--dp {args.dp} / --seq-len {args.seq_len}: expected comma-separated integers") from None
+    cfg = Sweep(draws, dps, seq_lens, args.microbatches, args.pp, args.steps, args.seed, args.repeats,
+                **({"strategies": strategies} if strategies else {}))
     if min(cfg.dps + cfg.seq_lens + [cfg.microbatches, cfg.pp, cfg.steps, cfg.repeats]) < 1:
         raise PlaitError("dp, seq_len, microbatches, pp, steps and repeats must be >= 1")
     return cfg

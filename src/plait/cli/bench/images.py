@@ -1,18 +1,11 @@
 """`plait bench images`: image throughput of the loader against plain Pillow, and decodes per image.
 
-It writes N images (JPEG and PNG, 64..640 px sides, aspect ratios up to 4:1; `plait demo`'s generator)
-or, with `--path`, takes the first N of your own image files, as a LLaVA-style JSONL source, then:
-
-  loader   plans --steps global steps of that source on the local runtime (DP --dp) and builds every
-           rank's micro-batches with `loading.workers` = N (`--workers`, default: the cores this process
-           may use): read, decode, orient, resize, patchify, assemble `pixel_values`. Images per second of
-           wall time of the building (planning, which never decodes, is timed apart).
-  pillow   a plain Pillow loop over the same files: open -> resize (BICUBIC, to the same planned size)
-           -> numpy.asarray, files read into memory first, on one core (`plait.media.image.bench_pillow`).
-
-ratio_wall = loader images/s / (N x Pillow images/s), wall against wall (target >= 0.8); ratio_cpu is
-images per CPU-second of both. Decodes per delivered image (target exactly 1: the Planner reads headers
-only and each image is decoded once, for the rank that gets it) and decodes while planning (target 0).
+On N generated images (JPEG and PNG, 64..640 px sides, aspect ratios up to 4:1) or the first N of yours
+(--path), as a LLaVA-style source: the loader plans --steps global steps on the local runtime (DP --dp) and
+builds every rank's micro-batches with loading.workers = --workers (read, decode, orient, resize, patchify);
+a plain Pillow loop (open, resize BICUBIC to the same planned size, numpy.asarray; one core) reads the same
+files. ratio_wall = loader images/s / (workers x Pillow images/s), wall against wall (target >= 0.8);
+ratio_cpu per CPU-second; decodes per delivered image (target exactly 1) and while planning (target 0).
 """
 
 from __future__ import annotations

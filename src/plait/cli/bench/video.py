@@ -1,21 +1,13 @@
 """`plait bench video`: video throughput of the loader against a plain PyAV loop, and decodes per video.
 
-It writes N short videos (H.264/MP4, MPEG-4/MOV, VP9/WebM; 96..320 px, 10..30 fps, 1..--max-seconds s;
-`plait demo --video`'s generator) or, with `--path`, takes the first N of your own video files, as a
-LLaVA-Video JSON source, then in one run:
-
-  loader   plans --steps global steps of that source on the local runtime (DP --dp) and builds every
-           rank's micro-batches: probe headers (planning), then per delivered video open, seek, decode
-           the sampled frames, resize, patchify and assemble `pixel_values_videos`. Wall time of the
-           planning and the building together.
-  pyav     a plain PyAV loop over the same delivered videos, in the same order: open, seek to the
-           first sampled frame, decode forward taking the same frames, the same resize and patchify
-           (numpy reshape). Wall time, one thread.
-
-The frame rule is small by default (at most 64 tokens a frame, 32 frames); `--qwen-defaults` uses the
-`videos` section's defaults (qwen-vl-utils 0.0.14), with --seq-len 131072 unless given.
-ratio_wall = loader videos/s / pyav videos/s (target >= 0.8); decodes_per_video (target 1) and
-planning_frame_decodes (target 0). The reference resize against `fast_resize`: `python -m benchmarks.video_resize`.
+On N generated videos (H.264/MP4, MPEG-4/MOV, VP9/WebM; 96..320 px, 10..30 fps) or the first N of yours
+(--path), as a LLaVA-Video source: the loader plans --steps global steps on the local runtime (DP --dp),
+probing headers, and builds every rank's micro-batches (open, seek, decode the sampled frames, resize,
+patchify); a plain PyAV loop takes the same frames of the same delivered videos in the same order (seek,
+decode forward, the same resize and patchify; one thread). Frame rule: small by default (<= 64 tokens a
+frame, 32 frames), or --qwen-defaults (qwen-vl-utils 0.0.14; --seq-len 131072 unless given).
+ratio_wall = loader videos/s / PyAV videos/s (target >= 0.8); decode passes per delivered video (target 1);
+frames decoded while planning (target 0). The reference resize against fast_resize: benchmarks.video_resize.
 """
 
 from __future__ import annotations
