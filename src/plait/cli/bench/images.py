@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from plait.cli.bench.media_bench import Media, add_common, build_steps
+from plait.cli.bench.media_bench import Media, add_common, build_steps, loader_spec
 from plait.cli.bench.media_bench import run as run_media
 
 HELP = "images/s of the loader (decode, resize, patchify) vs a plain Pillow loop; decodes per delivered image"
@@ -34,19 +34,10 @@ def add_arguments(p) -> None:
 
 
 def image_spec(jsonl: Path, args):
-    from plait.spec import load_spec
-
-    return load_spec({
-        "seed": 7,
-        "sources": [{"name": "image", "path": str(jsonl), "format": "jsonl", "text_field": "caption",
-                     "image_field": "image", "image_root": str(jsonl.parent), "eos": 257, "on_error": "skip"}],
-        "images": {"policy": "dynamic", "patch": 14, "merge": 2, "min_pixels": 28 * 28 * 4,
-                   "max_pixels": args.max_pixels, "image_token_id": 300},
-        "packing": {"seq_len": args.seq_len, "microbatches": 1, "max_patches": 4 * args.seq_len},
-        "loading": {"workers": args.workers},
-        "topology": {"dp": args.dp},
-        "cost": {"linear": 1.0, "quadratic": 0.0001, "encoder": {"linear": 2.0, "quadratic": 0.001}},
-    })
+    source = {"name": "image", "path": str(jsonl), "format": "jsonl", "text_field": "caption", "image_field": "image",
+              "image_root": str(jsonl.parent), "eos": 257, "on_error": "skip"}
+    return loader_spec(args, source, loading={"workers": args.workers}, images={
+        "policy": "dynamic", "min_pixels": 28 * 28 * 4, "max_pixels": args.max_pixels})
 
 
 def generate(args, folder: Path) -> list[Path]:

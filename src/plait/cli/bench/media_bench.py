@@ -11,7 +11,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,9 +51,6 @@ def find_files(path: str, extensions: tuple[str, ...], limit: int, what: str) ->
 
 def run(args, media: Media) -> int:
     from rich.console import Console
-    from rich.table import Table
-
-    from plait.cli.common import table_console
 
     if getattr(args, media.count) < 1:
         raise PlaitError(f"--{media.count} must be >= 1, got {getattr(args, media.count)}")
@@ -66,23 +62,44 @@ def run(args, media: Media) -> int:
         else:
             with err.status(f"writing the {media.what} files…", spinner="dots"):
                 files = media.generate(args, folder)
-        with err.status(f"measuring {len(files)} {media.what} files…", spinner="dots") if not args.quiet else nullcontext():
-            figures = media.measure(args, files, folder)
+        figures = media.measure(args, files, folder)
     result = {"path": args.path, "source": args.path or "generated", **figures, "cpus": os.cpu_count(),
               "loadavg": [round(x, 2) for x in (*load, *os.getloadavg())]}
     if not args.quiet:
-        t = Table(title=media.title(result))
-        t.add_column("measure")
-        t.add_column("value", justify="right")
-        for row in media.rows(result) + [("bad files skipped", str(result["skipped"])),
-                                          ("load average (start, end)", f"{load[0]:.1f}, {result['loadavg'][3]:.1f}")]:
-            t.add_row(*row)
-        table_console().print(t)
+        print_table(media.title(result), media.rows(result) + [
+            ("bad files skipped", str(result["skipped"])),
+            ("load average (start, end)", f"{load[0]:.1f}, {result['loadavg'][3]:.1f}")])
     for line in result["errors"][:10]:
         err.print(f"  left out: {line}", highlight=False, soft_wrap=True, markup=False)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def loader_spec(args, source: dict, **sections):
+    """The spec images and video measure: one source, DP --dp, packing --seq-len with room for 4 x seq_len
+    patches, a cost model with an encoder; `sections` add to (images) or extend it."""
+    from plait.spec import load_spec
+
+    images = {"patch": 14, "merge": 2, "image_token_id": 300, **sections.pop("images", {})}
+    return load_spec({"seed": 7, "sources": [source], "images": images, "topology": {"dp": args.dp},
+                      "packing": {"seq_len": args.seq_len, "microbatches": 1, "max_patches": 4 * args.seq_len},
+                      "cost": {"linear": 1.0, "quadratic": 0.0001, "encoder": {"linear": 2.0, "quadratic": 0.001}},
+                      **sections})
+
+
+def print_table(title: str, rows: list[tuple[str, str]], value: str = "value") -> None:
+    """A two-column table (measure, value) on stdout."""
+    from rich.table import Table
+
+    from plait.cli.common import table_console
+
+    t = Table(title=title)
+    t.add_column("measure")
+    t.add_column(value, justify="right")
+    for row in rows:
+        t.add_row(*row)
+    table_console().print(t)
 
 
 def build_steps(spec, steps: int, counters: tuple, on_batch) -> dict:

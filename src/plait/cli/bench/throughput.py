@@ -88,20 +88,13 @@ def measure(spec, tokens: float, repeats: int) -> dict:
 
 
 def report(result: dict, title: str, json_path: str | None) -> None:
-    from rich.table import Table
+    from plait.cli.bench.media_bench import print_table
 
-    from plait.cli.common import table_console
-
-    table = Table(title=title)
-    table.add_column("pipeline")
-    table.add_column("tokens/s", justify="right")
     raw = result["raw_tokens_per_s"]
-    if raw:
-        table.add_row("raw pyarrow read of the token columns (baseline)", f"{raw:,.0f}")
-    table.add_row("plait: read + shuffle + mix + balance + pack", f"{result['tokens_per_s']:,.0f}")
-    table.add_row(*(("ratio plait / raw", f"{result['ratio']:.2f}") if raw else
-                    ("baseline", "none: not every source is local, pre-tokenized Parquet")))
-    table_console().print(table)
+    print_table(title, ([("raw pyarrow read of the token columns (baseline)", f"{raw:,.0f}")] if raw else []) + [
+        ("plait: read + shuffle + mix + balance + pack", f"{result['tokens_per_s']:,.0f}"),
+        ("ratio plait / raw", f"{result['ratio']:.2f}") if raw else
+        ("baseline", "none: not every source is local, pre-tokenized Parquet")], value="tokens/s")
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench.media_bench import Media, add_common, build_steps
+from plait.cli.bench.media_bench import Media, add_common, build_steps, loader_spec
 from plait.cli.bench.media_bench import run as run_media
 from plait.media.video import VIDEO_EXTENSIONS
 
@@ -43,19 +43,12 @@ def add_arguments(p) -> None:
 
 def video_spec(path: Path, args):
     from plait.cli.video_data import video_source_spec
-    from plait.spec import load_spec
 
     if args.seq_len is None:
         args.seq_len = 131072 if args.qwen_defaults else 4096
-    return load_spec({
-        "seed": 7,
-        "sources": [{**video_source_spec(path), "on_error": "skip"}],
-        "images": {"patch": 14, "merge": 2, "image_token_id": 300},
-        "videos": {"video_token_id": 301, **({} if args.qwen_defaults else SMALL_RULE), "fast_resize": args.fast_resize},
-        "packing": {"seq_len": args.seq_len, "microbatches": 1, "max_patches": 4 * args.seq_len},
-        "topology": {"dp": args.dp},
-        "cost": {"linear": 1.0, "quadratic": 0.0001, "encoder": {"linear": 2.0, "quadratic": 0.001}},
-    })
+    rule = {} if args.qwen_defaults else SMALL_RULE
+    return loader_spec(args, {**video_source_spec(path), "on_error": "skip"},
+                       videos={"video_token_id": 301, **rule, "fast_resize": args.fast_resize})
 
 
 def generate(args, folder: Path) -> list[Path]:
