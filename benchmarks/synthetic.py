@@ -42,9 +42,9 @@ class Kind:
         return min(self.high, self.median * math.exp(self.sigma**2 / 2))
 
 
-# Costs: pre-tokenized Parquet reads at ~200-235 M tokens/s on one core (`plait bench throughput`'s raw
+# Costs: pre-tokenized Parquet reads at ~200-235 M tokens/s on one core (`python -m benchmarks.throughput`'s raw
 # read baseline: ~5 ns/token); tokenizing text on read with a fast BPE tokenizer runs at ~1-2 M tokens/s
-# on one core (~500 ns/token). Lengths: the `web`, `longctx` and `sft` shapes of `plait bench balance`.
+# on one core (~500 ns/token). Lengths: the `web`, `longctx` and `sft` shapes of `python -m benchmarks.balance`.
 KINDS = (
     Kind("web-tokens", 0.70, 400, 1.4, 16, 1_000_000, 5.0),
     Kind("text-tokenize", 0.20, 1200, 1.2, 16, 262_144, 500.0),
