@@ -26,6 +26,7 @@ from plait.cli.bench.e2e import e2e_spec, prepare_data
 HELP = "end to end: the simulated synchronous DP job fed by per-rank torch DataLoaders vs plait (steps/s ratio)"
 DESCRIPTION = __doc__
 TARGETS = {"gpu-bound": 1.05, "data-bound": 1.0}  # plait / per-rank, the project's goals per workload
+QUICK = {"dp": "2", "steps": 5, "warmup": 2, "cpus": 4, "images": 160}
 
 
 def add_arguments(p) -> None:
@@ -38,17 +39,31 @@ def add_comparison_arguments(p) -> None:
     """The job's options and the strategies (benchmarks.e2e_workloads shares them)."""
     product.add_job_arguments(p)
     p.add_argument("--strategies", default="per-rank,plait", help="per-rank, plait or both (default)")
+    p.add_argument("--quick", action="store_true", help="small sizes unless given: a smoke run")
+
+
+def apply_quick(args, add, quick: dict) -> None:
+    """--quick: `quick`'s smaller defaults, where the option was left at the default `add` gives it."""
+    import argparse
+
+    if args.quick:
+        defaults = argparse.ArgumentParser()
+        add(defaults)
+        defaults = vars(defaults.parse_args([]))
+        for name, value in quick.items():
+            if getattr(args, name) == defaults[name]:
+                setattr(args, name, value)
 
 
 def parse_comparison(args, add, quick: dict) -> list[int]:
-    product.apply_quick(args, add, quick)
+    apply_quick(args, add, quick)
     dps = product.parse_job(args)
     args.strategy_list = product.names("strategies", args.strategies, ("per-rank", "plait"))
     return dps
 
 
 def parse(args) -> list[int]:
-    dps = parse_comparison(args, add_arguments, product.QUICK)
+    dps = parse_comparison(args, add_arguments, QUICK)
     args.runtime_list = product.names("data-bound-runtimes", args.data_bound_runtimes, ("local", "ray"))
     args.workload_list = product.names("workloads", args.workloads, product.WORKLOADS)
     return dps

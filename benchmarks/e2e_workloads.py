@@ -34,7 +34,7 @@ HELP = "end to end beyond `plait bench e2e`: long-context (fixed and dynamic CP)
 DESCRIPTION = __doc__
 WORKLOADS = ("long-context", "cpu-pool", "node-images")
 TARGETS = {"cpu-pool": 1.8, "node-images": 0.9}  # plait / per-rank (long-context: e2e_long.TARGETS)
-QUICK = {**e2e.QUICK, "node_dp": 2, "node_workers": 2, "node_steps": 3, **e2e_long.QUICK}
+QUICK = {**compare.QUICK, "node_dp": 2, "node_workers": 2, "node_steps": 3, **e2e_long.QUICK}
 ROOT = Path(__file__).resolve().parents[1]  # node-images trainers run `python -m benchmarks.e2e_workloads`
 
 

@@ -196,7 +196,7 @@ def test_bad_options_are_named(capsys):
 
         from plait.cli.bench.e2e import parse
 
-        parse(SimpleNamespace(quick=False, dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
+        parse(SimpleNamespace(dp="4", steps=5, warmup=1, cpus=0, seq_len=8, microbatches=1,
                               images=1, gpu_tflops=1.0, image_weight=0.5, data_bound_tflops=1.0,
                               workloads="gpu-bound"))
 

@@ -23,7 +23,6 @@ HELP = "end to end: a simulated synchronous DP job fed by plait (steps/s, and th
 DESCRIPTION = __doc__
 IMAGE_SHARDS = 16
 WORKLOADS = ("gpu-bound", "data-bound")
-QUICK = {"dp": "2", "steps": 5, "warmup": 2, "cpus": 4, "images": 160}
 
 
 def add_arguments(p) -> None:
@@ -45,7 +44,6 @@ def add_job_arguments(p) -> None:
     p.add_argument("--images", type=int, default=480, help="distinct images of the image source")
     p.add_argument("--image-weight", type=float, default=0.3, help="token share of the image source")
     p.add_argument("--no-autoscale", action="store_true", help="benchmarks' Ray rows: without the autoscaler")
-    p.add_argument("--quick", action="store_true", help="small sizes unless given: a smoke run")
     p.add_argument("--cache", default=None, help="folder of the bench's image source (default: plait's cache)")
     p.add_argument("--json", metavar="PATH", help='write {"rows": [...], "load_average": ...}')
     p.add_argument("--quiet", action="store_true", help="no table")
@@ -91,19 +89,6 @@ def e2e_spec(demo: Path, image_dir: Path, dp: int, args):
     })
 
 
-def apply_quick(args, add, quick: dict) -> None:
-    """--quick: `quick`'s smaller defaults, where the option was left at the default `add` gives it."""
-    import argparse
-
-    if args.quick:
-        defaults = argparse.ArgumentParser()
-        add(defaults)
-        defaults = vars(defaults.parse_args([]))
-        for name, value in quick.items():
-            if getattr(args, name) == defaults[name]:
-                setattr(args, name, value)
-
-
 def names(option: str, text: str, known) -> list[str]:
     values = [x.strip() for x in str(text).split(",") if x.strip()]
     if not values or set(values) - set(known):
@@ -131,7 +116,6 @@ def parse_job(args) -> list[int]:
 
 
 def parse(args) -> list[int]:
-    apply_quick(args, add_arguments, QUICK)
     dps = parse_job(args)
     args.workload_list = names("workloads", args.workloads, WORKLOADS)
     return dps
