@@ -268,7 +268,7 @@ def place_plait(lengths, costs, patches, R, M, C, Pc, repeats):
     best = float("inf")
     for _ in range(max(1, repeats)):
         t = time.thread_time()
-        a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, patches=patches, patch_capacity=Pc)
+        a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, loads=patches, load_capacity=Pc)
         best = min(best, (time.thread_time() - t) * 1e3)
     return a.rank.astype(np.int64), best
 
@@ -279,7 +279,7 @@ def measure(rank, lengths, costs, patches, R, M, C, Pc) -> dict:
     ok = rank >= 0
     rank_cost = np.bincount(rank[ok], weights=costs[ok], minlength=R)
     lb = capacity_lower_bound(lengths[ok], costs[ok], patches[ok], ranks=R, microbatches=M, capacity=C,
-                              patch_capacity=Pc)
+                              load_capacity=Pc)
     mean = float(rank_cost.sum()) / R
     return {
         "max_over_lb": float(rank_cost.max() / lb) if lb > 0 else 1.0,

@@ -42,7 +42,7 @@ def two_capacity_problems(draw, max_items: int = 300):
 def _assign(p, **extra):
     lengths, costs, patches, R, M, C, Pc, priority, mode = p
     return balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, priority=priority, mode=mode,
-                          patches=patches, patch_capacity=Pc, **extra)
+                          loads=patches, load_capacity=Pc, **extra)
 
 
 @settings(max_examples=120, deadline=None)
@@ -61,7 +61,7 @@ def test_two_capacities_are_respected_and_nothing_is_lost(p):
     np.add.at(tok, (a.rank[placed], a.micro[placed]), lengths[placed])
     np.add.at(pat, (a.rank[placed], a.micro[placed]), patches[placed])
     assert (tok <= C).all() and (pat <= Pc).all()
-    assert (tok == a.micro_tokens).all() and (pat == a.micro_patches).all()
+    assert (tok == a.micro_tokens).all() and (pat == a.micro_loads[..., 0]).all()
     # every item is placed once or carried (rank -1); what fits nowhere is carried
     assert not placed[(lengths > C) | (patches > Pc)].any()
     # deterministic
@@ -75,15 +75,15 @@ def test_without_patches_the_call_is_the_text_only_one(p):
     lengths, costs, patches, R, M, C, Pc, priority, mode = p
     kw = dict(ranks=R, microbatches=M, capacity=C, priority=priority, mode=mode)
     text = balance.assign(lengths, costs, **kw)
-    for extra in (dict(patches=None), dict(patches=None, patch_capacity=Pc),
-                  dict(patches=np.zeros(len(lengths), dtype=np.int64), patch_capacity=Pc)):
+    for extra in (dict(loads=None), dict(loads=None, load_capacity=Pc),
+                  dict(loads=np.zeros(len(lengths), dtype=np.int64), load_capacity=Pc)):
         same = balance.assign(lengths, costs, **kw, **extra)
         assert np.array_equal(text.rank, same.rank) and np.array_equal(text.micro, same.micro)
         assert np.array_equal(text.micro_cost, same.micro_cost) and np.array_equal(text.rank_cost, same.rank_cost)
         assert np.array_equal(text.micro_tokens, same.micro_tokens)
     # patches alone are reported, not limited
-    free = balance.assign(lengths, costs, **kw, patches=patches)
-    assert np.array_equal(free.rank, text.rank) and free.micro_patches.sum() == patches[free.placed].sum()
+    free = balance.assign(lengths, costs, **kw, loads=patches)
+    assert np.array_equal(free.rank, text.rank) and free.micro_loads.sum() == patches[free.placed].sum()
 
 
 @settings(max_examples=30, deadline=None)
@@ -95,7 +95,7 @@ def test_two_capacity_rounds_make_the_heaps_choices(R, W, n, seed):
     lengths = np.clip(rng.lognormal(np.log(C / 12), 1.2, n), 1, C).astype(np.int64)
     patches = np.where(rng.random(n) < 0.5, np.clip(rng.lognormal(np.log(Pc / 12), 1.2, n), 0, Pc), 0).astype(np.int64)
     costs = lengths + 2.0 * patches
-    kw = dict(ranks=R, microbatches=W, capacity=C, patches=patches, patch_capacity=Pc)
+    kw = dict(ranks=R, microbatches=W, capacity=C, loads=patches, load_capacity=Pc)
     fast = balance.assign(lengths, costs, **kw)
     saved = tuning.ROUND_ITEM
     try:
@@ -113,10 +113,10 @@ def test_big_two_capacity_step_with_snapshots_balances():
     lengths = np.clip(rng.lognormal(np.log(200), 1.0, n), 8, C).astype(np.int64)
     patches = np.where(rng.random(n) < 0.6, np.clip(rng.lognormal(np.log(600), 1.0, n), 0, Pc), 0).astype(np.int64)
     costs = lengths + lengths**2 / C + 4.0 * patches + patches**2 / Pc
-    a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, patches=patches, patch_capacity=Pc)
-    assert (a.micro_tokens <= C).all() and (a.micro_patches <= Pc).all()
+    a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, loads=patches, load_capacity=Pc)
+    assert (a.micro_tokens <= C).all() and (a.micro_loads <= Pc).all()
     assert balance.max_over_capacity_lb(a, lengths, costs, patches, microbatches=M, capacity=C,
-                                        patch_capacity=Pc) <= 1.02
+                                        load_capacity=Pc) <= 1.02
 
 
 def _optimum(lengths, costs, patches, R, W, C, Pc):
@@ -169,7 +169,7 @@ def test_capacity_lower_bound_is_below_the_optimum(n, R, W, seed, with_patches):
     patches = rng.integers(0, Pc + 1, n).astype(np.int64) if with_patches else np.zeros(n, dtype=np.int64)
     costs = np.round(lengths + lengths**2 / 4 + patches * rng.random() * 3, 3)
     lb = balance.capacity_lower_bound(lengths, costs, patches if with_patches else None, ranks=R, microbatches=W,
-                                      capacity=C, patch_capacity=Pc if with_patches else None)
+                                      capacity=C, load_capacity=Pc if with_patches else None)
     assert lb >= balance.lower_bound(costs, R)
     opt = _optimum(lengths, costs, patches, R, W, C, Pc)
     assert lb <= opt

@@ -32,11 +32,13 @@ _jit.py; the very same Python functions run uncompiled otherwise, so results nev
 6. **Micro-batch order** (microbatches.py): the heaviest micro-batches go to the middle of each rank's
    order, so pipeline warm-up and cool-down run the light ones.
 
-Multimodal steps have two capacities: `assign(..., patches=, patch_capacity=)` lets an item into a
-micro-batch only where both its tokens and its image patches fit; every stage checks both (LPT's "least
-loaded rank that can take the item" stays exact: lpt.py), and without patches every stage runs its
-text-only path, bit for bit. `capacity_lower_bound` (certificate.py) is a provable bound that respects
-the capacities (at least LB above); `max_over_capacity_lb` the matching certificate.
+Multimodal steps have a vector of encoder capacities beside tokens: `assign(..., loads=, load_capacity=)`
+(loads int [n, K]: image patches, video patches, audio frames, whatever each encoder's memory limits;
+load_capacity [K]) lets an item into a micro-batch only where its tokens and every load fit; every stage
+checks all K in one code path (capacities.py; LPT's "least loaded rank that can take the item" stays
+exact: lpt.py), and with K = 0 every stage runs its text-only path, bit for bit. `capacity_lower_bound`
+(certificate.py) is a provable bound that respects the capacities (at least LB above);
+`max_over_capacity_lb` the matching certificate.
 
 driver.py holds `assign()`, which runs the stages, and `Assignment`; tuning.py the tuning constants
 (set `plait.balance.tuning.X`: the stages read them there at each call); baselines.py the

@@ -37,21 +37,23 @@ def placed_tokens(rank, lengths):
     return total
 
 
-def capacity_lower_bound(lengths, costs, patches=None, *, ranks: int, microbatches: int, capacity: int,
-                         patch_capacity: int | None = None) -> float:
+def capacity_lower_bound(lengths, costs, loads=None, *, ranks: int, microbatches: int, capacity: int,
+                         load_capacity=None) -> float:
     """A lower bound on the largest rank cost of any assignment of all these items that respects the
     capacities; at least lower_bound(costs, ranks). microbatches: the most a rank may run (variable mode:
     max_microbatches).
 
-    Proof. A rank holds at most T = microbatches * capacity tokens (and Q = microbatches *
-    patch_capacity patches). Take any h of the R ranks: the other R - h hold at most (R - h) T tokens,
+    loads [n, K] (or [n]) and load_capacity [K]: the encoder capacities (see assign), each a floor too.
+
+    Proof. A rank holds at most T = microbatches * capacity tokens (and Q_k = microbatches *
+    load_capacity[k] of each load k). Take any h of the R ranks: the other R - h hold at most (R - h) T tokens,
     so these h hold at least N - (R - h) T of the N tokens (likewise patches). Take a class of k items
-    (the long ones: (j + 1) * L > capacity, j = 1, 2, 3, or the same in patches - what cannot be split
+    (the long ones: (j + 1) * L > capacity, j = 1, 2, 3, or the same in a load - what cannot be split
     evenly over ranks when tokens bind) and k = q R + s (0 <= s < R): the h ranks holding the most of
     them hold at least G(h) = h q + min(h, s). (If the h-th of them holds >= q + 1, they hold >= h (q + 1);
     else the other R - h hold <= q each, so these hold >= k - (R - h) q = h q + s.) So for those h ranks
     the union S of their items satisfies the covering constraints  sum_S a_u >= rhs_u  (a_u: lengths,
-    patches, or the class indicator; rhs_u: the floors above and G(h)). For any multipliers theta_u >= 0,
+    loads, or the class indicator; rhs_u: the floors above and G(h)). For any multipliers theta_u >= 0,
     with y_i = max(0, sum_u theta_u a_ui - c_i) >= 0:
         cost(S) = sum_S c_i >= sum_S (sum_u theta_u a_ui - y_i) >= sum_u theta_u rhs_u - sum_all y_i
     (weak LP duality: c_i >= theta . a_i - y_i, y_i >= 0, theta_u >= 0). The largest of the h rank costs
@@ -66,8 +68,10 @@ def capacity_lower_bound(lengths, costs, patches=None, *, ranks: int, microbatch
     if len(costs) == 0 or R < 2:
         return best
     floors = [(np.asarray(lengths, dtype=np.float64), float(microbatches) * capacity)]
-    if patches is not None and patch_capacity is not None:
-        floors.append((np.asarray(patches, dtype=np.float64), float(microbatches) * patch_capacity))
+    if loads is not None and load_capacity is not None:
+        loads = np.asarray(loads, dtype=np.float64).reshape(len(costs), -1)
+        for k, cap_k in enumerate(np.atleast_1d(load_capacity)):
+            floors.append((np.ascontiguousarray(loads[:, k]), float(microbatches) * float(cap_k)))
     totals = [float(a.sum()) for a, _ in floors]
     classes = []
     for a, T in floors:
@@ -115,11 +119,11 @@ def _best_multiplier(a, b, rhs) -> float:
     return max(0.0, float(brk[order[min(k, len(order) - 1)]]))
 
 
-def max_over_capacity_lb(assignment, lengths, costs, patches=None, *, microbatches: int, capacity: int,
-                         patch_capacity: int | None = None) -> float:
+def max_over_capacity_lb(assignment, lengths, costs, loads=None, *, microbatches: int, capacity: int,
+                         load_capacity=None) -> float:
     """max(rank cost) / capacity_lower_bound of the items the assignment placed (1.0 when it is 0)."""
     ok = assignment.rank >= 0
     lb = capacity_lower_bound(np.asarray(lengths)[ok], np.asarray(costs)[ok],
-                              None if patches is None else np.asarray(patches)[ok], ranks=len(assignment.rank_cost),
-                              microbatches=microbatches, capacity=capacity, patch_capacity=patch_capacity)
+                              None if loads is None else np.asarray(loads)[ok], ranks=len(assignment.rank_cost),
+                              microbatches=microbatches, capacity=capacity, load_capacity=load_capacity)
     return float(assignment.rank_cost.max()) / lb if lb > 0 else 1.0

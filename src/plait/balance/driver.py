@@ -15,7 +15,8 @@ import numpy as np
 from . import tuning
 from .certificate import lower_bound, pass_ratio, placed_tokens
 from .exchange import rebalance
-from .lpt import NO_PATCHES, LptRun, PlacementItems
+from .capacities import capacities, no_loads
+from .lpt import LptRun, PlacementItems
 from .microbatches import middle_heavy, pack_micro
 from .ordering import scatter_back, sorted_items
 
@@ -28,7 +29,7 @@ class Assignment:
     micro_cost: np.ndarray  # float64 [R, W]
     micro_tokens: np.ndarray  # int64 [R, W]
     microbatches: np.ndarray | None = None  # int64 [R]: micro-batches of each rank (W for all in equal mode)
-    micro_patches: np.ndarray | None = None  # int64 [R, W]: image patches per micro-batch (None: no patches)
+    micro_loads: np.ndarray | None = None  # int64 [R, W, K]: each encoder load per micro-batch (None: no loads)
 
     def __post_init__(self):
         if self.microbatches is None:
@@ -49,30 +50,28 @@ def assign(
     priority: np.ndarray | None = None,
     mode: str = "equal",
     max_microbatches: int | None = None,
-    patches: np.ndarray | None = None,
-    patch_capacity: int | None = None,
+    loads: np.ndarray | None = None,
+    load_capacity=None,
 ) -> Assignment:
     """Place items on (rank, micro-batch) minimising the largest rank cost; see the package docstring.
 
     Items with `priority` >= 2 (the Planner gives every carried item that: steps waited + 1) are placed
     before all others and are never held back by the cost cap, so nothing is carried twice for balance.
 
-    Multimodal steps: `patches` (int [n], each item's image patches) and `patch_capacity` (patches a
-    micro-batch may hold: the vision encoder's memory) add a second capacity; an item fits a micro-batch
-    only where both its tokens and its patches do. Without both (or with patches all 0) every stage runs
-    its text-only path. With `patches` alone, micro_patches is reported but not limited.
+    Multimodal steps: `loads` (int [n, K], or [n] for K = 1: each item's load in each encoder
+    capacity, e.g. image patches, video patches, audio frames) and `load_capacity` (int [K]: what one
+    micro-batch may hold of each, the encoders' memory) add K capacities; an item fits a micro-batch only
+    where its tokens and every load do. A capacity no item of the step uses is left out (it cannot bind);
+    with none left (or without both arguments) every stage runs its text-only path. With `loads` alone,
+    micro_loads is reported but not limited.
     """
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     n = len(lengths)
     R = int(ranks)
     C = int(capacity)
-    if patches is not None:
-        patches = np.ascontiguousarray(patches, dtype=np.int64)
-        if patches.shape != lengths.shape:
-            raise ValueError(f"patches has shape {patches.shape}, lengths {lengths.shape}")
-    two = patches is not None and patch_capacity is not None and bool(patches.any())
-    Pc = int(patch_capacity) if two else -1
+    loads, used, load_capacity = _encoder_loads(loads, load_capacity, n)
+    limited = len(used) > 0
     if mode == "equal":
         W = int(microbatches)
     elif mode == "variable":
@@ -82,15 +81,16 @@ def assign(
     # Stage 1: work in placement order, so the passes below stream through contiguous arrays.
     order, Ls, Cs = sorted_items(costs, priority, lengths)
     Us = np.zeros(n, dtype=np.bool_) if priority is None else (np.asarray(priority) >= 2)[order]
-    items = PlacementItems(Us, Ls, Cs, patches[order] if two else NO_PATCHES)
+    items = PlacementItems(Us, Ls, Cs, np.ascontiguousarray(loads[order][:, used]) if limited else no_loads(n))
+    caps = capacities(C, load_capacity[used] if limited else None)
     # Stages 2 and 3: LPT passes at cost caps, the best certificate kept.
-    first, best, ratio = _lpt_passes(items, costs, R, W, (C, Pc))
-    if two and mode == "equal":  # stages 4 and 5 write into the pass; a later rerun resumes from the first's
+    first, best, ratio = _lpt_passes(items, costs, R, W, caps)
+    if limited and mode == "equal":  # stages 4 and 5 write into the pass; a later rerun resumes from the first's
         best = best._replace(rank=best.rank.copy(), micro=best.micro.copy())
     # Stages 4 and 5: micro-batches re-packed inside each rank, then (equal mode) rebalanced.
-    placed = _pack_and_rebalance(items, best, ratio, (R, W, C, Pc), mode)
-    if two and mode == "equal":
-        placed = _recap_encoder_bound(items, first, best, placed, (R, W, C, Pc))
+    placed = _pack_and_rebalance(items, best, ratio, (R, W, caps), mode)
+    if limited and mode == "equal":
+        placed = _recap_encoder_bound(items, first, best, placed, (R, W, caps))
     rank_s, micro_s, rank_cost, micro_cost, room, counts = placed
     micro_tokens = C - room
     # Stage 6: the heaviest micro-batches to the middle of each rank's order; back to the caller's order.
@@ -105,19 +105,36 @@ def assign(
     if mode == "variable":
         width = max(1, int(counts.max()))
         micro_cost, micro_tokens = micro_cost[:, :width].copy(), micro_tokens[:, :width].copy()
-    micro_patches = None
-    if patches is not None:
-        ok = rank >= 0
-        micro_patches = np.bincount(rank[ok].astype(np.int64) * micro_cost.shape[1] + micro[ok],
-                                    weights=patches[ok], minlength=micro_cost.size)
-        micro_patches = micro_patches.astype(np.int64).reshape(micro_cost.shape)
-    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens, counts, micro_patches)
+    micro_loads = None
+    if loads is not None:
+        ok = np.flatnonzero(rank >= 0)
+        micro_loads = np.zeros((micro_cost.size, loads.shape[1]), dtype=np.int64)
+        np.add.at(micro_loads, rank[ok].astype(np.int64) * micro_cost.shape[1] + micro[ok], loads[ok])
+        micro_loads = micro_loads.reshape(micro_cost.shape + (loads.shape[1],))
+    return Assignment(rank, micro, rank_cost, micro_cost, micro_tokens, counts, micro_loads)
+
+
+def _encoder_loads(loads, load_capacity, n):
+    """The loads as int64 [n, K] (None: none given), the capacities that limit this step (given, and used
+    by some item) and the capacities as int64 [K]."""
+    if loads is None:
+        return None, np.zeros(0, dtype=np.int64), None
+    loads = np.asarray(loads, dtype=np.int64)
+    loads = loads.reshape(n, 1) if loads.ndim == 1 else loads
+    if loads.ndim != 2 or loads.shape[0] != n:
+        raise ValueError(f"loads has shape {loads.shape}, expected ({n}, K) for {n} items")
+    if load_capacity is None:
+        return loads, np.zeros(0, dtype=np.int64), None
+    load_capacity = np.atleast_1d(np.asarray(load_capacity, dtype=np.int64))
+    if load_capacity.shape != (loads.shape[1],) or (load_capacity < 1).any():
+        raise ValueError(f"load_capacity {load_capacity.tolist()}: expected {loads.shape[1]} capacities >= 1")
+    return loads, np.flatnonzero(loads.any(axis=0)), load_capacity
 
 
 def _lpt_passes(items, costs, R, W, caps):
     """Stages 2 and 3: the LPT pass at a cost cap just above the lower bound, and the passes at other
-    caps that may certify better. Returns rank, micro, rank_cost, micro_cost, room, proom (patch room;
-    [R, 0] without patches) of the pass kept, and its certificate (max/LB of the items it placed).
+    caps that may certify better. Returns the first pass (an lpt.LptRun, from which later passes
+    resume), the pass kept (an lpt.LptResult) and its certificate (max/LB of the items it placed).
 
     Tokens may bind before cost: some ranks full of cheap short documents while others hold the
     expensive long ones. The capped pass carries the cheapest leftovers instead of piling them onto the
@@ -136,12 +153,12 @@ def _lpt_passes(items, costs, R, W, caps):
     the items it placed, but makes a step no faster than the cap allows while leaving tokens behind: the
     plain pass is kept instead when it places more tokens.
     """
-    Us, Ls, Cs, Ps = items
-    capacity, pcap = caps
+    Us, Ls, Cs, loads = items
+    capacity, load_capacity = caps[0], caps[1]
     lb_all = lower_bound(Cs, R)
     total_tokens = int(Ls.sum())
     cap = lower_bound(costs, R) * (1.0 + tuning.CAP_SLACK)  # (summed in the caller's order: same float as always)
-    first = LptRun(Us, Ls, Cs, R, W, capacity, cap, Ps if pcap >= 0 else None, pcap if pcap >= 0 else None)
+    first = LptRun(Us, Ls, Cs, R, W, capacity, cap, loads, load_capacity)
     best = first.result
     ratio = pass_ratio(best.rank, best.rank_cost, Cs, R)
     plain = None  # the uncapped pass, run only when a comparison needs it
@@ -167,13 +184,13 @@ def _lpt_passes(items, costs, R, W, caps):
 def _pack_and_rebalance(items, best, ratio, shape, mode):
     """Stages 4 and 5 on the pass kept: rank, micro, rank_cost, micro_cost, room (tokens) and counts
     (micro-batches per rank). The pass's arrays are modified in place."""
-    R, W, C, Pc = shape
+    R, W, caps = shape
     rank_s, micro_s, rank_cost, micro_cost, room, proom = (best.rank, best.micro, best.rank_cost,
                                                           best.micro_cost, best.room, best.proom)
     counts = np.full(R, W, dtype=np.int64)
-    pack_micro(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc), mode == "variable", counts)
+    pack_micro(items, rank_s, micro_s, micro_cost, (room, proom), caps, mode == "variable", counts)
     if mode == "equal" and R > 1 and len(rank_s) and ratio > 1.0 + tuning.RECAP_ABOVE:
-        rank_cost = rebalance(items, rank_s, micro_s, micro_cost, (room, proom), (C, Pc),
+        rank_cost = rebalance(items, rank_s, micro_s, micro_cost, (room, proom), caps,
                               int(tuning.REBALANCE_TOKENS * int(items.lengths.sum())))
     return rank_s, micro_s, rank_cost, micro_cost, room, counts
 

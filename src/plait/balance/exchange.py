@@ -36,19 +36,19 @@ Board = namedtuple("Board", "mc owner slots rank_cost")
 # The items of each group, for the item exchange: item_g[i] the group of item i (-1: not placed);
 # head[g] / nxt[i] a linked list of g's items in placement order (decreasing cost); mtok[g] its tokens.
 # pool, side: scratch for the split of one pair of groups (the pooled items, and the side each goes to).
-# mpat[g]: its patches (empty without patches).
-Members = namedtuple("Members", "item_g head nxt mtok pool side mpat")
+# mload[g]: its encoder loads [K] (K = 0: none); bload: scratch [K] for the light side's loads of a split.
+Members = namedtuple("Members", "item_g head nxt mtok pool side mload bload")
 
 
 def rebalance(items, rank_s, micro_s, micro_cost, rooms, caps, carry_budget):
     """Stage 5 on the items (lpt.PlacementItems, in placement order) as placed by stages 2-4: swaps, item
-    exchange, carrying at most carry_budget tokens. rooms: (token room, patch room [R, 0] without
-    patches), caps: (token, patch capacity); whole micro-batches keep both when they swap, an item moves
-    only where both fit. Modifies rank_s, micro_s (-1 for carried items), micro_cost and the rooms in
-    place (the micro-batches in their new slots); returns the rank costs."""
+    exchange, carrying at most carry_budget tokens. rooms: (token room [R, W], load room [R, W, K]),
+    caps: as capacities.capacities gives them; whole micro-batches keep their rooms when they swap, an
+    item moves only where its tokens and every load fit. Modifies rank_s, micro_s (-1 for carried items),
+    micro_cost and the rooms in place (the micro-batches in their new slots); returns the rank costs."""
     room, proom = rooms
     capacity = caps[0]
-    two = len(items.patches) > 0
+    K = items.loads.shape[1]
     Cs = items.costs
     R, W = micro_cost.shape
     G = R * W
@@ -67,17 +67,17 @@ def rebalance(items, rank_s, micro_s, micro_cost, rooms, caps, carry_budget):
         room_flat = room.ravel()
         np.add.at(room_flat, g, items.lengths[gone])
         room[:] = room_flat.reshape(R, W)
-        if two:
-            proom_flat = proom.ravel()
-            np.add.at(proom_flat, g, items.patches[gone])
-            proom[:] = proom_flat.reshape(R, W)
+        if K:
+            proom_flat = proom.reshape(G, K)
+            np.add.at(proom_flat, g, items.loads[gone])
+            proom[:] = proom_flat.reshape(R, W, K)
         rank_s[gone] = -1
         micro_s[gone] = -1
     pos = np.empty(G, dtype=np.int64)
     pos[board.slots.ravel()] = np.tile(np.arange(W, dtype=np.int64), R)
     room_new = room.ravel()[board.slots]
-    if two:
-        proom[:] = proom.ravel()[board.slots]
+    if K:
+        proom[:] = proom.reshape(G, K)[board.slots]
     # Exact costs from the items (no drift from incremental updates).
     mc_new = np.zeros(G)
     _move_groups(rank_s, micro_s, board.owner, pos, W, Cs, mc_new)
@@ -100,19 +100,20 @@ def _exchange_items(items, rank_s, micro_s, rooms, caps, board, max_iter, swap_s
     """Step 2: item exchanges between the costliest and the lightest ranks, then swaps again (if any
     exchange happened). Updates rank_s, micro_s (groups), the rooms and the board."""
     room, proom = rooms
-    capacity, pcap = caps
+    capacity, load_capacity = caps[0], caps[1]
     n = len(items.lengths)
     R, W = board.slots.shape
+    K = items.loads.shape[1]
     item_g = _item_group(rank_s, micro_s, W)
     members = Members(item_g, np.full(R * W, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64),
                       capacity - room.ravel().copy(), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int8),
-                      pcap - proom.ravel().copy())
+                      load_capacity - proom.reshape(R * W, K), np.zeros(K, dtype=np.int64))
     _item_lists(item_g, members.head, members.nxt)
-    if _exchange(items.lengths, items.costs, items.patches, board, members, caps, max_iter):
+    if _exchange(items.lengths, items.costs, items.loads, board, members, caps, max_iter):
         _from_group(item_g, W, rank_s, micro_s)
         room.ravel()[:] = capacity - members.mtok
-        if len(items.patches):
-            proom.ravel()[:] = pcap - members.mpat
+        if K:
+            proom[:] = (load_capacity - members.mload).reshape(R, W, K)
         refine_swaps(board, max_iter, swap_scan)
 
 
@@ -244,17 +245,18 @@ def refine_swaps(board, max_iter, swap_scan):
 
 
 @jit
-def _exchange(lengths, costs, patches, board, members, caps, max_iter):
+def _exchange(lengths, costs, loads, board, members, caps, max_iter):
     """Item exchanges between a micro-batch of the costliest rank and one of the lightest rank.
 
     When every micro-batch is full of tokens, cost can still move between ranks: long documents cost more
     per token than short ones, so the light rank's micro-batch takes long documents and gives back as
     many tokens of short ones. The pooled items of the two micro-batches are split again (_split_pair).
     Returns how many exchanges ran."""
-    capacity, pcap = caps
-    two = len(patches) > 0
+    capacity, load_capacity = caps[0], caps[1]
+    K = loads.shape[1]
     mc, slots, rank_cost = board.mc, board.slots, board.rank_cost
-    item_g, head, nxt, mtok, pool, side, mpat = members
+    item_g, head, nxt, mtok, pool, side, mload = members.item_g, members.head, members.nxt, members.mtok, \
+        members.pool, members.side, members.mload
     R, W = slots.shape
     done = 0
     for it in range(max_iter):
@@ -276,9 +278,9 @@ def _exchange(lengths, costs, patches, board, members, caps, max_iter):
             for b in range(W):
                 gb = slots[q, b]
                 target = mc[gb] + (top - rank_cost[q]) * 0.5  # light side's ideal cost
-                if two:
-                    k, ptok, btok, bc = _split_pair_patches(members, ga, gb, lengths, costs, patches, caps, target)
-                    if ptok - btok > capacity or not _split_fits(members, ga, gb, k, patches, pcap):
+                if K:
+                    k, ptok, btok, bc = _split_pair_loads(members, ga, gb, lengths, costs, loads, caps, target)
+                    if ptok - btok > capacity or not _split_fits(members, ga, gb, k, loads, load_capacity):
                         continue
                 else:
                     k, ptok, btok, bc = _split_pair(members, ga, gb, lengths, costs, capacity, target)
@@ -300,14 +302,15 @@ def _exchange(lengths, costs, patches, board, members, caps, max_iter):
         ga = bga
         gb = bgb
         target = mc[gb] + (top - rank_cost[q]) * 0.5
-        if two:
-            k, ptok, btok, bc = _split_pair_patches(members, ga, gb, lengths, costs, patches, caps, target)
+        if K:
+            k, ptok, btok, bc = _split_pair_loads(members, ga, gb, lengths, costs, loads, caps, target)
         else:
             k, ptok, btok, bc = _split_pair(members, ga, gb, lengths, costs, capacity, target)
         ac = 0.0
         atok = 0
-        apat = 0
-        bpat = 0
+        for u in range(K):  # the pair's loads are recounted from the items of each side
+            mload[ga, u] = 0
+            mload[gb, u] = 0
         la = -1
         lb = -1
         head[ga] = -1
@@ -315,11 +318,9 @@ def _exchange(lengths, costs, patches, board, members, caps, max_iter):
         for j in range(k):
             i = pool[j]
             nxt[i] = -1
-            if two:
-                if side[j] == 1:
-                    bpat += patches[i]
-                else:
-                    apat += patches[i]
+            g_side = gb if side[j] == 1 else ga
+            for u in range(K):
+                mload[g_side, u] += loads[i, u]
             if side[j] == 1:
                 item_g[i] = gb
                 if lb < 0:
@@ -343,22 +344,21 @@ def _exchange(lengths, costs, patches, board, members, caps, max_iter):
         mc[gb] = bc
         mtok[ga] = atok
         mtok[gb] = btok
-        if two:
-            mpat[ga] = apat
-            mpat[gb] = bpat
         done += 1
     return done
 
 
 @jit
-def _split_fits(members, ga, gb, k, patches, pcap):
-    """Whether both sides of the split in members.side (k pooled items) are within the patch capacity."""
-    ptot = members.mpat[ga] + members.mpat[gb]
-    bp = 0
-    for j in range(k):
-        if members.side[j] == 1:
-            bp += patches[members.pool[j]]
-    return bp <= pcap and ptot - bp <= pcap
+def _split_fits(members, ga, gb, k, loads, load_capacity):
+    """Whether both sides of the split in members.side (k pooled items) are within every load capacity."""
+    for q in range(loads.shape[1]):
+        bp = 0
+        for j in range(k):
+            if members.side[j] == 1:
+                bp += loads[members.pool[j], q]
+        if bp > load_capacity[q] or members.mload[ga, q] + members.mload[gb, q] - bp > load_capacity[q]:
+            return False
+    return True
 
 
 @jit
@@ -390,33 +390,42 @@ def _split_pair(members, ga, gb, lengths, costs, capacity, target):
 
 
 @jit
-def _split_pair_patches(members, ga, gb, lengths, costs, patches, caps, target):
-    """_split_pair with patches: the light side takes an item only where its patches fit too (the heavy
-    side is checked by _split_fits)."""
-    capacity, pcap = caps
+def _split_pair_loads(members, ga, gb, lengths, costs, loads, caps, target):
+    """_split_pair with encoder loads: the light side takes an item only where its loads fit too (the
+    heavy side is checked by _split_fits)."""
+    capacity, load_capacity = caps[0], caps[1]
     k, ptok = _pool(members, ga, gb)
-    pool, side = members.pool, members.side
+    pool, side, bp = members.pool, members.side, members.bload
+    bp[:] = 0
     btok = 0
-    bp = 0
     bc = 0.0
     for j in range(k):
         i = pool[j]
         side[j] = 0
-        if btok + lengths[i] <= capacity and bc + costs[i] <= target and bp + patches[i] <= pcap:
+        if btok + lengths[i] <= capacity and bc + costs[i] <= target and _light_fits(bp, loads[i], load_capacity):
             side[j] = 1
             btok += lengths[i]
-            bp += patches[i]
+            bp += loads[i]
             bc += costs[i]
     j = k - 1
     while ptok - btok > capacity and j >= 0:
         i = pool[j]
-        if side[j] == 0 and btok + lengths[i] <= capacity and bp + patches[i] <= pcap:
+        if side[j] == 0 and btok + lengths[i] <= capacity and _light_fits(bp, loads[i], load_capacity):
             side[j] = 1
             btok += lengths[i]
-            bp += patches[i]
+            bp += loads[i]
             bc += costs[i]
         j -= 1
     return k, ptok, btok, bc
+
+
+@jit
+def _light_fits(held, P, load_capacity):
+    """Whether loads P still fit beside `held` within every load capacity."""
+    for q in range(len(P)):
+        if held[q] + P[q] > load_capacity[q]:
+            return False
+    return True
 
 
 @jit

@@ -19,6 +19,11 @@ the shared prefix.
 
 The state of a pass is an `LptState` of arrays (kernels write into them); its scalar counters live in
 `ints`, indexed by the I_* constants, so a snapshot is a plain copy of every array.
+
+Encoder capacities. Besides tokens, a micro-batch may have K encoder capacities (image patches, video
+patches, audio frames: whatever the encoders' memory limits), each item a load in each (`loads` [n, K]).
+An item fits a micro-batch only where its tokens and all its loads do. K = 0 is the text-only path;
+every kernel loops over the K capacities, so one code path serves any K.
 """
 
 from __future__ import annotations
@@ -29,27 +34,29 @@ import numpy as np
 
 from . import tuning
 from ._jit import jit
+from .capacities import best_fit_loads, capacities, lacking, need, no_loads
 from .heaps import pop, push, sift_down
 from .ordering import radix_sort
 
 # The items of a step, in placement order: urgent (bool: never held back by the cap), lengths, costs,
-# patches (int64 [n], or [0]: no patch capacity - text, or patches not limited; every kernel then runs
-# its text-only path, bit for bit the one it ran before patches existed).
-PlacementItems = namedtuple("PlacementItems", "urgent lengths costs patches")
+# loads (int64 [n, K]: each item's load in each encoder capacity; K = 0: tokens only - every kernel then
+# runs its text-only path, bit for bit the one it ran before encoder capacities existed).
+PlacementItems = namedtuple("PlacementItems", "urgent lengths costs loads")
 # The name the on-disk numba caches of earlier versions pickled (they fail to load, not recompile, without it)
 Items = PlacementItems
-NO_PATCHES = np.zeros(0, dtype=np.int64)
+
 
 # The state of an LPT pass, all arrays. rank, micro [n]: the item's place (-1: none yet). rank_cost [R],
 # micro_cost [R, W], room [R, W] (tokens left). best [R]: each rank's largest hole. heap: ranks with room
 # for the current item, by (cost, id); full: ranks too full for it, by (neg_best, id) - largest hole
 # first; the rounds reuse heap / neg_best as their order / sort keys. ints: the counters (I_*).
 # first_over [1]: the cost the first held-back item would have lifted its rank to (0.0: none yet).
-# With patches (two capacities, see "Two capacities" below), [R, W] / [R] arrays, else [R, 0] / [0]:
-# proom [R, W] (patches left), pbest [R] (largest patch hole), neg_pbest, pfull: ranks too full in
-# patches for the current item (largest patch hole first), fit [R]: max over the rank's micro-batches of
-# min(room * patch_capacity, proom * capacity) (an item fits *every* rank when max(L * patch_capacity,
-# P * capacity) <= min(fit): the rounds' test), stash: scratch for ranks passed over by one item.
+# The encoder capacities (K of them, caps as `capacities` gives them): proom [R, W, K] (load room left),
+# pbest [K, R] (each rank's largest hole in load k), neg_pbest [K, R], pfull [K, R]: per capacity, the
+# ranks too full in it for the current item (largest hole first; ints[I_PFULL_N + k] of them), fit [R]:
+# max over the rank's micro-batches of min(room * weights[0], proom[k] * weights[1 + k] over k) (an item
+# fits *every* rank when max(L * weights[0], loads[k] * weights[1 + k]) <= min(fit): the rounds' test),
+# stash [R]: scratch for ranks passed over by one item.
 LptState = namedtuple("LptState", "rank micro rank_cost micro_cost room best neg_best heap full ints first_over "
                                   "proom pbest neg_pbest pfull fit stash")
 I_HEAP_N = 0  # ranks in heap[:n]
@@ -57,8 +64,8 @@ I_FULL_N = 1  # ranks in full[:n]
 I_SKIPPED = 2  # items held back by the cap so far
 I_PHASE = 3  # PHASE_*: where the pass is (see _lpt)
 I_ROUNDS_RAN = 4  # 1 once a round ran (its sort overwrote the heaps, which must then be rebuilt)
-I_PFULL_N = 5  # ranks in pfull[:n]
-N_INTS = 6
+I_PFULL_N = 5  # ints[I_PFULL_N + k]: ranks in pfull[k, :n]
+N_INTS = 5  # ... plus one per encoder capacity
 PHASE_HEAPS = 0
 PHASE_ROUNDS = 1
 PHASE_HEAPS_AGAIN = 2
@@ -75,33 +82,39 @@ Snapshots = namedtuple("Snapshots", "at rank_cost micro_cost room best neg_best 
 LptResult = namedtuple("LptResult", "rank micro rank_cost micro_cost room skipped first_over proom")
 
 
-def fresh_state(n, R, W, capacity, pcap=-1) -> LptState:
+def fresh_state(n, R, W, caps) -> LptState:
     """The state of an LPT pass before its first item: nothing placed, every rank in the cost heap.
-    pcap: the micro-batches' patch capacity (-1: no patch state)."""
-    ints = np.zeros(N_INTS, dtype=np.int64)
+    caps: as `capacities` gives them."""
+    capacity, load_capacity, weights = caps
+    K = len(load_capacity)
+    ints = np.zeros(N_INTS + K, dtype=np.int64)
     ints[I_HEAP_N] = R
-    Rp, Wp = (R, W) if pcap >= 0 else (0, 0)
+    full_fit = capacity * weights[0]
+    for k in range(K):
+        full_fit = min(full_fit, load_capacity[k] * weights[1 + k])
     return LptState(np.full(n, -1, dtype=np.int32), np.full(n, -1, dtype=np.int32), np.zeros(R), np.zeros((R, W)),
                     np.full((R, W), capacity, dtype=np.int64), np.full(R, capacity, dtype=np.int64), np.zeros(R),
                     np.arange(R, dtype=np.int64), np.empty(R, dtype=np.int64), ints, np.zeros(1),
-                    np.full((Rp, Wp), pcap, dtype=np.int64), np.full(Rp, pcap, dtype=np.int64),
-                    np.zeros(Rp, dtype=np.int64), np.empty(Rp, dtype=np.int64),
-                    np.full(Rp, capacity * max(pcap, 0), dtype=np.int64), np.empty(Rp, dtype=np.int64))
+                    np.broadcast_to(load_capacity, (R, W, K)).copy(),
+                    np.broadcast_to(load_capacity[:, None], (K, R)).copy(), np.zeros((K, R), dtype=np.int64),
+                    np.empty((K, R), dtype=np.int64), np.full(R, full_fit), np.empty(R, dtype=np.int64))
 
 
-def new_snapshots(K, n, R, W, patches=False) -> Snapshots:
-    """Room for K snapshots of a pass over n items (K = 0: a pass that takes none)."""
-    Rp, Wp = (R, W) if patches else (0, 0)
-    return Snapshots(np.full(K, -1, dtype=np.int64), np.empty((K, R)), np.empty((K, R, W)),
-                     np.empty((K, R, W), dtype=np.int64), np.empty((K, R), dtype=np.int64), np.empty((K, R)),
-                     np.empty((K, R), dtype=np.int64), np.empty((K, R), dtype=np.int64),
-                     np.empty((K, N_INTS), dtype=np.int64), np.empty((K, 1)), np.empty((K, Rp, Wp), dtype=np.int64),
-                     np.empty((K, Rp), dtype=np.int64), np.empty((K, Rp), dtype=np.int64),
-                     np.empty((K, Rp), dtype=np.int64), np.empty((K, Rp), dtype=np.int64),
-                     np.full(n if K else 0, -np.inf))
+def new_snapshots(S, n, R, W, K=0) -> Snapshots:
+    """Room for S snapshots of a pass over n items with K encoder capacities (S = 0: a pass that takes
+    none)."""
+    return Snapshots(np.full(S, -1, dtype=np.int64), np.empty((S, R)), np.empty((S, R, W)),
+                     np.empty((S, R, W), dtype=np.int64), np.empty((S, R), dtype=np.int64), np.empty((S, R)),
+                     np.empty((S, R), dtype=np.int64), np.empty((S, R), dtype=np.int64),
+                     np.empty((S, N_INTS + K), dtype=np.int64), np.empty((S, 1)),
+                     np.empty((S, R, W, K), dtype=np.int64), np.empty((S, K, R), dtype=np.int64),
+                     np.empty((S, K, R), dtype=np.int64), np.empty((S, K, R), dtype=np.int64), np.empty((S, R)),
+                     np.full(n if S else 0, -np.inf))
 
 
-NO_SNAPSHOTS = new_snapshots(0, 0, 0, 0)  # for a pass that takes none (every = 0: nothing is written)
+def no_snapshots(K: int) -> Snapshots:
+    """For a pass that takes none (every = 0: nothing is written)."""
+    return new_snapshots(0, 0, 0, 0, K)
 
 
 def result_of(st: LptState) -> LptResult:
@@ -120,12 +133,14 @@ class LptRun:
     tuning.SNAPSHOT_MIN items take no snapshots: every pass runs from the first item.
     """
 
-    def __init__(self, urgent, lengths, costs, R, W, capacity, cap, patches=None, patch_capacity=None):
+    def __init__(self, urgent, lengths, costs, R, W, capacity, cap, loads=None, load_capacity=None):
+        """loads int64 [n, K] and load_capacity [K]: the encoder capacities (None: tokens only)."""
         n = len(lengths)
-        two = patches is not None and patch_capacity is not None
-        self.items = PlacementItems(urgent, lengths, costs, patches if two else NO_PATCHES)
-        self.R, self.W, self.capacity = R, W, capacity
-        self.pcap = int(patch_capacity) if two else -1
+        limited = loads is not None and load_capacity is not None
+        self.items = PlacementItems(urgent, lengths, costs, loads if limited else no_loads(n))
+        self.R, self.W = R, W
+        self.caps = capacities(capacity, load_capacity if limited else None)
+        self.K = len(self.caps[1])
         self.cap = float(cap)
         self.switch = round_start(urgent, costs, R)
         self.round_short = int(tuning.ROUND_SHORT)
@@ -135,9 +150,9 @@ class LptRun:
             return
         every = max(1024, -(-n // tuning.SNAPSHOTS))
         K = n // every + 2  # periodic snapshots, then the one at the first held-back item
-        self.snaps = new_snapshots(K, n, R, W, two)
-        st = fresh_state(n, R, W, capacity, self.pcap)
-        _lpt(self.items, st, self.snaps, (capacity, self.pcap), self.cap, 0, self.switch, every, self.round_short)
+        self.snaps = new_snapshots(K, n, R, W, self.K)
+        st = fresh_state(n, R, W, self.caps)
+        _lpt(self.items, st, self.snaps, self.caps, self.cap, 0, self.switch, every, self.round_short)
         self.result = result_of(st)
 
     def rerun(self, cap: float) -> LptResult:
@@ -162,20 +177,20 @@ class LptRun:
         else:
             k = int(np.flatnonzero((taken >= 0) & (taken <= diverge))[-1])
         start = int(at[k])
-        st = fresh_state(n, self.R, self.W, self.capacity, self.pcap)
+        st = fresh_state(n, self.R, self.W, self.caps)
         st.rank[:start] = self.result.rank[:start]
         st.micro[:start] = self.result.micro[:start]
         for dst, snap in zip(st[2:], self.snaps[1:-1]):
             dst[...] = snap[k]
         none = self.snaps._replace(at=at[:0], trig=self.snaps.trig[:0])  # a resumed pass takes no snapshots
-        _lpt(self.items, st, none, (self.capacity, self.pcap), cap, start, self.switch, 0, self.round_short)
+        _lpt(self.items, st, none, self.caps, cap, start, self.switch, 0, self.round_short)
         return result_of(st)
 
     def pass_from_scratch(self, cap: float) -> LptResult:
         """A whole pass at `cap` from the first item, without snapshots (one compiled call)."""
         n = len(self.items.lengths)
-        st = fresh_state(n, self.R, self.W, self.capacity, self.pcap)
-        _lpt(self.items, st, NO_SNAPSHOTS, (self.capacity, self.pcap), float(cap), 0, self.switch, 0, self.round_short)
+        st = fresh_state(n, self.R, self.W, self.caps)
+        _lpt(self.items, st, no_snapshots(self.K), self.caps, float(cap), 0, self.switch, 0, self.round_short)
         return result_of(st)
 
 
@@ -250,7 +265,7 @@ def _lpt(items, st, snaps, caps, cap, start, switch, every, round_short):
     PHASE_HEAPS_AGAIN: once some rank is too full: heaps again, rebuilt from the state (the least-loaded
        rank *with room* and the cap below need them).
 
-    caps: (token capacity, patch capacity; -1: no patches). An item that would lift its rank past `cap`
+    caps: (token capacity, load capacities [K], weights), see `capacities`. An item that would lift its rank past `cap`
     while some rank is too full for it is carried (skipped). With every > 0 the state is snapshotted at
     the first item of each `every`-block (at a round start in the round phase) and before the first
     skipped item (last slot), and snaps.trig[i] is recorded (see LptRun). Returns the number of skipped
@@ -276,7 +291,7 @@ def _lpt(items, st, snaps, caps, cap, start, switch, every, round_short):
                     hn = push(st.heap, hn, st.rank_cost, r)
                 ints[I_HEAP_N] = hn
                 ints[I_FULL_N] = 0
-                ints[I_PFULL_N] = 0
+                ints[I_PFULL_N:] = 0
             ints[I_PHASE] = PHASE_HEAPS_AGAIN
     if ints[I_PHASE] == PHASE_HEAPS_AGAIN and i < n:
         _lpt_heap(items, st, snaps, caps, cap, i, n, every)
@@ -287,23 +302,22 @@ def _lpt(items, st, snaps, caps, cap, start, switch, every, round_short):
 def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
     """The heap phases of _lpt over items [start, stop); returns stop.
 
-    Two capacities (items.patches given): a rank can take an item when one of its micro-batches has
-    room for both its tokens and its patches. Ranks with too few tokens left anywhere wait in `full`
-    (largest token hole first), ranks with too few patches left anywhere in `pfull` (largest patch hole
-    first); both come back as soon as an item small enough arrives. A rank in the cost heap may still
-    have its token room and its patch room in different micro-batches: the top of the heap is then set
-    aside (stash) until one that can take the item comes up, and the set-aside ranks go back afterwards.
-    So the item goes to exactly the least-loaded rank that can take it, as with one capacity.
+    Encoder capacities (K > 0): a rank can take an item when one of its micro-batches has room for its
+    tokens and all its loads. Ranks with too few tokens left anywhere wait in `full` (largest token hole
+    first), ranks with too little of load k left anywhere in pfull[k] (largest hole in k first); each
+    comes back as soon as an item small enough in that capacity arrives (and may then wait in another).
+    A rank in the cost heap may still have its rooms in different micro-batches: the top of the heap is
+    then set aside (stash) until one that can take the item comes up, and the set-aside ranks go back
+    afterwards. So the item goes to exactly the least-loaded rank that can take it, as with tokens alone.
     """
-    urgent, lengths, costs, patches = items
-    capacity, pcap = caps
-    two = len(patches) > 0
+    urgent, lengths, costs, loads = items
+    capacity, load_capacity, weights = caps
+    K = loads.shape[1]
     W = st.micro_cost.shape[1]
     heap, full, rank_cost, best, neg_best, ints = st.heap, st.full, st.rank_cost, st.best, st.neg_best, st.ints
     pfull, pbest, neg_pbest, stash = st.pfull, st.pbest, st.neg_pbest, st.stash
     hn = ints[I_HEAP_N]
     fn = ints[I_FULL_N]
-    pfn = ints[I_PFULL_N]
     skipped = ints[I_SKIPPED]
     first_over = st.first_over[0]
     last = len(snaps.at) - 1
@@ -314,40 +328,46 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
             if snaps.at[k] < 0:
                 ints[I_HEAP_N] = hn
                 ints[I_FULL_N] = fn
-                ints[I_PFULL_N] = pfn
                 ints[I_SKIPPED] = skipped
                 st.first_over[0] = first_over
                 _snapshot(snaps, k, i, st)
             due = (k + 1) * every
         L = lengths[i]
-        P = 0
         while fn > 0 and best[full[0]] >= L:  # ranks that have room again for items this small
             r, fn = pop(full, fn, neg_best)
             hn = push(heap, hn, rank_cost, r)
         sn = 0
         m = -1
-        if two:
-            P = patches[i]
-            while pfn > 0 and pbest[pfull[0]] >= P:
-                r, pfn = pop(pfull, pfn, neg_pbest)
-                hn = push(heap, hn, rank_cost, r)
+        waiting = 0  # ranks waiting in some pfull
+        if K > 0:
+            P = loads[i]
+            for k in range(K):
+                pn = ints[I_PFULL_N + k]
+                while pn > 0 and pbest[k, pfull[k, 0]] >= P[k]:
+                    r, pn = pop(pfull[k], pn, neg_pbest[k])
+                    hn = push(heap, hn, rank_cost, r)
+                ints[I_PFULL_N + k] = pn
             while hn > 0:
                 r = heap[0]
                 if best[r] < L:
                     r, hn = pop(heap, hn, rank_cost)
                     neg_best[r] = -best[r]
                     fn = push(full, fn, neg_best, r)
-                elif pbest[r] < P:
+                    continue
+                lack = lacking(pbest, r, P)
+                if lack >= 0:
                     r, hn = pop(heap, hn, rank_cost)
-                    neg_pbest[r] = -pbest[r]
-                    pfn = push(pfull, pfn, neg_pbest, r)
-                else:
-                    m = _best_fit2(st.room, st.proom, r, L, P, capacity, pcap)
-                    if m >= 0:
-                        break
-                    r, hn = pop(heap, hn, rank_cost)  # room for both, but not in one micro-batch
-                    stash[sn] = r
-                    sn += 1
+                    neg_pbest[lack, r] = -pbest[lack, r]
+                    ints[I_PFULL_N + lack] = push(pfull[lack], ints[I_PFULL_N + lack], neg_pbest[lack], r)
+                    continue
+                m = best_fit_loads(st.room, st.proom, r, L, P, weights)
+                if m >= 0:
+                    break
+                r, hn = pop(heap, hn, rank_cost)  # room in every capacity, but not in one micro-batch
+                stash[sn] = r
+                sn += 1
+            for k in range(K):
+                waiting += ints[I_PFULL_N + k]
         else:
             while hn > 0 and best[heap[0]] < L:
                 r, hn = pop(heap, hn, rank_cost)
@@ -358,7 +378,7 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
                 hn = _unstash(heap, hn, rank_cost, stash, sn)
             continue
         r = heap[0]
-        if (fn > 0 or pfn > 0 or sn > 0) and not urgent[i]:
+        if (fn > 0 or waiting > 0 or sn > 0) and not urgent[i]:
             v = rank_cost[r] + costs[i]
             if every > 0 and skipped == 0:
                 snaps.trig[i] = v
@@ -370,15 +390,14 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
                     if every > 0:
                         ints[I_HEAP_N] = hn
                         ints[I_FULL_N] = fn
-                        ints[I_PFULL_N] = pfn
                         ints[I_SKIPPED] = 0
                         st.first_over[0] = 0.0  # a pass resumed here has not held anything back yet
                         _snapshot(snaps, last, i, st)
                 skipped += 1
-                continue  # the ranks with room would exceed the cap, others are full of tokens: carry it
-        if two:
+                continue  # the ranks with room would exceed the cap, others are full: carry it
+        if K > 0:
             _put(st, i, r, m, L, costs[i])
-            _put_patches(st, r, m, P, caps)
+            _put_loads(st, r, m, loads[i], weights)
         else:
             _put(st, i, r, _best_fit(st.room, r, W, L, capacity), L, costs[i])
         sift_down(heap, hn, rank_cost, 0)
@@ -386,7 +405,6 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
             hn = _unstash(heap, hn, rank_cost, stash, sn)
     ints[I_HEAP_N] = hn
     ints[I_FULL_N] = fn
-    ints[I_PFULL_N] = pfn
     ints[I_SKIPPED] = skipped
     st.first_over[0] = first_over
     return stop
@@ -413,24 +431,9 @@ def _best_fit(room, r, W, L, capacity):
 
 
 @jit
-def _best_fit2(room, proom, r, L, P, capacity, pcap):
-    """Rank r's fullest micro-batch with room for L tokens and P patches (-1: none): the least room left
-    after it, tokens and patches each as a fraction of its capacity (ties: the first)."""
-    m = -1
-    mr = 0
-    for j in range(room.shape[1]):
-        if room[r, j] >= L and proom[r, j] >= P:
-            left = (room[r, j] - L) * pcap + (proom[r, j] - P) * capacity
-            if m < 0 or left < mr:
-                mr = left
-                m = j
-    return m
-
-
-@jit
 def _put(st, i, r, m, L, c):
     """Item i (L tokens, cost c) into micro-batch m of rank r; keeps best[r] (its largest hole) current;
-    returns it. (With patches, _put_patches follows.)"""
+    returns it. (With encoder capacities, _put_loads follows.)"""
     room, best = st.room, st.best
     was = room[r, m]
     st.rank[i] = r
@@ -448,22 +451,25 @@ def _put(st, i, r, m, L, c):
 
 
 @jit
-def _put_patches(st, r, m, P, caps):
-    """P patches into micro-batch m of rank r (after _put): keeps pbest[r] and fit[r] current."""
-    room = st.room
-    capacity, pcap = caps
-    proom = st.proom
-    pwas = proom[r, m]
-    proom[r, m] -= P
-    if pwas == st.pbest[r]:
-        b = 0
-        for j in range(proom.shape[1]):
-            if proom[r, j] > b:
-                b = proom[r, j]
-        st.pbest[r] = b
-    f = 0
-    for j in range(proom.shape[1]):
-        f = max(f, min(room[r, j] * pcap, proom[r, j] * capacity))
+def _put_loads(st, r, m, P, weights):
+    """Loads P into micro-batch m of rank r (after _put): keeps pbest[:, r] and fit[r] current."""
+    room, proom, pbest = st.room, st.proom, st.pbest
+    W = proom.shape[1]
+    for k in range(len(P)):
+        was = proom[r, m, k]
+        proom[r, m, k] -= P[k]
+        if was == pbest[k, r]:
+            b = 0
+            for j in range(W):
+                if proom[r, j, k] > b:
+                    b = proom[r, j, k]
+            pbest[k, r] = b
+    f = 0.0
+    for j in range(W):
+        v = room[r, j] * weights[0]
+        for k in range(len(P)):
+            v = min(v, proom[r, j, k] * weights[1 + k])
+        f = max(f, v)
     st.fit[r] = f
 
 
@@ -478,13 +484,13 @@ def _lpt_rounds(items, st, snaps, caps, start, every, round_short):
     one. ints[I_ROUNDS_RAN] says whether a round ever ran (the sort overwrites the heaps, which _lpt then
     rebuilds; until then the heap sizes and the heaps are the first heap phase's). Every rank has room
     for the item here, so the cap never carries anything in this phase, and the result is the heap
-    phase's, only faster. With patches, "every rank has room" is tested on st.fit (a micro-batch with
-    both room * patch_capacity and patch room * capacity at least max(L * patch_capacity, P * capacity)
-    has room for both), which may hand over to the heaps early, never late.
+    phase's, only faster. With encoder capacities, "every rank has room" is tested on st.fit (a
+    micro-batch whose weighed room is at least the item's weighed need in tokens and every load has room
+    for it), which may hand over to the heaps early, never late.
     """
-    lengths, costs, patches = items.lengths, items.costs, items.patches
-    capacity, pcap = caps
-    two = len(patches) > 0
+    lengths, costs, loads = items.lengths, items.costs, items.loads
+    capacity, load_capacity, weights = caps
+    K = loads.shape[1]
     R, W = st.micro_cost.shape
     rank_cost, best = st.rank_cost, st.best
     order, keys = st.heap, st.neg_best  # the round's order and its sort keys
@@ -495,18 +501,15 @@ def _lpt_rounds(items, st, snaps, caps, start, every, round_short):
     for r in range(R):
         if best[r] < min_best:
             min_best = best[r]
-    min_fit = 0
-    if two:
+    min_fit = 0.0
+    if K > 0:
         min_fit = st.fit.min()
     for i in range(start, n):
         L = lengths[i]
-        P = 0
         if min_best < L:
             return i
-        if two:
-            P = patches[i]
-            if min_fit < max(L * pcap, P * capacity):
-                return i
+        if K > 0 and min_fit < need(L, loads[i], weights):
+            return i
         if ptr >= k:
             # A new round, least loaded first.
             if every > 0 and snaps.at[i // every] < 0:
@@ -530,10 +533,10 @@ def _lpt_rounds(items, st, snaps, caps, start, every, round_short):
                 # would sort all ranks for a few items: the heaps take over, with the same choices.
                 return i
         r = order[ptr]
-        if two:
-            m = _best_fit2(st.room, st.proom, r, L, P, capacity, pcap)
+        if K > 0:
+            m = best_fit_loads(st.room, st.proom, r, L, loads[i], weights)
             b = _put(st, i, r, m, L, costs[i])
-            _put_patches(st, r, m, P, caps)
+            _put_loads(st, r, m, loads[i], weights)
             if st.fit[r] < min_fit:
                 min_fit = st.fit[r]
         else:

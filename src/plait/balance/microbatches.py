@@ -56,14 +56,14 @@ def pack_micro(items, rank, micro, micro_cost, rooms, caps, compact, counts):
     tokens are tight the first may not fit everything). The most even one that fits wins, if it lowers
     the rank's heaviest micro-batch; otherwise the best-fit packing stays. All ranks are re-packed in
     one pass over the items in placement order (each rank sees its own items in that order), so no
-    per-rank item lists are built. rooms: (token room, patch room) [R, W] ([R, 0]: no patches), caps:
-    (token, patch capacity): with patches an item needs room for both, and is small only if both are.
-    Modifies micro, micro_cost, the rooms and counts.
+    per-rank item lists are built. rooms: (token room [R, W], load room [R, W, K]), caps: as
+    capacities.capacities gives them: an item needs room for its tokens and every load, and is small
+    only if all of them are. Modifies micro, micro_cost, the rooms and counts.
     """
-    lengths, costs, patches = items.lengths, items.costs, items.patches
+    lengths, costs, loads = items.lengths, items.costs, items.loads
     room, proom = rooms
-    capacity, pcap = caps
-    two = len(patches) > 0
+    capacity, load_capacity = caps[0], caps[1]
+    K = loads.shape[1]
     R, W = room.shape
     n = len(lengths)
     use = np.full(R, W, dtype=np.int64)
@@ -73,38 +73,39 @@ def pack_micro(items, rank, micro, micro_cost, rooms, caps, compact, counts):
             counts[r] = use[r]
     c2 = np.zeros((2, R, W))
     room2 = np.full((2, R, W), capacity, dtype=np.int64)
-    proom2 = np.full((2, R, W) if two else (2, 0, 0), pcap, dtype=np.int64)
+    proom2 = np.empty((2, R, W, K), dtype=np.int64)
+    for k in range(K):
+        proom2[:, :, :, k] = load_capacity[k]
     ok = np.ones((2, R), dtype=np.bool_)
     out = np.empty((2, n), dtype=np.int16)  # micro-batch slots (< 32768): half the fresh pages of int32
     small = (0, capacity // 8)
-    psmall = (-1, pcap // 8)
     for i in range(n):
         r = rank[i]
         if r < 0:
             continue
         L = lengths[i]
-        P = patches[i] if two else 0
+        P = loads[i]
         for at in range(2):
             if not ok[at, r]:
                 continue
             m = -1
-            if L > small[at] or (two and P > psmall[at]):
+            if L > small[at] or _big_load(P, load_capacity, at):
                 for j in range(use[r]):
                     if room2[at, r, j] >= L and (m < 0 or c2[at, r, j] < c2[at, r, m]):
-                        if not two or proom2[at, r, j] >= P:
+                        if _loads_fit(proom2[at, r, j], P):
                             m = j
             else:
                 for j in range(use[r]):
                     if room2[at, r, j] >= L and (m < 0 or room2[at, r, j] < room2[at, r, m]):
-                        if not two or proom2[at, r, j] >= P:
+                        if _loads_fit(proom2[at, r, j], P):
                             m = j
             if m < 0:
                 ok[at, r] = False
                 continue
             c2[at, r, m] += costs[i]
             room2[at, r, m] -= L
-            if two:
-                proom2[at, r, m] -= P
+            for k in range(K):
+                proom2[at, r, m, k] -= P[k]
             out[at, i] = m
     best_at = np.full(R, -1, dtype=np.int64)
     for r in range(R):
@@ -126,8 +127,7 @@ def pack_micro(items, rank, micro, micro_cost, rooms, caps, compact, counts):
             for j in range(use[r]):
                 micro_cost[r, j] = c2[best_at[r], r, j]
                 room[r, j] = room2[best_at[r], r, j]
-                if two:
-                    proom[r, j] = proom2[best_at[r], r, j]
+                proom[r, j] = proom2[best_at[r], r, j]
     for i in range(n):
         r = rank[i]
         if r >= 0 and best_at[r] >= 0:
@@ -139,17 +139,16 @@ def _compact(rank, micro, micro_cost, rooms, caps, use):
     """Variable mode: move each rank's used micro-batches to the front (in order); use[r] = how many
     (at least 1)."""
     room, proom = rooms
-    capacity, pcap = caps
-    two = proom.shape[0] > 0
+    capacity, load_capacity = caps[0], caps[1]
     R, W = room.shape
     slot = np.empty((R, W), dtype=np.int64)
     c_tmp = np.empty(W)
     r_tmp = np.empty(W, dtype=np.int64)
-    p_tmp = np.empty(W, dtype=np.int64)
+    p_tmp = np.empty((W, proom.shape[2]), dtype=np.int64)
     for r in range(R):
         k = 0
         for j in range(W):
-            if room[r, j] < capacity or (two and proom[r, j] < pcap):
+            if room[r, j] < capacity or _loads_used(proom[r, j], load_capacity):
                 slot[r, j] = k
                 k += 1
             else:
@@ -162,14 +161,40 @@ def _compact(rank, micro, micro_cost, rooms, caps, use):
         for j in range(W):
             c_tmp[slot[r, j]] = micro_cost[r, j]
             r_tmp[slot[r, j]] = room[r, j]
-            if two:
-                p_tmp[slot[r, j]] = proom[r, j]
+            p_tmp[slot[r, j]] = proom[r, j]
         for j in range(W):
             micro_cost[r, j] = c_tmp[j]
             room[r, j] = r_tmp[j]
-            if two:
-                proom[r, j] = p_tmp[j]
+            proom[r, j] = p_tmp[j]
         use[r] = max(used, 1)
     for i in range(len(rank)):
         if rank[i] >= 0:
             micro[i] = slot[rank[i], micro[i]]
+
+
+@jit
+def _big_load(P, load_capacity, at):
+    """Whether loads P make an item large in attempt `at` of pack_micro (0: every item; 1: over capacity / 8
+    in some load)."""
+    for k in range(len(P)):
+        if P[k] > (load_capacity[k] // 8 if at == 1 else -1):
+            return True
+    return False
+
+
+@jit
+def _loads_fit(room, P):
+    """Whether a micro-batch's load room [K] holds loads P."""
+    for k in range(len(P)):
+        if room[k] < P[k]:
+            return False
+    return True
+
+
+@jit
+def _loads_used(room, load_capacity):
+    """Whether a micro-batch holds some load (its room below capacity in some encoder capacity)."""
+    for k in range(len(room)):
+        if room[k] < load_capacity[k]:
+            return True
+    return False

@@ -3,8 +3,8 @@ waits for numba (or for loading its on-disk cache).
 
 The inputs are chosen to reach every code path that compiles something: both modes, urgent items, the
 round phase of LPT, the equal-mode rebalance (swaps, exchanges, carries), the sort by length, and the
-snapshots of a capped pass with the passes resumed from them; all of it once more with two capacities
-(tokens and image patches).
+snapshots of a capped pass with the passes resumed from them; all of it once more with encoder
+capacities (loads beside tokens).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def warmup() -> float:
     chunks = np.minimum(C, np.repeat(docs, pieces) - (np.arange(int(pieces.sum())) - first) * C).astype(np.int64)
     for mode in ("equal", "variable"):
         assign(chunks, chunks + chunks**2 / (C / 2.65), ranks=R, microbatches=4, capacity=C, mode=mode)
-    # Two capacities (tokens and image patches): the same paths with the patch kernels.
-    pat = (chunks * 3) % (2 * C)
+    # Encoder capacities (tokens and, say, image patches and audio frames): the same paths with loads.
+    pat = np.stack([(chunks * 3) % (2 * C), chunks % 5], axis=1)
     for mode in ("equal", "variable"):
-        assign(chunks, chunks + chunks**2 / (C / 2.65) + 2.0 * pat, ranks=R, microbatches=4, capacity=C, mode=mode,
-               patches=pat, patch_capacity=2 * C)
+        assign(chunks, chunks + chunks**2 / (C / 2.65) + 2.0 * pat[:, 0], ranks=R, microbatches=4, capacity=C,
+               mode=mode, loads=pat, load_capacity=[2 * C, C])
         assign(bound, bound + bound**2 / 10.0, ranks=3, microbatches=2, capacity=100, mode=mode,
-               patches=bound % 7, patch_capacity=12)
+               loads=bound % 7, load_capacity=12)
     first_fit(np.zeros(2, dtype=np.int64), lengths[:2], 2, 10, np.empty(2, dtype=np.int64))
     return time.perf_counter() - t

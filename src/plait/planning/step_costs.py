@@ -69,7 +69,7 @@ class StepCosts:
         self.cp = spec.topology.cp
         self.cost_model = CostModel.from_spec(spec.cost)
         self.encoders = Encoders(spec)
-        self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
+        self.images = spec.images is not None  # patches, an encoder load (limited by max_patches), and a cost
         self.max_patches = spec.packing.max_patches
 
     def of(self, items: Items) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +78,16 @@ class StepCosts:
         costs = self.cost_model.per_cp_rank(items.length, self.cp)
         encoder = self.encoders.of(items) / max(1, self.cp)
         return costs + encoder, encoder
+
+    def encoder_loads(self, items: Items) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Each item's load in each encoder capacity (int64 [n, K]) and what a micro-batch may hold of
+        each ([K], None: reported, not limited), for balance.assign; (None, None) without media loads.
+        Images and videos load the vision encoder with their patches (packing.max_patches). A medium
+        whose encoder memory the spec limits adds its column here: the balancer takes any K."""
+        if not self.images:
+            return None, None
+        loads = items.patches.reshape(-1, 1)
+        return loads, None if self.max_patches is None else np.array([self.max_patches], dtype=np.int64)
 
     def of_tokens(self, lengths: np.ndarray) -> np.ndarray:
         """The LLM's cost per CP rank of text pieces of these lengths (no images)."""
@@ -104,17 +114,19 @@ class StepCosts:
 
     def capacity_certificate(self, result, items: Items, costs: np.ndarray, *, step: int, capacity: int) -> float | None:
         """The step's certificate against the capacity-aware bound (balance.max_over_capacity_lb: tokens
-        per rank, and patches with images): only on steps of at most CAPACITY_LB_ITEMS items, or every
+        per rank, and the encoder loads): only on steps of at most CAPACITY_LB_ITEMS items, or every
         CAPACITY_LB_EVERY steps, as it is slow on huge steps; None when skipped."""
         if len(items) > CAPACITY_LB_ITEMS and step % CAPACITY_LB_EVERY != 0:
             return None
-        return balance.max_over_capacity_lb(result, items.length, costs, items.patches if self.images else None,
+        loads, load_capacity = self.encoder_loads(items)
+        return balance.max_over_capacity_lb(result, items.length, costs, loads,
                                             microbatches=int(result.micro_cost.shape[1]), capacity=capacity,
-                                            patch_capacity=self.max_patches if self.images else None)
+                                            load_capacity=load_capacity)
 
     def image_stats(self, result, items: Items, encoder: np.ndarray, costs: np.ndarray, placed: np.ndarray) -> dict:
         """Patches per micro-batch and the encoder's share of the cost."""
-        micro_patches = result.micro_patches if result.micro_patches is not None else np.zeros_like(result.micro_tokens)
+        micro_patches = result.micro_loads[..., 0] if result.micro_loads is not None else \
+            np.zeros_like(result.micro_tokens)
         return {"micro_patches": micro_patches, "encoder_cost": float(encoder[placed].sum()),
                 "cost": float(costs[placed].sum()), "masked_labels": self.masked_labels(items.take(placed))}
 

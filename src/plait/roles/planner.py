@@ -49,10 +49,9 @@ class Planner:
         # cursors, deficits and drawing (planning/draws.py); longest chunk per source (max_chunk)
         self.draws = SourceDraws(spec, provider, phases.chunk_limits(spec, self.seq_len))
         self.costs = StepCosts(spec)  # item costs per CP rank, outliers, the step's cost figures
-        self.images = spec.images is not None  # a second capacity (patches) and the encoder's cost
+        self.images = spec.images is not None  # an encoder load (patches) and the encoder's cost
         # context_parallel: dynamic -- degrees and waves over the dp x cp pool (planning/dynamic_cp.py)
         self.dcp = DynamicCP(spec, self.ranks) if spec.context_parallel.mode == "dynamic" else None
-        self.max_patches = spec.packing.max_patches
         self.weights = RunWeights(spec)  # the spec's schedule, run-time overrides, online policy
         self.mixture = self.weights.schedule
         self.step = 0
@@ -135,10 +134,10 @@ class Planner:
             return finish_step(self, items, priority, outliers, context)
         # Per-GPU cost: with context parallelism each CP rank of a replica carries cost / cp.
         costs, encoder = self.costs.of(items)
+        loads, load_capacity = self.costs.encoder_loads(items)
         result = balance.assign(
             items.length, costs, ranks=self.ranks, microbatches=self.microbatches, capacity=self.capacity,
-            priority=priority, mode=self.spec.balance.mode,
-            patches=items.patches if self.images else None, patch_capacity=self.max_patches if self.images else None,
+            priority=priority, mode=self.spec.balance.mode, loads=loads, load_capacity=load_capacity,
         )
         if cap is not None:
             phases.cap_long_per_rank(result, items, costs, cap.min_tokens, cap.per_rank)
