@@ -26,7 +26,10 @@ Audio workloads (issue 42), each under both window policies (`--audio-policies`)
 (50% clips, 25% images), `audio-video` (40% clips, 20% images, 20% videos as in `video`). Clips last
 1-30 s (median 5 s), one in ten 30 s-2 min; plait's AudioPolicy plans them (25 placeholder tokens a
 second) and the audio encoder (Whisper-large-v3's dimensions) costs every padded 30 s window under
-`qwen2audio`, chunks of 2 s growing with the duration under `chunked`. Audio takes no patch capacity.
+`qwen2audio`, chunks of 2 s growing with the duration under `chunked`. Audio takes no patch capacity;
+with `--max-audio-spans N` it takes a capacity of its own: the balancer gets two encoder capacities
+(patches, and the audio encoder's attention positions: 1,500 per padded window under `qwen2audio`), N of
+them per micro-batch (the audio encoder's memory), as a vector (`balance.assign(loads=[n, 2])`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
     p.add_argument("--max-patches", type=int, default=32768, help="image patches per micro-batch (encoder memory)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank per step")
+    p.add_argument("--max-audio-spans", type=int, default=None,
+                   help="audio encoder positions per micro-batch: a second encoder capacity (default: none)")
     p.add_argument("--encoder", default="6b", choices=("6b", "300m"),
                    help="vision tower: 6b (InternViT-6B-like: the encoder dominates) or 300m (ViT-L-like)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,17 +86,17 @@ def cost_models(encoder: str):
 def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng: np.random.Generator,
                 audio_policy: str | None = None):
     """Samples of one step in stream order, until `budget` tokens: (tokens, patches per image, CSR
-    offsets of each sample's images, audio encoder cost). A sample's tokens include its images' and
-    clips' placeholders."""
+    offsets of each sample's images, audio encoder cost, audio encoder positions). A sample's tokens
+    include its images' and clips' placeholders."""
     toks, pats, counts, total, extra = [], [], [], 0, []
     while total < budget:
         n = 4096
         if workload in AUDIO_MIXES:
-            for L, p, cost in zip(*audio_samples(rng, n, seq_len, max_patches, workload, audio_policy)):
+            for L, p, clip in zip(*audio_samples(rng, n, seq_len, max_patches, workload, audio_policy)):
                 toks.append(L)
                 pats.append(p)
                 counts.append(len(p))
-                extra.append(cost)
+                extra.append(clip)
                 total += L
                 if total >= budget:
                     break
@@ -139,8 +144,8 @@ def sample_step(workload: str, budget: int, seq_len: int, max_patches: int, rng:
                 break
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     per_image = np.concatenate(pats).astype(np.int64) if pats else np.zeros(0, dtype=np.int64)
-    audio_cost = np.asarray(extra, dtype=np.float64) if extra else np.zeros(len(toks))
-    return np.asarray(toks, dtype=np.int64), per_image, offsets, audio_cost
+    audio = np.asarray(extra, dtype=np.float64).reshape(-1, 2) if extra else np.zeros((len(toks), 2))
+    return np.asarray(toks, dtype=np.int64), per_image, offsets, audio[:, 0].copy(), audio[:, 1].astype(np.int64)
 
 
 AUDIO_MIXES = {  # workload: shares of samples with a clip, an image, a video (the rest: text only)
@@ -159,9 +164,10 @@ def speech_seconds(rng: np.random.Generator, n: int) -> np.ndarray:
     return np.round(np.where(rng.random(n) < 0.1, long, short), 2)
 
 
-def clip_tokens_and_costs(seconds: np.ndarray, policy_kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """Placeholder tokens and audio encoder cost (Whisper-large-v3's dimensions, the spec's default) of each
-    clip, as plait plans it under `policy_kind`: one plan per distinct duration."""
+def clip_tokens_and_costs(seconds: np.ndarray, policy_kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Placeholder tokens, audio encoder cost (Whisper-large-v3's dimensions, the spec's default) and the
+    encoder's attention positions (the sum of the plan's spans) of each clip, as plait plans it under
+    `policy_kind`: one plan per distinct duration."""
     from plait.cost import EncoderCost
     from plait.media.audio import AudioPolicy, encoder_cost
     from plait.media.audio_features import SAMPLE_RATE
@@ -171,12 +177,13 @@ def clip_tokens_and_costs(seconds: np.ndarray, policy_kind: str) -> tuple[np.nda
     plans = [policy.plan(int(samples)) for samples in distinct]
     tokens = np.array([plan.tokens for plan in plans], dtype=np.int64)
     costs = np.array([encoder_cost(plan, whisper.linear, whisper.quadratic) for plan in plans])
-    return tokens[back], costs[back]
+    spans = np.array([sum(plan.spans) for plan in plans], dtype=np.int64)
+    return tokens[back], costs[back], spans[back]
 
 
 def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: int, workload: str, policy: str):
-    """n samples of an audio workload that fit one micro-batch: (tokens, encoder sequences' patches, audio
-    encoder cost) each. A clip's sample carries a short text (transcript, question, answer); text-only
+    """n samples of an audio workload that fit one micro-batch: (tokens, encoder sequences' patches, (audio
+    encoder cost, audio encoder positions)) each. A clip's sample carries a short text (transcript, question, answer); text-only
     samples are documents. The draws do not depend on `policy`: both policies see the same samples."""
     shares = np.cumsum(AUDIO_MIXES[workload])
     kind = np.searchsorted(shares, rng.random(n), side="right")  # 0 clip, 1 image, 2 video, 3 text only
@@ -185,10 +192,11 @@ def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: i
     seconds = speech_seconds(rng, n)
     image = (np.clip(rng.lognormal(np.log(1200), 1.0, n), 256, 16384) // 4 * 4).astype(np.int64)
     video = video_patches(np.clip(rng.lognormal(np.log(30), 1.3, n), 2, 600), kind == 2)
-    clip_tokens, clip_costs = clip_tokens_and_costs(seconds, policy)
+    clip_tokens, clip_costs, clip_spans = clip_tokens_and_costs(seconds, policy)
     has_clip = kind == 0
     text = np.where(kind == 3, documents, short_text) + np.where(has_clip, clip_tokens, 0)
     costs = np.where(has_clip, clip_costs, 0.0)
+    spans = np.where(has_clip, clip_spans, 0)
     toks, pats, kept = [], [], []
     for i in range(n):
         p = image[i:i + 1] if kind[i] == 1 else video[i]
@@ -196,7 +204,7 @@ def audio_samples(rng: np.random.Generator, n: int, seq_len: int, max_patches: i
         if L <= seq_len and p.sum() <= max_patches:
             toks.append(L)
             pats.append(p)
-            kept.append(costs[i])
+            kept.append((costs[i], spans[i]))
     return toks, pats, kept
 
 
@@ -243,43 +251,45 @@ def per_sample(per_image, offsets):
 
 
 # ----- strategies ------------------------------------------------------------------------------
-def place_naive(lengths, patches, R, M, C, Pc):
-    """Each rank's contiguous share of the stream (M x C tokens), first-fit with both capacities."""
+def place_naive(lengths, loads, R, M, C, caps):
+    """Each rank's contiguous share of the stream (M x C tokens), first-fit with every capacity (loads
+    [n, K], caps [K])."""
     starts = np.cumsum(lengths) - lengths
     rank = np.minimum(starts // (M * C), R - 1)
     micro = np.full(len(lengths), -1, dtype=np.int64)
     tok = np.zeros((R, M), dtype=np.int64)
-    pat = np.zeros((R, M), dtype=np.int64)
+    held = np.zeros((R, M, loads.shape[1]), dtype=np.int64)
     for i in range(len(lengths)):
         r = rank[i]
-        fit = np.flatnonzero((tok[r] + lengths[i] <= C) & (pat[r] + patches[i] <= Pc))
+        fit = np.flatnonzero((tok[r] + lengths[i] <= C) & (held[r] + loads[i] <= caps).all(axis=1))
         if len(fit):
             m = fit[0]
             micro[i] = m
             tok[r, m] += lengths[i]
-            pat[r, m] += patches[i]
+            held[r, m] += loads[i]
     return np.where(micro >= 0, rank, -1), 0.0
 
 
-def place_plait(lengths, costs, patches, R, M, C, Pc, repeats):
-    """balance.assign with both capacities; plan_ms: CPU time of this thread, best of `repeats`."""
+def place_plait(lengths, costs, loads, R, M, C, caps, repeats):
+    """balance.assign with every capacity (loads [n, K], caps [K]); plan_ms: CPU time of this thread,
+    best of `repeats`."""
     from plait import balance
 
     best = float("inf")
     for _ in range(max(1, repeats)):
         t = time.thread_time()
-        a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, loads=patches, load_capacity=Pc)
+        a = balance.assign(lengths, costs, ranks=R, microbatches=M, capacity=C, loads=loads, load_capacity=caps)
         best = min(best, (time.thread_time() - t) * 1e3)
     return a.rank.astype(np.int64), best
 
 
-def measure(rank, lengths, costs, patches, R, M, C, Pc) -> dict:
+def measure(rank, lengths, costs, loads, R, M, C, caps) -> dict:
     from plait.balance import capacity_lower_bound
 
     ok = rank >= 0
     rank_cost = np.bincount(rank[ok], weights=costs[ok], minlength=R)
-    lb = capacity_lower_bound(lengths[ok], costs[ok], patches[ok], ranks=R, microbatches=M, capacity=C,
-                              load_capacity=Pc)
+    lb = capacity_lower_bound(lengths[ok], costs[ok], loads[ok], ranks=R, microbatches=M, capacity=C,
+                              load_capacity=caps)
     mean = float(rank_cost.sum()) / R
     return {
         "max_over_lb": float(rank_cost.max() / lb) if lb > 0 else 1.0,
@@ -287,6 +297,14 @@ def measure(rank, lengths, costs, patches, R, M, C, Pc) -> dict:
         "fill": float(lengths[ok].sum() / (R * M * C)),
         "placed": float(ok.mean()) if len(ok) else 1.0,
     }
+
+
+def encoder_loads(patches, audio_spans, args, workload) -> tuple[np.ndarray, np.ndarray]:
+    """The balancer's encoder capacities: patches, and with --max-audio-spans on an audio workload the
+    audio encoder's positions too."""
+    if args.max_audio_spans is None or workload not in AUDIO_MIXES:
+        return patches.reshape(-1, 1), np.array([args.max_patches])
+    return np.stack([patches, audio_spans], axis=1), np.array([args.max_patches, args.max_audio_spans])
 
 
 def sweep(workloads, dps, args, progress=None) -> list[dict]:
@@ -299,15 +317,15 @@ def sweep(workloads, dps, args, progress=None) -> list[dict]:
         # seeded by the workload's name, not its place in --workloads: a row is the same in any selection,
         # and both audio policies see the same samples
         rng = np.random.default_rng([args.seed, WORKLOADS.index(workload), dp])
-        lengths, per_image, offsets, audio_cost = sample_step(workload, dp * M * C, C, Pc, rng, policy)
-        patches = per_sample(per_image, offsets)
+        lengths, per_image, offsets, audio_cost, audio_spans = sample_step(workload, dp * M * C, C, Pc, rng, policy)
+        loads, caps = encoder_loads(per_sample(per_image, offsets), audio_spans, args, workload)
         text_cost = llm(lengths)
         total = text_cost + vit.per_item(per_image, offsets) + audio_cost
         enc_share = float(1.0 - text_cost.sum() / total.sum())
         placed = {
-            "naive": place_naive(lengths, patches, dp, M, C, Pc),
-            "llm-only": place_plait(lengths, text_cost, patches, dp, M, C, Pc, args.repeats),
-            "plait": place_plait(lengths, total, patches, dp, M, C, Pc, args.repeats),
+            "naive": place_naive(lengths, loads, dp, M, C, caps),
+            "llm-only": place_plait(lengths, text_cost, loads, dp, M, C, caps, args.repeats),
+            "plait": place_plait(lengths, total, loads, dp, M, C, caps, args.repeats),
         }
         for name in STRATEGIES:
             rank, plan_ms = placed[name]
@@ -315,7 +333,9 @@ def sweep(workloads, dps, args, progress=None) -> list[dict]:
                    "samples_per_rank": len(lengths) / dp, "encoder_share": enc_share}
             if policy:
                 row["audio_policy"] = policy
-            row.update(measure(rank, lengths, total, patches, dp, M, C, Pc))
+            if len(caps) > 1:
+                row["max_audio_spans"] = int(caps[1])
+            row.update(measure(rank, lengths, total, loads, dp, M, C, caps))
             row["plan_ms"] = plan_ms
             rows.append(row)
         if progress:
@@ -348,6 +368,8 @@ def run(args) -> int:
         raise PlaitError(f"expected comma-separated integers, got {args.dp!r}") from None
     if min(dps + [args.seq_len, args.max_patches, args.microbatches]) < 1:
         raise PlaitError("dp, seq_len, max_patches and microbatches must be >= 1")
+    if args.max_audio_spans is not None and args.max_audio_spans < 1500:
+        raise PlaitError("max_audio_spans must hold one padded 30 s window (1,500 encoder positions)")
     if args.max_patches < 256:
         raise PlaitError("max_patches must hold one image of the smallest size (256 patches)")
     args.audio_policy_list = [x.strip() for x in args.audio_policies.split(",") if x.strip()]

@@ -70,3 +70,19 @@ def test_video_and_audio_video_rows_within_two_percent_of_the_bound(tmp_path):
     assert len(rows) == 2 + 2 * 2
     for r in rows:
         assert r["max_over_lb"] <= 1.02, r
+
+
+def test_audio_takes_an_encoder_capacity_of_its_own(tmp_path):
+    """--max-audio-spans gives the audio encoder its own capacity beside the patches (two encoder capacities,
+    one vector balance): under qwen2audio each clip holds >= 1,500 positions, so 6,000 per micro-batch binds
+    (far fewer samples fit a step) and plait still balances within 1.02."""
+    rows = {}
+    for extra in ([], ["--max-audio-spans", "6000"]):
+        out = tmp_path / f"audio{len(extra)}.json"
+        assert bench_main(multimodal, ["--workloads", "audio-text", "--dp", "8", "--audio-policies", "qwen2audio",
+                                       "--repeats", "1", "--quiet", "--json", str(out), *extra]) == 0
+        rows[bool(extra)] = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert "max_audio_spans" not in rows[False]["plait"] and rows[True]["plait"]["max_audio_spans"] == 6000
+    assert rows[True]["plait"]["placed"] < 0.5 * rows[False]["plait"]["placed"]
+    assert rows[True]["plait"]["max_over_lb"] <= 1.02
+    assert bench_main(multimodal, ["--workloads", "audio-text", "--max-audio-spans", "100", "--quiet"]) == 2
