@@ -17,7 +17,7 @@ from plait.qwen2vl_layout import CLIP_MEAN, CLIP_STD, merge_window_order, model_
 from plait.ragged import ragged_arange
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "LAYOUTS", "Batch", "ImagePayload", "MicroBatch", "Payload", "TorchBatch",
-           "merge_images", "merge_payloads", "merge_window_order"]
+           "image_fields", "merge_images", "merge_payloads", "merge_window_order"]
 LAYOUTS = ("plait", "qwen2vl", "megatron_thd", "qwen2audio")
 
 
@@ -104,6 +104,21 @@ def merge_images(parts: list[tuple[np.ndarray, ImagePayload | None]]) -> ImagePa
         frames = flat[ragged_arange((np.cumsum(counts) - counts)[order], counts[order])]
     return ImagePayload(pixels[rows], grid[order], item[order], first.token_id, first.patch, kind,
                         first.video_token_id, first.temporal_patch, frames)
+
+
+def image_fields(images: ImagePayload | None, a: int, b: int) -> dict:
+    """The image fields of the micro-batch holding items a..b-1 (of the rank's fetch): none when the
+    rank fetched no image; empty arrays when this micro-batch holds none of them."""
+    if images is None:
+        return {}
+    lo, hi = np.searchsorted(images.item, [a, b])
+    row = np.concatenate([[0], np.cumsum(images.grid.prod(axis=1))])
+    grid = images.grid[lo:hi]
+    frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])  # encoder sequences: one per image or tile
+    cu = np.zeros(len(frames) + 1, dtype=np.int32)
+    np.cumsum(frames, out=cu[1:])
+    return {"pixel_values": images.pixels[row[lo]:row[hi]], "image_grid": grid, "image_cu_seqlens": cu,
+            "image_document": images.item[lo:hi] - a}
 
 
 def frame_counts(p: ImagePayload) -> np.ndarray:

@@ -58,7 +58,16 @@ class EncoderCost:
         h, f = float(hidden), float(ffn)
         return cls(3.0 * layers * (8 * h * h + 4 * h * f), 3.0 * layers * 4 * h)
 
+    def of_units(self, units, squares) -> np.ndarray:
+        """The encoder's cost formula, the one every medium's cost goes through (the Planner's per item,
+        plait.media.audio's per clip): linear * U + quadratic * Q, U the media's encoder units summed
+        (an image's patches, a clip's attention spans) and Q their squares summed (a video's patches
+        attend per temporal patch: t * (h*w)^2; media/registry.py, `Medium.encoder_units`)."""
+        return self.linear * np.asarray(units, dtype=np.float64) + self.quadratic * np.asarray(squares, dtype=np.float64)
+
     def __call__(self, patches: np.ndarray) -> np.ndarray:
+        """of_units for one image per entry (U = P, Q = P^2), written as (quadratic * P) * P: the rounding
+        the fitted and benchmarked costs were made with."""
         P = np.asarray(patches, dtype=np.float64)
         return self.linear * P + self.quadratic * P * P
 

@@ -16,7 +16,7 @@ from plait.errors import SpecError
 from plait.metrics import batch_digest_update
 from plait.runtime.local import LocalRoles, LocalRuntime
 from plait.job.service import JobService
-from plait.sources import multimodal
+from plait.media import image  # the image medium decodes through image.decode
 from plait.sources.workers import WorkerPool, resolve_workers
 
 
@@ -41,13 +41,13 @@ def run(spec_dict: dict, workers, steps: int = 3) -> tuple[str, LocalRuntime]:
 
 def test_worker_count_changes_no_digest(sources, monkeypatch):
     threads: set[str] = set()
-    real = multimodal.decode
+    real = image.decode
 
     def watched(*args, **kw):
         threads.add(threading.current_thread().name)
         return real(*args, **kw)
 
-    monkeypatch.setattr(multimodal, "decode", watched)
+    monkeypatch.setattr(image, "decode", watched)
     spec = mm_spec(sources)
     digests = {}
     for workers in (1, 2, 4):
@@ -64,14 +64,14 @@ def test_pixels_are_decoded_into_the_delivered_buffer(sources, monkeypatch):
     """No copy of a decoded image between the decoder and the trainer's micro-batch: every image's patches
     are written once, into the buffer the micro-batches are views of."""
     decoded: list[np.ndarray] = []
-    real = multimodal.decode
+    real = image.decode
 
     def watched(*args, **kw):
         got = real(*args, **kw)
         decoded.append(got.patches)
         return got
 
-    monkeypatch.setattr(multimodal, "decode", watched)
+    monkeypatch.setattr(image, "decode", watched)
     _, rt = run(mm_spec(sources), 2, steps=1)
     plan = rt.plan()
     decoded.clear()

@@ -42,12 +42,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from plait.audio_batch import audio_fields
+from plait.cost import EncoderCost
 from plait.errors import PlaitError
 from plait.media.audio_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel
 from plait.media.base import DecodeCounter, MediaData, MediaError, describe, ffmpeg_reason, open_container, peek
 
-__all__ = ["AUDIO_DECODES", "AUDIO_EXTENSIONS", "FRAME_DECODES", "POLICIES", "AudioFeatures", "AudioInfo",
-           "AudioPlan", "AudioPolicy", "decode", "encoder_cost", "probe", "tokens_for_frames"]
+__all__ = ["AUDIO_DECODES", "AUDIO_EXTENSIONS", "FRAME_DECODES", "MEDIUM", "POLICIES", "AudioFeatures", "AudioInfo",
+           "AudioPlan", "AudioPolicy", "PlannedClip", "decode", "encoder_cost", "probe", "tokens_for_frames"]
 
 AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "oga", "m4a")
 POLICIES = ("qwen2audio", "chunked")
@@ -274,6 +276,46 @@ class AudioPolicy:
 
 def encoder_cost(plan: AudioPlan, linear: float, quadratic: float) -> float:
     """The audio encoder's cost for one clip: linear * S + quadratic * S^2 summed over its attention spans
-    S. Under qwen2audio every window costs a full 30 s one; under chunked it grows with the duration."""
+    S (plait.cost.EncoderCost.of_units). Under qwen2audio every window costs a full 30 s one; under chunked
+    it grows with the duration."""
     spans = np.asarray(plan.spans, dtype=np.float64)
-    return float(linear * spans.sum() + quadratic * (spans * spans).sum())
+    return float(EncoderCost(linear, quadratic).of_units(spans.sum(), (spans * spans).sum()))
+
+
+class PlannedClip(NamedTuple):
+    """What planning keeps of a clip for its decode: the headers' info (the length it is fitted to) and
+    its plan."""
+
+    info: AudioInfo
+    plan: AudioPlan
+
+
+class AudioMedium:
+    """The audio medium (plait.media.registry.Medium): headers -> PlannedClip, decode -> AudioFeatures."""
+
+    def policy(self, spec) -> AudioPolicy | None:
+        a = spec.audio
+        return None if a is None else AudioPolicy(kind=a.policy, mel_bins=a.mel_bins, chunk_seconds=a.chunk_seconds)
+
+    def probe(self, data: MediaData, name: str | None = None) -> AudioInfo:
+        return probe(data, name)
+
+    def plan(self, policy: AudioPolicy, info: AudioInfo, window: int = 0) -> PlannedClip:
+        return PlannedClip(info, policy.plan(info))
+
+    def decode(self, data: MediaData, planned: PlannedClip, policy: AudioPolicy, name: str | None = None,
+               out=None) -> AudioFeatures:
+        return policy.load(data, planned.info, name)
+
+    def placeholder_tokens(self, planned: PlannedClip) -> int:
+        return planned.plan.tokens
+
+    def encoder_units(self, planned: PlannedClip) -> tuple[int, int]:
+        spans = [int(s) for s in planned.plan.spans]
+        return sum(spans), sum(s * s for s in spans)
+
+    def batch_fields(self, payload, a: int, b: int) -> dict:
+        return audio_fields(payload, a, b)
+
+
+MEDIUM = AudioMedium()

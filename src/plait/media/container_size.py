@@ -1,6 +1,7 @@
 """A video container cut short whose headers still read: caught while planning from the sizes it states.
 
-FFmpeg's probe reads the headers only, and `media.video.probe` demuxes the last keyframe's packets;
+The video medium's probe (media/video.py, `VideoMedium.probe`) runs `check_size` before FFmpeg's. FFmpeg's
+probe reads the headers only, and `media.video.probe` demuxes the last keyframe's packets;
 a file cut by a few hundred bytes (a faststart MP4 whose `mdat` lost its tail, a Matroska file missing
 its last cluster's end) passes both, plans, and is found only when its frames are decoded at gather,
 where the sample is dropped from a step whose loss normaliser already counted it. The containers say
@@ -23,19 +24,13 @@ import struct
 
 import numpy as np
 
-from plait.media.video import BadVideo, VideoData, VideoInfo, check_file, probe
+from plait.media.base import MediaData as VideoData
+from plait.media.image_policy import BadVideo
 
 BMFF_TOP = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid", b"styp", b"moof", b"mfra", b"meta"}
 BMFF_PATH = (b"trak", b"mdia", b"minf", b"stbl")  # where moov's sample tables live
 MOOV_MAX = 256 << 20  # a moov larger than this is not read (its boxes' sizes are still checked)
 EBML_ID, SEGMENT_ID = b"\x1a\x45\xdf\xa3", b"\x18\x53\x80\x67"
-
-
-def probe_whole(data: VideoData) -> VideoInfo:
-    """`probe`, after checking that the container is not shorter than its headers say (BadVideo if so)."""
-    check_file(data)  # a missing or empty file is said so before its sizes are read
-    check_size(data)
-    return probe(data)
 
 
 def check_size(data: VideoData) -> None:

@@ -47,7 +47,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from plait.batch import merge_window_order
+from plait.batch import image_fields, merge_window_order
 from plait.media.base import DecodeCounter
 from plait.packing import IGNORE_INDEX
 from plait.media.image_policy import (
@@ -62,6 +62,7 @@ __all__ = [
     "DECODES",
     "FORMATS",
     "MAX_ASPECT",
+    "MEDIUM",
     "BadImage",
     "Decoded",
     "ImagePlan",
@@ -242,6 +243,46 @@ def decode(data: ImageData, policy: ImagePolicy, out: np.ndarray | None = None) 
     finally:
         if isinstance(data, (bytes, bytearray, memoryview)):
             img.close()
+
+
+class ImageMedium:
+    """The image medium (plait.media.registry.Medium): header size -> ImagePlan, decode -> patch rows."""
+
+    def policy(self, spec) -> ImagePolicy | None:
+        im = spec.images
+        if im is None:
+            return None
+        return ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
+                           max_pixels=im.max_pixels, tile=im.tile, min_tiles=im.min_tiles, max_tiles=im.max_tiles,
+                           thumbnail=im.thumbnail, fast_jpeg=im.fast_jpeg)
+
+    def probe(self, data: ImageData, name: str | None = None) -> tuple[int, int]:
+        return image_size(data)
+
+    def plan(self, policy: ImagePolicy, info: tuple[int, int], window: int = 0) -> ImagePlan:
+        return policy.plan(*info)
+
+    def decode(self, data: ImageData, planned, policy: ImagePolicy, name: str | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """The patches (into `out` when it fits); BadImage when they are not the `planned.patches` counted
+        from the header (a file changed since)."""
+        got = decode(data, policy, out)
+        if got.plan.patches != planned.patches:
+            raise BadImage(f"decodes to {got.plan.patches} patches, planned at {planned.patches} from its header",
+                           name or "")
+        return got.patches
+
+    def placeholder_tokens(self, planned) -> int:
+        return planned.tokens
+
+    def encoder_units(self, planned) -> tuple[int, int]:
+        return planned.patches, planned.patches * planned.patches
+
+    def batch_fields(self, payload, a: int, b: int) -> dict:
+        return image_fields(payload, a, b)
+
+
+MEDIUM = ImageMedium()
 
 
 def placeholder_run(token_id: int, n: int, dtype=np.int32) -> np.ndarray:

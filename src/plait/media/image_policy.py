@@ -58,6 +58,12 @@ class BadImage(MediaError):
         super().__init__(name, reason)
 
 
+class BadVideo(BadImage):
+    """A video that cannot be used (no video stream, unknown duration, corrupt, truncated, unsupported
+    codec, too short). A BadImage, so that every path that names and counts bad images handles it
+    (media/video.py and media/container_size.py raise it)."""
+
+
 @dataclass(frozen=True)
 class ImagePlan:
     """What one image becomes. `width`/`height`: the pixel size it is resized to (for tiles, the whole

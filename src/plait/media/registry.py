@@ -1,43 +1,93 @@
 """The media kinds a sample may hold, and what the rest of plait asks of each: its marker in a chat
-template, the spec section and placeholder id it takes, and how a spec's section becomes its policy.
+template, the spec section and placeholder id it takes, its encoder, and its module's `Medium`.
 
-A reader finds a sample's media by kind (a source's `image_field`, `video_field`, `audio_field`); the
-record pipeline (sources/multimodal.py) places each at its kind's marker, plans it by its kind's probe
-and policy, and expands its placeholder run with its kind's id; the Planner adds each kind's encoder
-cost (planning/step_costs.py, from plait.cost.EncoderCost); a gather decodes it once; the Constructor
-puts its arrays in the micro-batch. A fourth medium is a module here, its spec section and an entry in
-KINDS.
+Every medium's module (media/image.py, media/video.py, media/audio.py) gives one `MEDIUM` with the same
+five things under the same names (the `Medium` protocol): `policy(spec)` (its spec section as a policy),
+`probe` (the metadata read while planning: headers only, no decode, counted), `plan` (what the media
+becomes, `placeholder_tokens(plan)` of them in input_ids), `decode` (once per delivery, at gather),
+`encoder_units(plan)` (what its encoder's cost is computed on: plait.cost.EncoderCost.of_units) and
+`batch_fields` (its part of a micro-batch). The rest of plait reaches a medium through `kind_of(ref)` and
+`MediaKind.medium`, not through per-medium cases: the record pipeline (sources/multimodal.py) places each
+media at its kind's marker, plans and decodes it by its medium, and expands its placeholder run with its
+kind's id; the Planner adds each kind's encoder cost; the Constructor puts its fields in the micro-batch.
+
+A fourth medium is a module here (its MEDIUM and its reference type, with `kind` set to its name), its spec
+section, and an entry in KINDS.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["AUDIO", "IMAGE", "KINDS", "MARKERS", "VIDEO", "MediaKind", "audio_policy", "placeholder_ids"]
+__all__ = ["AUDIO", "BY_NAME", "IMAGE", "KINDS", "MARKERS", "VIDEO", "MediaKind", "Medium", "audio_policy",
+           "kind_of", "placeholder_ids"]
+
+
+class Medium(Protocol):
+    """What plait asks of one medium; its module's `MEDIUM` gives it (module docstring)."""
+
+    def policy(self, spec):
+        """The spec's section for this medium as its policy (None: the spec has none)."""
+
+    def probe(self, data, name: str | None = None):
+        """Planning: what the headers say (no decode; a decode counter stays put). MediaError if unusable."""
+
+    def plan(self, policy, info, window: int = 0):
+        """What the media (its clip `window`, for a medium that cuts one into several samples) becomes."""
+
+    def decode(self, data, planned, policy, name: str | None = None, out=None):
+        """Gather: one decode of what `planned` (what planning kept) says, into `out` where it fits."""
+
+    def placeholder_tokens(self, planned) -> int:
+        """Placeholder ids the media takes in input_ids."""
+
+    def encoder_units(self, planned) -> tuple[int, int]:
+        """(units, squared units) of the media for its encoder's cost (plait.cost.EncoderCost.of_units):
+        an image's patches, a video's patches attending per temporal patch, a clip's attention spans."""
+
+    def batch_fields(self, payload, a: int, b: int) -> dict:
+        """The media's fields in the micro-batch holding items a..b-1 of a rank's payload."""
 
 
 @dataclass(frozen=True)
 class MediaKind:
-    """One medium: `name`, its chat `marker`, the source field that lists it, the spec `section` and
-    the section's placeholder-id field."""
+    """One medium: `name`, its chat `marker`, the source field that lists it, the spec `section`, the
+    section's placeholder-id field, the `encoder` that costs it (media sharing one share its capacity and
+    coefficients) and the `module` under plait.media that gives its MEDIUM."""
 
     name: str
     marker: str
     source_field: str
     section: str
     token_field: str
+    encoder: str
+    module: str
 
     def token_id(self, spec) -> int | None:
         """This medium's placeholder id in `spec` (None: the spec has no section for it)."""
         section = getattr(spec, self.section, None)
         return None if section is None else int(getattr(section, self.token_field))
 
+    @property
+    def medium(self) -> Medium:
+        """Its module's MEDIUM (imported on first use: a text-only job never loads Pillow or PyAV)."""
+        return importlib.import_module(f"plait.media.{self.module}").MEDIUM
 
-IMAGE = MediaKind("image", "<image>", "image_field", "images", "image_token_id")
-VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id")
-AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id")
+
+IMAGE = MediaKind("image", "<image>", "image_field", "images", "image_token_id", "vision", "image")
+VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id", "vision", "video")
+AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id", "audio", "audio")
 KINDS = (IMAGE, VIDEO, AUDIO)
 MARKERS = {k.marker: k for k in KINDS}
+BY_NAME = {k.name: k for k in KINDS}
+
+
+def kind_of(ref) -> MediaKind:
+    """The kind of a media reference in a record: its type's `kind` (a VideoRef's, an AudioRef's); an
+    image is plain bytes or a path."""
+    return BY_NAME[getattr(ref, "kind", "image")]
 
 
 def placeholder_ids(spec) -> dict[str, int]:
@@ -46,8 +96,5 @@ def placeholder_ids(spec) -> dict[str, int]:
 
 
 def audio_policy(spec):
-    """The AudioPolicy of the spec's `audio` section (None without one)."""
-    from plait.media.audio import AudioPolicy
-
-    a = spec.audio
-    return None if a is None else AudioPolicy(kind=a.policy, mel_bins=a.mel_bins, chunk_seconds=a.chunk_seconds)
+    """The AudioPolicy of the spec's `audio` section (None without one): AUDIO.medium.policy."""
+    return AUDIO.medium.policy(spec)

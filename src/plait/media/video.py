@@ -46,17 +46,19 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, ClassVar, NamedTuple
 
 import numpy as np
 from PIL import Image
 
 from plait.media.base import DecodeCounter, MediaError, open_container
 from plait.media.image import resize_bicubic
-from plait.media.image_policy import BadImage, smart_resize
+from plait.media.container_size import check_size
+from plait.media.image_policy import BadImage, BadVideo, smart_resize
+from plait.video_batch import video_fields
 from plait.video_spec import TOTAL_PIXELS, VIDEO_MAX_TOKENS, VIDEO_MIN_TOKENS
 
-__all__ = ["FRAME_DECODES", "VIDEO_DECODES", "VIDEO_EXTENSIONS", "BadVideo", "VideoInfo", "VideoPlan",
+__all__ = ["FRAME_DECODES", "MEDIUM", "VIDEO_DECODES", "VIDEO_EXTENSIONS", "BadVideo", "VideoInfo", "VideoPlan",
            "VideoPolicy", "VideoRef", "decode_video", "patchify_frames", "probe"]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi")
@@ -67,16 +69,12 @@ VIDEO_DECODES = DecodeCounter()  # decode passes (one per delivered video)
 VideoData = bytes | bytearray | memoryview | str | BinaryIO  # bytes, a local path, or a seekable file
 
 
-class BadVideo(BadImage):
-    """A video that cannot be used (no video stream, unknown duration, corrupt, truncated, unsupported
-    codec, too short). A BadImage, so that every path that names and counts bad images handles it."""
-
-
 @dataclass(frozen=True)
 class VideoRef:
     """A video in a record: `ref` is what the reader resolves (bytes, a member name, a path); `window`
     the clip window this sample takes; `plan`, once planned, what it becomes (kept for the gather)."""
 
+    kind: ClassVar[str] = "video"  # media.registry.kind_of
     ref: bytes | str
     window: int = 0
     plan: "VideoPlan | None" = None
@@ -339,3 +337,46 @@ def decode_video(data: VideoData, plan: VideoPlan, policy: VideoPolicy) -> np.nd
     same headers)."""
     return patchify_frames(read_frames(data, plan, policy.fast_resize), policy.patch, policy.temporal_patch)
 
+
+class VideoMedium:
+    """The video medium (plait.media.registry.Medium): headers -> VideoPlan (per clip window), decode ->
+    patch rows of the planned frames."""
+
+    def policy(self, spec) -> VideoPolicy | None:
+        v, im = spec.videos, spec.images
+        if v is None or im is None:
+            return None
+        return VideoPolicy(fps=v.fps, min_frames=v.min_frames, max_frames=v.max_frames, min_pixels=v.min_pixels,
+                           max_pixels=v.max_pixels, total_pixels=v.total_pixels, temporal_patch=v.temporal_patch,
+                           nframes=v.nframes, patch=im.patch, merge=im.merge, clip=v.clip, fast_resize=v.fast_resize)
+
+    def probe(self, data: VideoData, name: str | None = None) -> VideoInfo:
+        """`probe`, after checking that the container is not shorter than its headers say
+        (media/container_size.py; BadVideo if so)."""
+        check_file(data)  # a missing or empty file is said so before its sizes are read
+        check_size(data)
+        return probe(data)
+
+    def plan(self, policy: VideoPolicy, info: VideoInfo, window: int = 0) -> VideoPlan:
+        return policy.plan(info, window)
+
+    def decode(self, data: VideoData, planned: VideoPlan, policy: VideoPolicy, name: str | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+        rows = decode_video(data, planned, policy)
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def placeholder_tokens(self, planned: VideoPlan) -> int:
+        return planned.tokens
+
+    def encoder_units(self, planned: VideoPlan) -> tuple[int, int]:
+        """Its patches, and t * (h*w)^2: the encoder attends within each temporal patch, as Qwen2-VL's does."""
+        return planned.patches, planned.patches * planned.patches // max(planned.grid[0], 1)
+
+    def batch_fields(self, payload, a: int, b: int) -> dict:
+        return video_fields(payload, a, b)
+
+
+MEDIUM = VideoMedium()

@@ -17,12 +17,12 @@ WebDataset member, a remote file or inline bytes are read into memory).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from plait.errors import PlaitError
-from plait.media.audio import AudioFeatures, AudioInfo, AudioPlan, probe
+from plait.media.audio import AudioFeatures, AudioInfo, AudioPlan, PlannedClip
 from plait.media.base import MediaError, field_media
-from plait.media.registry import audio_policy
+from plait.media.registry import AUDIO
 from plait.spec import Spec
 
 __all__ = ["AudioDocs", "AudioRef", "ClipPlan", "audio_list"]
@@ -33,6 +33,7 @@ class AudioRef:
     """One clip of a record: inline bytes, or what the reader resolves (a member name, a path); once
     planned, its header info and plan."""
 
+    kind: ClassVar[str] = "audio"  # media.registry.kind_of
     ref: bytes | str
     info: AudioInfo | None = None
     plan: AudioPlan | None = None
@@ -40,14 +41,17 @@ class AudioRef:
 
 class ClipPlan(NamedTuple):
     """What the media table keeps of a planned clip (the shape every medium's plan gives it): its
-    placeholder tokens, no image patches, no grid; `spans`, `spans_sq`: the audio encoder's units."""
+    placeholder tokens, its planned reference, no image patches, no grid."""
 
     tokens: int
-    spans: int
-    spans_sq: int
     ref: AudioRef
     patches: int = 0
     grid: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def plan(self) -> AudioPlan:
+        """The clip's AudioPlan (what the audio medium's encoder_units reads)."""
+        return self.ref.plan
 
 
 def audio_list(value, root: str | None) -> list[AudioRef]:
@@ -59,27 +63,27 @@ class AudioDocs:
     """Plans and decodes a source's clips (module docstring)."""
 
     def __init__(self, spec: Spec, reader):
-        self.policy = audio_policy(spec)
+        self.policy = AUDIO.medium.policy(spec)
         self.token_id = spec.audio.audio_token_id
         self.reader = reader
 
     def plan(self, path: str, aref: AudioRef) -> ClipPlan:
         """What the media table keeps of the clip, its reference planned (MediaError when the headers are
         unusable)."""
-        name = describe_clip(aref)
-        info = probe(self.reader.video_input(path, aref.ref), name)
+        name, medium = describe_clip(aref), AUDIO.medium
+        info = medium.probe(self.reader.video_input(path, aref.ref), name)
         try:
-            plan = self.policy.plan(info)
+            planned = medium.plan(self.policy, info)
         except PlaitError as e:  # too short to give a token
             raise MediaError(name, str(e)) from None
-        spans = [int(s) for s in plan.spans]
-        return ClipPlan(plan.tokens, sum(spans), sum(s * s for s in spans), AudioRef(aref.ref, info, plan))
+        return ClipPlan(medium.placeholder_tokens(planned), AudioRef(aref.ref, info, planned.plan))
 
-    def decode(self, path: str, aref: AudioRef) -> AudioFeatures:
+    def decode(self, path: str, aref: AudioRef, out=None) -> AudioFeatures:
         """The clip's features (one decode pass; MediaError on failure)."""
         if aref.plan is None:
             raise MediaError(describe_clip(aref), "an audio reference reached the gather unplanned")
-        features = self.policy.load(self.reader.video_input(path, aref.ref), aref.info, describe_clip(aref))
+        features = AUDIO.medium.decode(self.reader.video_input(path, aref.ref), PlannedClip(aref.info, aref.plan),
+                                       self.policy, describe_clip(aref))
         if features.plan.tokens != aref.plan.tokens:
             raise MediaError(describe_clip(aref), f"decodes to {features.plan.tokens} tokens, planned at "
                                                   f"{aref.plan.tokens} from its headers")

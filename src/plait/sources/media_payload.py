@@ -16,12 +16,12 @@ import numpy as np
 from plait.audio_batch import AudioPayload
 from plait.batch import ImagePayload, Payload
 from plait.ragged import ragged_arange
-from plait.sources.audio import AudioRef
+from plait.media.registry import AUDIO, KINDS, kind_of
 from plait.sources.base import DocBlock, Source
 from plait.sources.video import VIDEO_KIND
 from plait.sources.workers import WorkerPool
 
-AUDIO_KIND = 2  # an ImageWork task's kind for a clip (0 image, 1 video): decoded to features, not pixels
+AUDIO_KIND = KINDS.index(AUDIO)  # an ImageWork task's kind for a clip (0 image, 1 video): features, not pixels
 
 
 class ImageWork:
@@ -60,7 +60,7 @@ class ImageWork:
         for i, d in zip(items, docs):
             first, count = int(block.images.start[d]), int(block.images.count[d])
             for j in range(first, first + count):
-                if isinstance(block.images.refs[j], AudioRef):
+                if kind_of(block.images.refs[j]) is AUDIO:
                     self.tasks.append((int(i), source, block, j, src, np.zeros(3, np.int64), AUDIO_KIND, ()))
                     continue
                 grid, kind = src.images.payload_entry(block.images, j)

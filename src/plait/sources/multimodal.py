@@ -38,17 +38,18 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
 from plait.media.base import MediaError, field_media
-from plait.media.registry import AUDIO, IMAGE, VIDEO
+from plait.media.image import BadImage, ImagePolicy
+from plait.media.registry import AUDIO, IMAGE, KINDS, VIDEO, kind_of
+from plait.media.video import VideoRef
 from plait.spec import SourceSpec, Spec
-from plait.sources.audio import AudioDocs, AudioRef, ClipPlan, audio_list
+from plait.sources.audio import AudioDocs, AudioRef, audio_list
 from plait.sources.video import VIDEO_KIND, VideoDocs, video_list
-from plait.media.image import BadImage, ImagePolicy, decode, image_size
-from plait.media.video import VideoPlan, VideoRef
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
 IMAGE_MARKER, VIDEO_MARKER, AUDIO_MARKER = IMAGE.marker, VIDEO.marker, AUDIO.marker
@@ -77,12 +78,14 @@ def placeholder_leads(source: SourceSpec) -> bool:
 
 
 def policy_of(spec: Spec) -> ImagePolicy | None:
-    im = spec.images
-    if im is None:
-        return None
-    return ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
-                       max_pixels=im.max_pixels, tile=im.tile, min_tiles=im.min_tiles, max_tiles=im.max_tiles,
-                       thumbnail=im.thumbnail, fast_jpeg=im.fast_jpeg)
+    """The spec's image policy (None without an `images` section): the image medium's."""
+    return IMAGE.medium.policy(spec)
+
+
+class PlannedImage(NamedTuple):
+    """What the media table keeps of a planned image for its decode (Medium.decode's `planned`)."""
+
+    patches: int
 
 
 # ----- templates ---------------------------------------------------------------------------------
@@ -172,13 +175,10 @@ def records_from_values(texts: list, images: list, spec: SourceSpec, names: list
 
 
 def describe_ref(ref: ImageRef | VideoRef | AudioRef) -> str:
-    """How an error names a media: 'image <path or member>', 'video <...> (clip window w)', 'audio <...>'."""
-    if isinstance(ref, AudioRef):
-        return f"audio {_where(ref.ref)}"
-    if isinstance(ref, VideoRef):
-        window = f" (clip window {ref.window})" if ref.window else ""
-        return f"video {_where(ref.ref)}{window}"
-    return f"image {_where(ref)}"
+    """How an error names a media: its kind and where it is ('image <path or member>', 'audio <...>'),
+    and its clip window where it has one ('video <...> (clip window w)')."""
+    window = getattr(ref, "window", 0)
+    return f"{kind_of(ref).name} {_where(getattr(ref, 'ref', ref))}" + (f" (clip window {window})" if window else "")
 
 
 def failure(ref, error: Exception) -> str:
@@ -209,31 +209,36 @@ class ImageTable:
     at: np.ndarray  # int64 [images]
     refs: list = field(default_factory=list)
     records: list = field(default_factory=list)
-    spans: np.ndarray | None = None  # int64 [media, 2]: a clip's audio encoder spans and squared spans (else 0)
+    units: np.ndarray | None = None  # int64 [media, 2]: its encoder units and their squares (Medium.encoder_units)
+    audio: bool = False  # the source reads audio: the Planner gets its audio columns
 
     def take_docs(self, order: np.ndarray) -> ImageTable:
-        return ImageTable(self.start[order], self.count[order], self.patches, self.tokens, self.grid, self.at,
-                          self.refs, self.records, self.spans)
+        return replace(self, start=self.start[order], count=self.count[order])
+
+    @property
+    def spans(self) -> np.ndarray | None:
+        """The media's encoder units where the source reads audio (None where it does not)."""
+        return self.units if self.audio else None
+
+    def encoder_sums(self, encoder: str) -> np.ndarray:
+        """Per document [docs, 3]: the encoder units, squared units and placeholder tokens of its media that
+        `encoder` (a MediaKind's) encodes."""
+        if self.units is None or not len(self.refs):
+            return np.zeros((len(self.start), 3), np.int64)
+        mine = np.fromiter((kind_of(r).encoder == encoder for r in self.refs), bool, len(self.refs))
+        values = np.where(mine[:, None], np.column_stack([self.units, self.tokens]), 0).astype(np.int64)
+        acc = np.concatenate([np.zeros((1, 3), np.int64), np.cumsum(values, axis=0)])
+        return acc[self.start + self.count] - acc[self.start]
 
     def audio_sums(self) -> np.ndarray:
         """Per document [docs, 3]: its clips' encoder spans, squared spans and placeholder tokens (zeros
         without audio): the Planner's audio columns (plait.plan.Items)."""
-        if self.spans is None or not len(self.refs):
-            return np.zeros((len(self.start), 3), np.int64)
-        audio = np.fromiter((isinstance(r, AudioRef) for r in self.refs), bool, len(self.refs))
-        values = np.column_stack([self.spans, np.where(audio, self.tokens, 0)])
-        acc = np.concatenate([np.zeros((1, 3), np.int64), np.cumsum(values, axis=0)])
-        return acc[self.start + self.count] - acc[self.start]
+        return self.encoder_sums(AUDIO.encoder)
 
     def doc_sums(self, power: int = 1) -> np.ndarray:
-        """Per document: the sum of its images' patches (power 1) or squared patches (power 2; a video's
-        is t * (h*w)**2: the encoder attends within each temporal patch, as Qwen2-VL's does)."""
-        values = self.patches.astype(np.int64) ** power
-        if power == 2 and any(isinstance(r, VideoRef) for r in self.refs):  # a video attends per temporal patch:
-            video = np.fromiter((isinstance(r, VideoRef) for r in self.refs), bool, len(self.refs))
-            values[video] //= np.maximum(self.grid[video, 0], 1)  # t * (h*w)**2, not (t*h*w)**2
-        acc = np.concatenate([[0], np.cumsum(values)])
-        return acc[self.start + self.count] - acc[self.start]
+        """Per document: the sum of its images' and videos' patches (power 1) or their squares (power 2; a
+        video's is t * (h*w)**2: Medium.encoder_units)."""
+        return self.encoder_sums(IMAGE.encoder)[:, power - 1]
 
     @property
     def nbytes(self) -> int:
@@ -243,9 +248,10 @@ class ImageTable:
 
 def _planned(ref, plan):
     """A media reference as the table keeps it: a video's and a clip's with their plans."""
-    if isinstance(ref, VideoRef):
+    kind = kind_of(ref)
+    if kind is VIDEO:
         return replace(ref, plan=plan)
-    return plan.ref if isinstance(ref, AudioRef) else ref
+    return plan.ref if kind is AUDIO else ref
 
 
 # ----- planning: headers -> documents ------------------------------------------------------------
@@ -257,6 +263,9 @@ class ImageDocs:
         self.token_id = spec.images.image_token_id if spec.images is not None else -1
         self.videos = VideoDocs(spec, reader) if source.video_field is not None else None
         self.audio = AudioDocs(spec, reader) if source.audio_field is not None else None
+        self.media = {VIDEO.name: self.videos, AUDIO.name: self.audio}  # the media planned apart from images
+        self.token_ids = {IMAGE.name: self.token_id if self.policy is not None else None,  # None: not read
+                          VIDEO.name: getattr(self.videos, "token_id", None), AUDIO.name: getattr(self.audio, "token_id", None)}
         self.seq_len = spec.packing.seq_len
         self.max_patches = spec.packing.max_patches
         self.vocab_size = spec.vocab_size
@@ -268,17 +277,16 @@ class ImageDocs:
     def plan(self, path: str, ref: ImageRef):
         """The image's plan from its header (a prefix of its bytes; all of them if the header needs more);
         a video's from its container headers (sources/video.py)."""
-        if isinstance(ref, VideoRef):
-            return self.videos.plan(path, ref)
-        if isinstance(ref, AudioRef):
-            return self.audio.plan(path, ref)
+        if kind_of(ref) is not IMAGE:
+            return self.media[kind_of(ref).name].plan(path, ref)
+        medium = IMAGE.medium
         head, whole = self.reader.image_head(path, ref, HEAD_BYTES)
         try:
-            return self.policy.plan(*image_size(head))
+            return medium.plan(self.policy, medium.probe(head))
         except BadImage:
             if whole:
                 raise
-        return self.policy.plan(*image_size(self.reader.image_bytes(path, ref)))
+        return medium.plan(self.policy, medium.probe(self.reader.image_bytes(path, ref)))
 
     def _plans(self, path: str, records: list[MMRecord]) -> tuple[list[int], list[list]]:
         kept, plans = [], []
@@ -301,7 +309,7 @@ class ImageDocs:
         flat, seg_off = self.encoder.encode(pa.array(segs, pa.string())) if segs else (np.zeros(0, np.int32), np.zeros(1, np.int64))
         bos, eos = self.source.bos, self.source.eos
         pieces, lengths, ok = [], [], []
-        img_counts, img_patches, img_tokens, img_grid, img_at, refs, names, spans = [], [], [], [], [], [], [], []
+        img_counts, img_patches, img_tokens, img_grid, img_at, refs, names, units = [], [], [], [], [], [], [], []
         s = 0  # segment index
         for i, rec_plans in zip(kept, plans):
             rec = records[i]
@@ -311,13 +319,13 @@ class ImageDocs:
                 parts.append(flat[seg_off[seg_no]:seg_off[seg_no + 1]].astype(np.int32))
                 if j < len(rec_plans):
                     at.append(sum(len(p) for p in parts))
-                    token_id = self._token_id(rec.images[j])
+                    token_id = self.token_ids[kind_of(rec.images[j]).name]
                     parts.append(np.full(rec_plans[j].tokens, token_id, np.int32))
             s += len(rec.segments)
             if eos is not None:
                 parts.append(np.array([eos], np.int32))
             doc = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-            why = self._check(doc, rec_plans)
+            why = self._check(doc, rec.images, rec_plans)
             if why:
                 self.bad(path, rec.name, why)
                 continue
@@ -330,43 +338,38 @@ class ImageDocs:
             img_grid += [p.grid for p in rec_plans]
             img_at += at
             refs += [_planned(r, p) for r, p in zip(rec.images, rec_plans)]
-            spans += [(getattr(p, "spans", 0), getattr(p, "spans_sq", 0)) for p in rec_plans]
+            units += [kind_of(r).medium.encoder_units(p) for r, p in zip(rec.images, rec_plans)]
             names += [rec.name] * len(rec_plans)
         counts = np.asarray(img_counts, np.int64)
         table = ImageTable(np.cumsum(counts) - counts, counts, np.asarray(img_patches, np.int64),
                            np.asarray(img_tokens, np.int64), np.asarray(img_grid, np.int64).reshape(-1, 3),
-                           np.asarray(img_at, np.int64), refs, names,
-                           np.asarray(spans, np.int64).reshape(-1, 2) if self.audio is not None else None)
+                           np.asarray(img_at, np.int64), refs, names, np.asarray(units, np.int64).reshape(-1, 2),
+                           self.audio is not None)
         tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return tokens, offsets, np.asarray(ok, np.int64), table
 
-    def _token_id(self, ref) -> int:
-        if isinstance(ref, VideoRef):
-            return self.videos.token_id
-        return self.audio.token_id if isinstance(ref, AudioRef) else self.token_id
-
-    def _placeholder_ids(self, plans: list) -> list[tuple[int, str, int]]:
-        """(token id, kind, placeholders planned) for images, and for videos and clips when the source has
-        them (media sharing an id are counted together)."""
+    def _placeholder_ids(self, refs: list, plans: list) -> list[tuple[int, str, int]]:
+        """(token id, kind, placeholders planned) for each kind the source reads (media sharing an id are
+        counted together)."""
         ids: dict[int, list] = {}
-        for kind, token_id, cls in (("image", self.token_id, None), ("video", getattr(self.videos, "token_id", None),
-                                    VideoPlan), ("audio", getattr(self.audio, "token_id", None), ClipPlan)):
-            if token_id is None or (kind == "image" and self.policy is None):
+        for kind in KINDS:
+            token_id = self.token_ids[kind.name]
+            if token_id is None:
                 continue
-            planned = sum(p.tokens for p in plans if (isinstance(p, cls) if cls else not isinstance(p, (VideoPlan, ClipPlan))))
-            entry = ids.setdefault(token_id, [token_id, kind, 0])
+            planned = sum(p.tokens for r, p in zip(refs, plans) if kind_of(r) is kind)
+            entry = ids.setdefault(token_id, [token_id, kind.name, 0])
             entry[2] += planned
         return [tuple(e) for e in ids.values()]
 
-    def _check(self, doc: np.ndarray, plans: list) -> str | None:
+    def _check(self, doc: np.ndarray, refs: list, plans: list) -> str | None:
         has_images, patches = bool(plans), sum(p.patches for p in plans)
         # labels are masked by these ids: each must mean an image (a video) of this document
-        for token_id, kind, planned in self._placeholder_ids(plans):
+        for token_id, kind, planned in self._placeholder_ids(refs, plans):
             extra = int(np.count_nonzero(doc == token_id)) - planned
             if extra:
                 return f"its text holds the {kind} token id {token_id} outside its {kind}s' placeholders ({extra} time(s))"
-        leads = bool(len(doc)) and any(doc[0] == token_id for token_id, _, _ in self._placeholder_ids(plans))
+        leads = bool(len(doc)) and any(doc[0] == token_id for token_id, _, _ in self._placeholder_ids(refs, plans))
         if has_images and leads != placeholder_leads(self.source):
             return "its first media is not where the template puts it (the text before it tokenizes to nothing)"
         if has_images and len(doc) > self.seq_len:
@@ -385,40 +388,23 @@ class ImageDocs:
         """Image (or video) j's uint8 patches [rows, patch*patch*3], decoded once (into `out` when given);
         on failure (see the module docstring) None and the reason (the caller applies the policy: a
         sample whose image or video fails after planning never reaches a trainer)."""
-        if isinstance(table.refs[j], VideoRef):
-            return self._decode_video(path, table.refs[j], out)
-        if isinstance(table.refs[j], AudioRef):
-            try:
-                return self.audio.decode(path, table.refs[j]), None
-            except (MediaError, OSError) as e:
-                return None, failure(table.refs[j], e)
-        want = int(table.patches[j])
+        ref = table.refs[j]
         try:
-            got = decode(self.reader.image_bytes(path, table.refs[j]), self.policy, out)
-            if got.plan.patches != want:
-                raise BadImage(f"decodes to {got.plan.patches} patches, planned at {want} from its header")
-            return got.patches, None
+            if kind_of(ref) is IMAGE:
+                data = self.reader.image_bytes(path, ref)
+                return IMAGE.medium.decode(data, PlannedImage(int(table.patches[j])), self.policy, out=out), None
+            return self.media[kind_of(ref).name].decode(path, ref, out), None
         except (MediaError, OSError) as e:
-            return None, failure(table.refs[j], e)
-
-    def _decode_video(self, path: str, vref: VideoRef, out: np.ndarray | None) -> tuple[np.ndarray | None, str | None]:
-        try:
-            rows = self.videos.decode(path, vref)
-        except (MediaError, OSError) as e:
-            return None, failure(vref, e)
-        if out is None:
-            return rows, None
-        out[...] = rows
-        return out, None
+            return None, failure(ref, e)
 
     def frame_indices(self, table: ImageTable, j: int) -> tuple[int, ...]:
         """Media j's sampled source frame indices: a video's (its plan's), none for an image."""
         ref = table.refs[j]
-        return ref.plan.indices if isinstance(ref, VideoRef) else ()
+        return ref.plan.indices if kind_of(ref) is VIDEO else ()
 
     def payload_entry(self, table: ImageTable, j: int) -> tuple[np.ndarray, int]:
         """Media j's grid in a payload and its kind (0 image; VIDEO_KIND: a video, grid (frames, h, w))."""
         ref = table.refs[j]
-        if isinstance(ref, VideoRef):
+        if kind_of(ref) is VIDEO:
             return np.asarray(self.videos.payload_grid(ref.plan), np.int64), VIDEO_KIND
         return table.grid[j], 0

@@ -24,22 +24,18 @@ import numpy as np
 import pyarrow as pa
 
 from plait.media.base import field_media
+from plait.media.registry import KINDS, VIDEO
+from plait.media.video import BadVideo, VideoPlan, VideoPolicy, VideoRef
 from plait.sources.reader import RawBlock
 from plait.spec import Spec
-from plait.media.container_size import probe_whole  # probe, less a container shorter than it says
-from plait.media.video import BadVideo, VideoPlan, VideoPolicy, VideoRef, decode_video
 
 MAX_WINDOWS = 4096  # clip windows per record (a 2-hour video at 2 fps and 768 frames a window needs 19)
-VIDEO_KIND = 1  # ImagePayload.kind of a video (0: an image)
+VIDEO_KIND = KINDS.index(VIDEO)  # ImagePayload.kind of a video (0: an image)
 
 
 def video_policy(spec: Spec) -> VideoPolicy | None:
-    v, im = spec.videos, spec.images
-    if v is None or im is None:
-        return None
-    return VideoPolicy(fps=v.fps, min_frames=v.min_frames, max_frames=v.max_frames, min_pixels=v.min_pixels,
-                       max_pixels=v.max_pixels, total_pixels=v.total_pixels, temporal_patch=v.temporal_patch,
-                       nframes=v.nframes, patch=im.patch, merge=im.merge, clip=v.clip, fast_resize=v.fast_resize)
+    """The spec's video rule (None without a `videos` and an `images` section): the video medium's."""
+    return VIDEO.medium.policy(spec)
 
 
 def video_list(value, root: str | None) -> list[VideoRef]:
@@ -60,13 +56,15 @@ class VideoDocs:
         that plan."""
         if vref.plan is not None:
             return vref.plan
-        return self.policy.plan(probe_whole(self.reader.video_input(path, vref.ref)), vref.window)
+        medium = VIDEO.medium
+        return medium.plan(self.policy, medium.probe(self.reader.video_input(path, vref.ref)), vref.window)
 
-    def decode(self, path: str, vref: VideoRef) -> np.ndarray:
-        """The planned frames as uint8 patch rows [plan.rows, patch*patch*3] (BadVideo on failure)."""
+    def decode(self, path: str, vref: VideoRef, out: np.ndarray | None = None) -> np.ndarray:
+        """The planned frames as uint8 patch rows [plan.rows, patch*patch*3], into `out` when given
+        (BadVideo on failure)."""
         if vref.plan is None:
             raise BadVideo("a video reference reached the gather unplanned")
-        return decode_video(self.reader.video_input(path, vref.ref), vref.plan, self.policy)
+        return VIDEO.medium.decode(self.reader.video_input(path, vref.ref), vref.plan, self.policy, out=out)
 
     def payload_grid(self, plan: VideoPlan) -> tuple[int, int, int]:
         """The grid of its pixel rows in a payload: (frames, h, w), t*temporal_patch frames."""
@@ -86,7 +84,7 @@ class VideoDocs:
             if len(videos) != 1:
                 continue
             try:
-                info = probe_whole(self.reader.video_input(path, videos[0].ref))
+                info = VIDEO.medium.probe(self.reader.video_input(path, videos[0].ref))
                 n = min(self.policy.windows(info), MAX_WINDOWS)
                 plans[int(r)] = [self.policy.plan(info, w) for w in range(n)]
             except BadVideo as e:
