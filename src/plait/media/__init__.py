@@ -1,17 +1,19 @@
 """Media: one module per medium, each giving what planning and gathering need of it.
 
-A medium's module offers the metadata probe the Planner uses (headers only, no decode, counted so tests can
-prove it), the decode at gather (once per delivery), its placeholder-token rule, its encoder cost and the
-arrays its batch fields carry: `image` (with `image_policy`, the Qwen2-VL resize rule), `video` (with
-`container_size`, the truncation check its probe adds) and `audio` (with `audio_features`, its log-mel).
-`registry` names the kinds and what the rest of plait asks of each.
+A medium's module offers, as its `MEDIUM` (the `registry.Medium` interface, the same names for every
+medium): `policy(spec)`, the metadata `probe` the Planner uses (headers only, no decode, counted so tests can
+prove it), `plan`, the `decode` at gather (once per delivery), `placeholder_tokens(plan)`, `encoder_units(plan)`
+(what plait.cost.EncoderCost.of_units, the one encoder formula, prices) and `batch_fields`: `image` (with
+`image_policy`, the Qwen2-VL resize rule), `video` (with `container_size`, the truncation check its probe
+adds) and `audio` (with `audio_features`, its log-mel). `registry` names the kinds; the rest of plait finds a
+media's medium by `registry.kind_of(ref).medium`.
 
-Audio, as the seam will call it:
-
-    info = audio.probe(data, name)                  # planning: headers only (AUDIO_DECODES unchanged)
-    plan = policy.plan(info)                        # windows, frames, placeholder tokens (plan.tokens)
-    cost = audio.encoder_cost(plan, linear, quad)   # the encoder's share of the sample's cost
-    feats = policy.load(data, info, name)           # gather: one decode, input_features + feature_attention_mask
+    medium = AUDIO.medium                                  # or kind_of(ref).medium
+    policy = medium.policy(spec)                           # the spec's `audio` section
+    plan = medium.plan(policy, medium.probe(data, name))   # planning: headers only (AUDIO_DECODES unchanged)
+    tokens = medium.placeholder_tokens(plan)               # the placeholder run in input_ids
+    units, squares = medium.encoder_units(plan)            # EncoderCost(...).of_units(units, squares)
+    feats = medium.decode(data, plan, policy, name)        # gather: one decode
 
 A bad file raises base.MediaError naming it; the reader wraps it in a SourceError and applies its policy.
 
