@@ -117,6 +117,16 @@ def test_build_ahead_is_the_ray_runtimes_name_too():
         RayOptions(prefetch=3, build_ahead=1)
 
 
+def test_pixels_apart_is_a_number_of_bytes():
+    from plait.errors import PlaitError
+    from plait.runtime.ray.runtime import RayOptions
+
+    assert RayOptions().pixels_apart is None and RayOptions(pixels_apart=0).pixels_apart == 0
+    for bad in (-1, 1.5, "1MiB", True):
+        with pytest.raises(PlaitError, match="pixels_apart must be a number of bytes"):
+            RayOptions(pixels_apart=bad)
+
+
 class FakeRef:
     """A call's answer, ready when the test says so (or failing)."""
 
@@ -127,16 +137,30 @@ class FakeRef:
 
 
 class FakeLoader:
-    """A loader handle whose `gather_batch.remote(requests, images)` records the call."""
+    """A loader handle whose `gather_batch.remote(requests, False)` (text) and
+    `gather_images.options(num_returns=2).remote(requests, apart_bytes)` record the call."""
 
     def __init__(self):
         self.calls: list[FakeRef] = []
         self.gather_batch = self
+        self.gather_images = FakeImageCalls(self)
 
     def remote(self, requests, images):
         ref = FakeRef(requests, images)
         self.calls.append(ref)
         return ref
+
+
+class FakeImageCalls:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def options(self, num_returns):
+        assert num_returns == 2  # the answers, and the pixels sent apart (read by the trainer only)
+        return self
+
+    def remote(self, requests, apart_bytes):
+        return self.loader.remote(requests, True), "pixels-ref"
 
 
 def fake_get(ref):

@@ -16,12 +16,13 @@ from typing import Callable
 
 from plait.batch import MicroBatch
 from plait.job.consumers import Ask
-from plait.job.cp_builds import GroupBuilds
+from plait.job.cp_builds import GroupBuilds, served_rank
 from plait.job.rank_builds import RankBuilds
 from plait.plan import RankPlan
 from plait.roles.constructor import Constructor
 from plait.runtime.ray import standby_planner
 from plait.runtime.ray.payloads import RayPayloads
+from plait.runtime.ray.pixel_rows import resolve_built
 from plait.runtime.ray.planner_requests import WINDOW_GROUP
 from plait.runtime.ray.routing import Route
 from plait.runtime.ray.common import (
@@ -97,7 +98,7 @@ class ConstructorActor:
             info, routing = host.info(), host.routing()
             ask = tell = lambda method, *args: getattr(host, method)(*args)
         self.route = Route(routing)
-        self.payloads = RayPayloads(self.route, planner=self.planner)
+        self.payloads = RayPayloads(self.route, planner=self.planner, pixels_apart=info.get("pixels_apart"))
         self.constructor = Constructor(self.payloads)
         # dynamic CP: a group's micro-batch is built once here for the members this Constructor serves (the
         # members served by another Constructor build it there: once per Constructor holding a member)
@@ -145,6 +146,18 @@ class ConstructorActor:
         fetches it only for a checkpoint). Waits while `step` is beyond the Planner's window (RankBuilds.get)."""
         return self.builds.get(gen, step, dp_rank, limit, cp, with_state, client)
 
+    def get_assembled(self, *args, **kwargs) -> tuple[dict | None, list[MicroBatch]]:
+        """`get` with the pixels assembled here, for a thin client (no Ray process: it cannot fetch the
+        pixel objects the batches reference; plait.runtime.ray.pixel_rows)."""
+        return resolve_built(self.get(*args, **kwargs))
+
+    def forget_build(self, gen: int, step: int, dp_rank: int, cp: tuple[int, int] = (1, 0)) -> None:
+        """Drop the build serving (step, dp_rank): a trainer found its pixel objects lost (their node
+        died after the build); asked again, it is built again from the loaders that replaced them."""
+        rank, _ = served_rank(self.builds.dynamic, dp_rank, cp)
+        with self.builds.lock:
+            self.builds.cache.forget((gen, step, rank))
+
     def stats(self) -> dict:
         return {**self.builds.stats(), "cached": len(self.builds.cache.builds), "pid": os.getpid(),
                 "rss": process_rss(), "routing_version": self.route.version, "group_builds": self.groups.builds}
@@ -161,7 +174,7 @@ class ConstructorActor:
 
         server = getattr(self, "flight_server", None)
         if server is None:
-            server = self.flight_server = ConstructorFlight(self.get, host, token)
+            server = self.flight_server = ConstructorFlight(self.get_assembled, host, token)
         return server.location
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from plait.runtime.placement import LoaderLayout, loader_name
 from plait.runtime.ray.common import actor_options, process_rss, ray_module, use_numpy_kernels
+from plait.runtime.ray.pixel_rows import set_apart
 from plait.spec import load_spec
 
 
@@ -75,6 +76,13 @@ class LoaderActor:
         (plait.runtime.ray.payloads.LoaderCalls says why)."""
         serve = self.gather_payload if images else self.gather
         return [serve(request) for request in requests]
+
+    def gather_images(self, requests: list[tuple], apart_bytes: int) -> tuple[list, list | None]:
+        """`gather_batch` of image requests as two returns (called with num_returns=2): the answers,
+        and their pixels when they add up to more than `apart_bytes` (then each answer's pixels name
+        their entry there). The caller reads only the first: the pixels go to the trainer without it
+        (plait.runtime.ray.pixel_rows)."""
+        return set_apart(self.gather_batch(requests, True), apart_bytes)
 
     def retain(self, live, drawn=None) -> None:
         with self.lock:

@@ -10,6 +10,7 @@ import numpy as np
 from plait.batch import Payload, merge_payloads
 from plait.runtime.placement import PartitionMap
 from plait.runtime.ray.common import dead_errors, get
+from plait.runtime.ray.pixel_rows import PIXELS_APART_BYTES, Apart, PixelRows, copy_runs
 from plait.runtime.ray.routing import Route
 
 
@@ -20,10 +21,10 @@ class RayPayloads:
     (it died, or its layout was retired by a rescale) gets the current routing from the Planner and is
     repeated there: loaders decode a block the same whoever owns it."""
 
-    def __init__(self, route: Route, planner=None):
+    def __init__(self, route: Route, planner=None, pixels_apart: int | None = None):
         self.route = route
         self.planner = planner  # asked to replace a loader found dead (None: errors propagate)
-        self.calls = LoaderCalls()
+        self.calls = LoaderCalls(PIXELS_APART_BYTES if pixels_apart is None else int(pixels_apart))
 
     def fetch(self, items):
         """Tokens (text), or a Payload (tokens and images) when an item holds images: the images are
@@ -92,10 +93,11 @@ class Gather:
 
 class LoaderCall:
     """One call to a loader carrying several requests: its answer, read once for all of them, and whether
-    the loader's next call went out."""
+    the loader's next call went out. `pixels`: an image call's second return, the pixels it sent apart
+    (never read here: plait.runtime.ray.pixel_rows)."""
 
-    def __init__(self, key: tuple, ref):
-        self.key, self.ref = key, ref
+    def __init__(self, key: tuple, ref, pixels=None):
+        self.key, self.ref, self.pixels = key, ref, pixels
         self.reading = threading.Lock()
         self.answer: tuple | None = None  # (answers, None) or (None, the error)
         self.done = False
@@ -112,7 +114,8 @@ class LoaderCalls:
     submits must `result` or `settle` every gather, in the order of the loaders' indices (RayPayloads
     does): a loader's next call waits for its current one to be read."""
 
-    def __init__(self):
+    def __init__(self, pixels_apart: int = PIXELS_APART_BYTES):
+        self.pixels_apart = pixels_apart  # an image call's pixels above this many bytes go apart
         self.lock = threading.Lock()
         self.waiting: dict[tuple, list[Gather]] = {}
         self.busy: set[tuple] = set()
@@ -136,7 +139,11 @@ class LoaderCalls:
                 self.busy.discard(key)
                 return
         handle, images = key
-        call = LoaderCall(key, handle.gather_batch.remote([g.request for g in batch], images))
+        requests = [g.request for g in batch]
+        if images:
+            call = LoaderCall(key, *handle.gather_images.options(num_returns=2).remote(requests, self.pixels_apart))
+        else:
+            call = LoaderCall(key, handle.gather_batch.remote(requests, False))
         for i, gather in enumerate(batch):
             gather.call, gather.index = call, i
             gather.sent.set()
@@ -163,7 +170,7 @@ class LoaderCalls:
         answers, error = call.answer
         if error is not None:
             raise error
-        return answers[gather.index]
+        return placed(answers[gather.index], call.pixels)
 
     def settle(self, gathers: list[Gather]) -> None:
         """Let the loaders of gathers whose answers are not wanted (a fetch that failed) take their next call."""
@@ -172,8 +179,19 @@ class LoaderCalls:
             self._finish(gather.call)
 
 
+def placed(answer, pixels_ref):
+    """A loader's answer whose pixels went apart (pixel_rows.Apart) with a PixelRows standing for them."""
+    images = getattr(answer, "images", None)
+    if images is None or not isinstance(images.pixels, Apart):
+        return answer
+    apart = images.pixels
+    rows = PixelRows.of_source((pixels_ref, apart.index), apart.rows, apart.width, apart.dtype)
+    return answer._replace(images=images._replace(pixels=rows))
+
+
 def merge_fetched(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray | Payload]]) -> np.ndarray | Payload:
-    """plait.batch.merge_payloads of the loaders' parts, each image's pixel rows copied once, by runs.
+    """plait.batch.merge_payloads of the loaders' parts, each image's pixel rows copied once, by runs, or
+    not at all where a part's pixels went apart (then the merged pixels are a PixelRows).
 
     The parts' pixels arrive as read-only views of what the loaders sent; merge_payloads would concatenate
     them and then gather every 588-byte patch row on its own (two copies, the second row by row: a fifth of
@@ -193,20 +211,32 @@ def merge_fetched(lengths: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray 
     merged = merge_payloads(lengths, stand_ins)
     if merged.images is None:
         return merged
-    return merged._replace(images=merged.images._replace(pixels=copy_rows(imaged, bases, merged.images.pixels[:, 0])))
+    rows = merged.images.pixels[:, 0]
+    if any(isinstance(x, PixelRows) for x in imaged):
+        return merged._replace(images=merged.images._replace(pixels=place_rows(imaged, rows)))
+    return merged._replace(images=merged.images._replace(pixels=copy_rows(imaged, bases, rows)))
 
 
 def copy_rows(sources: list[np.ndarray], bases: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Rows `rows` of the sources stacked (row r of the stack is row r - bases[j] of sources[j]), copied
     once: one slice per run of consecutive rows of one source (an image's rows are one run)."""
-    out = np.empty((len(rows), sources[0].shape[1]), dtype=sources[0].dtype)
-    if not len(rows):
-        return out
-    source = np.searchsorted(bases, rows, side="right") - 1
-    cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(source) != 0)) + 1
-    starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(rows)]])
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        j = int(source[a])
-        lo = int(rows[a] - bases[j])
-        out[a:b] = sources[j][lo:lo + b - a]
-    return out
+    return copy_runs(sources, bases, rows, sources[0].shape[1], sources[0].dtype)
+
+
+def place_rows(parts: list, rows: np.ndarray) -> PixelRows:
+    """Rows `rows` of the parts' pixels stacked (arrays, or PixelRows of pixels sent apart), placed: a
+    PixelRows over every part's sources, nothing copied."""
+    sources, counts, lookup, offset = [], [], [], 0
+    for p in parts:
+        if isinstance(p, PixelRows):
+            sources += p.sources
+            counts.append(np.diff(p.bases))
+            lookup.append(p.rows + offset)
+            offset += int(p.bases[-1])
+        else:
+            sources.append(p)
+            counts.append(np.array([len(p)]))
+            lookup.append(np.arange(len(p), dtype=np.int64) + offset)
+            offset += len(p)
+    first = parts[0]
+    return PixelRows(sources, np.concatenate(counts), np.concatenate(lookup)[rows], first.shape[1], first.dtype)

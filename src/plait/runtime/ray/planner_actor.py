@@ -139,7 +139,7 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
                 "loaders": len(self.loaders.handles), "pmap": self.pmap.to_dict(), "layout": self.layout.to_dict(),
                 "idle_timeout": self.presence.idle_timeout, "routing_version": self.routes.version,
                 "heartbeat_interval": self.presence.trainers.interval, "dynamic_cp": is_dynamic(self.spec),
-                "builds": self.stream.builds_per_step}
+                "builds": self.stream.builds_per_step, "pixels_apart": self.options.get("pixels_apart")}
 
     def get_loaders(self) -> list:
         return self.loaders.handles

@@ -28,6 +28,7 @@ from plait.runtime.placement import LoaderLayout
 from plait.runtime.ray import jobs, recovery, standby_planner
 from plait.runtime.ray.common import NAMESPACE, dead_errors, get, ray_module
 from plait.runtime.ray.constructor_actor import ConstructorPool
+from plait.runtime.ray.pixel_rows import lost_errors, resolve_built
 from plait.runtime.ray.instance import (  # noqa: F401 - check_reachable, explain_join_failure: this module's API too
     RayUse,
     check_reachable,
@@ -111,6 +112,9 @@ class RayOptions:
                     waited for data), on the spec's `metrics.address`; off by default. The job's endpoint
                     (planning, loaders, delivered tokens, recoveries) is the Planner's, from the spec's
                     `metrics.port` (plait.runtime.ray.job_metrics)
+      pixels_apart  bytes of a loader call's image pixels above which they go to the trainer as Ray objects
+                    the Constructor places but never reads (default 512 KiB, what Ray would put in its object
+                    store anyway; 0: always; plait.runtime.ray.pixel_rows)
       autoscale     re-partition the sources over more or fewer SourceLoaders while the job runs, following the
                     measured demand (None / False: off, the default; True: plait.runtime.autoscale's default
                     knobs; a dict of AutoscaleOptions fields: interval_s, cooldown_s, max_loader_cpus, ...). The
@@ -141,6 +145,7 @@ class RayOptions:
     planner_standby: bool = True
     metrics_port: int | None = None
     autoscale: bool | dict | None = None
+    pixels_apart: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "loaders", loaders_option(self.loaders))
@@ -154,6 +159,9 @@ class RayOptions:
         step_time = self.step_time
         if not (isinstance(step_time, (int, float)) and step_time > 0 and math.isfinite(step_time)):
             raise PlaitError(f"step_time must be a positive number of seconds, not {step_time!r}")
+        apart = self.pixels_apart
+        if apart is not None and not (isinstance(apart, int) and not isinstance(apart, bool) and apart >= 0):
+            raise PlaitError(f"pixels_apart must be a number of bytes (0 or more) or None, not {apart!r}")
         if self.constructors not in ("node", "replica", "planner"):
             raise PlaitError(f"constructors must be 'node', 'replica' or 'planner', not {self.constructors!r}")
         if self.attach and not self.job:
@@ -173,7 +181,7 @@ class RayOptions:
                 "cpus": cpus, "step_time": self.step_time, "job_idle_timeout": self.job_idle_timeout,
                 "heartbeat_interval": self.heartbeat_interval, "run": restart_count(),
                 "autoscale": self.autoscale or None, "planner_standby": self.planner_standby,
-                "constructors": self.constructors, "prefetch": self.build_ahead}
+                "constructors": self.constructors, "prefetch": self.build_ahead, "pixels_apart": self.pixels_apart}
 
 
 def restart_count() -> int:
@@ -314,7 +322,10 @@ class RayRuntime:
         same `extra` arguments: limit, CP rank); if the Planner died, it is recreated first."""
         while True:
             try:
-                return get(ref)
+                return resolve_built(get(ref))
+            except lost_errors():  # its pixels' owner (the Constructor) or their node died after it answered
+                self._failover.constructor_died(dp_rank, step)  # a dead one is replaced: the new one builds
+                get(self._constructor_for(dp_rank).forget_build.remote(self._gen, step, dp_rank, *extra[1:]))
             except dead_errors():
                 if recovery.planner_alive(self.planner):
                     self._failover.constructor_died(dp_rank, step)
