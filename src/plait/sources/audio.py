@@ -78,6 +78,10 @@ class AudioDocs:
             raise MediaError(name, str(e)) from None
         return ClipPlan(medium.placeholder_tokens(planned), AudioRef(aref.ref, info, planned.plan))
 
+    def planned_ref(self, aref: AudioRef, plan: ClipPlan) -> AudioRef:
+        """The reference the media table keeps: with its header info and plan."""
+        return plan.ref
+
     def decode(self, path: str, aref: AudioRef, out=None) -> AudioFeatures:
         """The clip's features (one decode pass; MediaError on failure)."""
         if aref.plan is None:

@@ -246,14 +246,6 @@ class ImageTable:
         return inline + sum(a.nbytes for a in (self.start, self.count, self.patches, self.tokens, self.grid, self.at))
 
 
-def _planned(ref, plan):
-    """A media reference as the table keeps it: a video's and a clip's with their plans."""
-    kind = kind_of(ref)
-    if kind is VIDEO:
-        return replace(ref, plan=plan)
-    return plan.ref if kind is AUDIO else ref
-
-
 # ----- planning: headers -> documents ------------------------------------------------------------
 class ImageDocs:
     """Builds a block's documents from MMRecords (module docstring, steps 1-3)."""
@@ -337,7 +329,7 @@ class ImageDocs:
             img_tokens += [p.tokens for p in rec_plans]
             img_grid += [p.grid for p in rec_plans]
             img_at += at
-            refs += [_planned(r, p) for r, p in zip(rec.images, rec_plans)]
+            refs += [self._planned(r, p) for r, p in zip(rec.images, rec_plans)]
             units += [kind_of(r).medium.encoder_units(p) for r, p in zip(rec.images, rec_plans)]
             names += [rec.name] * len(rec_plans)
         counts = np.asarray(img_counts, np.int64)
@@ -348,6 +340,12 @@ class ImageDocs:
         tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return tokens, offsets, np.asarray(ok, np.int64), table
+
+    def _planned(self, ref, plan):
+        """A media reference as the table keeps it: an image's as it is, others' with their plans (the
+        medium's planner's `planned_ref`), so that the gather needs no probe."""
+        kind = kind_of(ref)
+        return ref if kind is IMAGE else self.media[kind.name].planned_ref(ref, plan)
 
     def _placeholder_ids(self, refs: list, plans: list) -> list[tuple[int, str, int]]:
         """(token id, kind, placeholders planned) for each kind the source reads (media sharing an id are

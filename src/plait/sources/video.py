@@ -59,6 +59,10 @@ class VideoDocs:
         medium = VIDEO.medium
         return medium.plan(self.policy, medium.probe(self.reader.video_input(path, vref.ref)), vref.window)
 
+    def planned_ref(self, vref: VideoRef, plan: VideoPlan) -> VideoRef:
+        """The reference the media table keeps: with its plan."""
+        return replace(vref, plan=plan)
+
     def decode(self, path: str, vref: VideoRef, out: np.ndarray | None = None) -> np.ndarray:
         """The planned frames as uint8 patch rows [plan.rows, patch*patch*3], into `out` when given
         (BadVideo on failure)."""
