@@ -49,7 +49,7 @@ class Encoders:
         for cost, units, squares in ((self.image, items.patches, items.patches_sq),
                                      (self.audio, items.audio_spans, items.audio_spans_sq)):
             if cost is not None:
-                out = out + cost.linear * units + cost.quadratic * squares
+                out = out + cost.of_units(units, squares)  # the one encoder formula (plait.cost)
         return out
 
 
