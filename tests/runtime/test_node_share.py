@@ -47,7 +47,8 @@ def per_process_digests(spec) -> dict[int, str]:
 def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp_path, host_closes, transport):
     """Two trainer processes as torchrun starts them: rank 0 hosts, both read from it (shared memory by
     default, Flight when asked), both get the local runtime's batches; rank 0 ends first (closing its
-    Loader, or exiting with it open) and still serves rank 1 to its last step."""
+    Loader, or exiting with it open) and still serves rank 1 to its last step. Over shared memory the host
+    listens on no TCP port (its Flight server starts only when a rank asks for it)."""
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": f"t-{os.getpid()}",
            "PLAIT_NODE_DIR": str(tmp_path / "rdzv"), "PLAIT_NODE_TRANSPORT": transport}
     env.pop("PLAIT_LOCAL_SHARE", None)  # a developer's setting must not turn sharing off here
@@ -68,6 +69,8 @@ def test_two_processes_share_one_data_plane_with_the_local_stream(spec_dict, tmp
         assert got["hosts"] == (r == 0)
         assert got["digest"] == expected[r]
         assert got["batches"] == 12
+    # the host opens a Flight port only for a rank that reads over Flight: none when every rank reads shm
+    assert bool(outs[0]["listening"]) == (transport == "flight") and not outs[1]["listening"]
     assert outs[0]["ended"] < outs[1]["ended"]  # the host's loop ended first and it served on
     assert not list((tmp_path / "rdzv").glob("*.json"))  # the host removed its rendezvous file
 
@@ -210,11 +213,15 @@ def _worker(cfg: dict) -> None:
     runtime = loader.runtime
     hosts = getattr(runtime, "loader", None) is not None
     stats = runtime.serving_stats() if cfg.get("stats") else None
+    import psutil
+
+    listening = [c.laddr.port for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     if cfg["close"]:
         loader.close()
     print(json.dumps({"runtime": type(runtime).__name__, "client": type(getattr(runtime, "client", None)).__name__,
                       "hosts": hosts, "digest": digest(batches),
-                      "batches": len(batches), "ended": time.time(), "stats": stats}), flush=True)
+                      "batches": len(batches), "ended": time.time(), "stats": stats, "listening": listening}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def test_the_host_serves_its_connections_from_one_thread_and_a_waiting_request_h
         return {"step": step}, []
 
     host = SimpleNamespace(service=SimpleNamespace(get=get), token="tok",
-                           server=SimpleNamespace(answer=lambda name, body, peer: (name, body)))
+                           answerers=(SimpleNamespace(state_at=lambda gen, step: (gen, step)),))
     server = NodeShmServer(host, tmp_path, "thr")
     try:
         waiting = ShmChannel(server.address, "tok")
@@ -165,8 +165,8 @@ def test_the_host_serves_its_connections_from_one_thread_and_a_waiting_request_h
         reader = threading.Thread(target=lambda: got.append(waiting.call("get", (0, 3, 0, None, (1, 0), True, None))))
         reader.start()
         channels = [ShmChannel(server.address, "tok") for _ in range(16)]
-        assert [c.call("action", ("hello", {"n": i})) for i, c in enumerate(channels)] == \
-            [("hello", {"n": i}) for i in range(16)]  # answered while the get waits
+        assert [c.call("action", ("state_at", {"gen": i, "step": 0})) for i, c in enumerate(channels)] == \
+            [(i, 0) for i in range(16)]  # answered while the get waits
         shm_threads = [t.name for t in threading.enumerate() if t.name.startswith("plait-shm")]
         assert len(shm_threads) <= 4, shm_threads  # accept, serve, the waiting get's, one reused for actions
         release.set()

@@ -146,6 +146,16 @@ ACTIONS = [("hello", "the job and its endpoints"), ("base", "generation and its 
            ("leave", "a trainer process is done (one-process server)")]
 
 
+def answer_action(answerers: tuple, name: str, body: dict, peer: str):
+    """Action `name` (ACTION_ARGS) answered by the first of `answerers` that has a method of its name: what
+    a JobFlight answers, and what a node's shared-memory server answers without one (no Flight port)."""
+    args = ACTION_ARGS.get(name)
+    method = next((getattr(a, name) for a in answerers if hasattr(a, name)), None)
+    if args is None or method is None:
+        raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
+    return method(*args(body, peer))
+
+
 class JobFlight(flight.FlightServerBase):
     """The one plait Flight server shell, over any job: refuses calls without the job's token, answers
     the plait actions (ACTION_ARGS) with the first of `answerers` that has a method of the action's name
@@ -168,11 +178,7 @@ class JobFlight(flight.FlightServerBase):
         return [dumps(result)]
 
     def answer(self, name: str, body: dict, peer: str):
-        args = ACTION_ARGS.get(name)
-        method = next((getattr(a, name) for a in self.answerers if hasattr(a, name)), None)
-        if args is None or method is None:
-            raise PlaitError(f"unknown action {name!r} (this server speaks plait Flight protocol {PROTOCOL})")
-        return method(*args(body, peer))
+        return answer_action(self.answerers, name, body, peer)
 
     def list_actions(self, context):
         return [a for a in ACTIONS if any(hasattr(x, a[0]) for x in self.answerers)]

@@ -8,7 +8,9 @@ Constructor) in background threads, with a fresh per-job token; every local rank
 reads its micro-batches as a thin client. By default from shared memory (plait.runtime.node_shm_host
 writes each rank's step once into a segment, plait.runtime.node_shm_client maps it as numpy views; a
 thin rank imports neither pyarrow nor the sources); with transport="flight" (or PLAIT_NODE_TRANSPORT)
-over Arrow Flight on loopback (plait.runtime.flight), as clients on other machines read. Memory on a node
+over Arrow Flight on loopback (plait.runtime.flight), as clients on other machines read. The host starts
+its Flight server only when such a rank first asks for it (or at once where there is no shared memory):
+a node whose ranks all read shared memory opens no port. Memory on a node
 then grows as sources + ranks.
 
 Every node plans the whole step itself from the same spec, seed and data, exactly as every process did
@@ -148,11 +150,13 @@ class _Host:
         """`serving`: LocalJobServer's options (expected, metrics_port, build_ahead)."""
         from plait.runtime.serve_local import LocalJobServer  # pyarrow.flight: loaded only where it serves
 
-        self.server = LocalJobServer(spec, job, "127.0.0.1:0", **serving)
+        folder = shm_dir()
+        shm_here = folder is not None and sys.platform.startswith("linux")  # abstract unix sockets: Linux only
+        # Flight starts when a rank first asks for it (transport="flight"), or at once where there is no shm
+        self.server = LocalJobServer(spec, job, "127.0.0.1:0", flight=not shm_here, **serving)
         self.path, self.expected, self.users = path, serving["expected"], 0
         self.shm = None  # the shared-memory server for this machine's ranks, where the platform has one
-        folder = shm_dir()
-        if folder is not None and sys.platform.startswith("linux"):  # abstract unix sockets: Linux only
+        if shm_here:
             from plait.runtime.node_shm_host import NodeShmServer
 
             try:
@@ -394,7 +398,16 @@ def _client_of(spec: Spec, job: str, info: dict, transport: str):
         from plait.runtime.node_shm_client import ShmNodeClient
 
         return ShmNodeClient(spec, info["shm"], info["token"], job=job)
-    return node_client_class()(spec, job_address=info["address"], token=info["token"], job=job)
+    address = info.get("address")
+    if address is None:  # the host serves shared memory only until a rank asks it to start Flight
+        from plait.runtime.node_shm_client import ShmChannel
+
+        channel = ShmChannel(info["shm"]["address"], info["token"])
+        try:
+            address = channel.call("flight", None)
+        finally:
+            channel.close()
+    return node_client_class()(spec, job_address=address, token=info["token"], job=job)
 
 
 def join_host(spec: Spec, job: str, path: Path, timeout: float, transport: str = "shm"):

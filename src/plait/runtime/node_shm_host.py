@@ -1,11 +1,12 @@
 """The node's data host, serving the trainers on its machine through shared memory (plait.runtime.node_shm).
 
-Beside its Flight server (for clients elsewhere), the host (plait.runtime.node_share) listens on a
-unix-domain socket of the abstract namespace (`multiprocessing.connection`, authenticated with the job's
-token; the kernel removes the name with the process). Each trainer opens two connections: control (the
-actions of the Flight protocol, answered by the same action table: plait.runtime.flight_serving.JobFlight)
-and data (one step of one rank at a time). For a step the host writes the rank's micro-batches once into a
-segment and answers its name and layout; the trainer maps it and says so (`mapped`).
+The host (plait.runtime.node_share) listens on a unix-domain socket of the abstract namespace
+(`multiprocessing.connection`, authenticated with the job's token; the kernel removes the name with the
+process); its Flight server starts only when a rank asks for it (request `flight`: a rank with
+transport="flight"). Each trainer opens two connections: control (the actions of the Flight protocol,
+answered by the same action table: plait.runtime.flight_serving.answer_action) and data (one step of one
+rank at a time). For a step the host writes the rank's micro-batches once into a segment and answers its
+name and layout; the trainer maps it and says so (`mapped`).
 
 Lifetime: a segment is unlinked as soon as every connection that has read its (DP rank, CP rank) has
 mapped it (the TP and PP ranks of a replica read one segment; a reader is known from its first request, so
@@ -31,6 +32,7 @@ from multiprocessing.connection import Client, Connection, Listener, Pipe, wait
 from pathlib import Path
 
 from plait.errors import PlaitError
+from plait.runtime.flight_serving import answer_action
 from plait.runtime.node_shm import hold_host_lock, release_host_lock, remove_leftovers, segment_prefix, write_segment
 
 log = logging.getLogger("plait.node")
@@ -247,7 +249,9 @@ class NodeShmServer:
                 return "get", (state, (conn_id, (gen, step, dp_rank, *cp), batches))
             if op == "action":
                 name, body = args
-                return "ok", self.server.server.answer(name, body, "")
+                return "ok", answer_action(self.server.answerers, name, body, "")
+            if op == "flight":  # a rank of this machine reads over Flight (transport="flight"): start it now
+                return "ok", self.server.start_flight()
             raise PlaitError(f"unknown request {op!r} to this node's data host")
         except PlaitError as e:
             return "error", str(e)

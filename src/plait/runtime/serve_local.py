@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import threading
 
 from plait.errors import PlaitError
 from plait.job.consumers import Consumers
@@ -57,12 +58,12 @@ class LocalJobServer(ServedJob):
     """Job `job` of `spec` in this process, served over Arrow Flight at `listen` (`host:port`, port 0 = a
     free one; `self.address` is where it listens). `token`: the job's token (default: a fresh random one,
     `self.token`). `dp`, `metrics_port`: LocalRoles's; `build_ahead` (steps built ahead of each rank's request;
-    `prefetch`, its old name, is deprecated), `expected`: JobService's. `close()`
-    ends the job."""
+    `prefetch`, its old name, is deprecated), `expected`: JobService's. `flight=False`: no Flight server
+    until `start_flight()` (actions through `answerers` meanwhile). `close()` ends the job."""
 
     def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *, token: str | None = None,
                  dp: int | None = None, build_ahead: int | None = None, metrics_port: int | None = None,
-                 expected: int = 0, prefetch: int | None = None):
+                 expected: int = 0, prefetch: int | None = None, flight: bool = True):
         build_ahead = renamed("prefetch", prefetch, "build_ahead", build_ahead)
         super().__init__()
         self.spec = load_spec(spec)
@@ -77,18 +78,31 @@ class LocalJobServer(ServedJob):
                 "ranks": self.ranks,
                 "cp": self.spec.topology.cp, "protocol": PROTOCOL}
         self.front = OneServer(info, self.ranks)
-        try:
-            self.server = JobFlight(grpc_location(host, port), self.token, (self.front, self.service),
-                                    get=self.service.get)
-        except BaseException:
-            self.service.close()
-            raise
-        # Every rank's steps come from this same server, at an address the trainers can reach.
-        advertised = socket.gethostname() if host in ("0.0.0.0", "::") else host
-        here = grpc_location(advertised, self.server.port)
-        info["endpoints"] = {str(r): here for r in range(self.ranks)}
-        self.job = job
-        self.address = listen_address(host, self.server.port)
+        self.answerers = (self.front, self.service)  # the action table's (flight_serving.answer_action)
+        self.job, self.listen = job, (host, port)
+        self.server: JobFlight | None = None
+        self.address: str | None = None  # where Flight listens, once started
+        self._flight_lock = threading.Lock()
+        if flight:
+            try:
+                self.start_flight()
+            except BaseException:
+                self.service.close()
+                raise
+
+    def start_flight(self) -> str:
+        """Start the Flight server (once; a node's host starts it when a reader first asks for it, its
+        ranks reading shared memory otherwise) and return where it listens."""
+        with self._flight_lock:
+            if self.server is None:
+                host, port = self.listen
+                self.server = JobFlight(grpc_location(host, port), self.token, self.answerers, get=self.service.get)
+                # Every rank's steps come from this same server, at an address the trainers can reach.
+                advertised = socket.gethostname() if host in ("0.0.0.0", "::") else host
+                here = grpc_location(advertised, self.server.port)
+                self.front.info["endpoints"] = {str(r): here for r in range(self.ranks)}
+                self.address = listen_address(host, self.server.port)
+            return self.address
 
     @property
     def clients(self) -> Consumers:
@@ -96,5 +110,7 @@ class LocalJobServer(ServedJob):
         return self.service.consumers
 
     def stop(self) -> None:
-        self.server.shutdown()
+        with self._flight_lock:
+            if self.server is not None:
+                self.server.shutdown()
         self.service.close()
