@@ -24,7 +24,8 @@ from plait.kernels import copy_spans
 from plait.heap import HEAP_TRIM
 from plait.sources import BlockKey, DocBlock, Source
 from plait.sources.blocks import late_failures, without_late_failures
-from plait.sources.buffer_budget import FullKey, fit_budgets, retain_blocks, window_limit
+from plait.sources.buffer_budget import (CursorHeads, FullKey, drop_over_count, fit_budgets, retain_blocks,
+                                         window_limit)
 from plait.sources.media_payload import ImageWork, decode_payload
 from plait.sources.reader import OpenStreams
 from plait.sources.workers import WorkerPool, resolve_workers
@@ -116,6 +117,7 @@ class SourceLoader:
         self.dropped_bytes = 0  # since the last heap trim
         self.buffer_over_budget = 0  # blocks kept although they alone put a budget over (never a deadlock)
         self._window: set[FullKey] = set()
+        self.heads = CursorHeads(spec)  # what a cursor block keeps of its documents
         self.blocks_read = 0
         self.busy_seconds = 0.0  # reading and decoding blocks, copying payloads (for the busy ratio)
         self.started = time.perf_counter()
@@ -161,7 +163,8 @@ class SourceLoader:
         for b in np.unique(block_index):
             sel = np.flatnonzero(block_index == b)
             full = keys[int(b)]
-            block = self.block(full[0], full[1:])
+            block = self.block(full[0], full[1:], position[sel])
+            self.heads.note(full, position[sel])
             t_copy = time.perf_counter()
             sel, doc = late_failures(block, sel, np.searchsorted(block.positions, position[sel]), failed)
             src_start = block.starts[doc] + offset[sel]
@@ -218,6 +221,7 @@ class SourceLoader:
         """Drop cached blocks that no pending or future step needs; `drawn` (default: all of `live`): those
         the planned steps draw from, the plan window the shared budget is sized to."""
         self._window = set(live if drawn is None else drawn)
+        self.dropped_bytes += self.heads.trim(self._blocks, live, self._window)
         self.dropped_bytes += retain_blocks(self._blocks, live, self._window, self.loader_budget)
         if self.dropped_bytes >= TRIM_EVERY:  # once a step at most, outside the read path
             HEAP_TRIM.now()
@@ -237,11 +241,11 @@ class SourceLoader:
     def num_files(self) -> dict[int, int]:
         return {i: len(s.files) for i, s in self.sources.items()}
 
-    def block(self, source: int, key: BlockKey) -> DocBlock:
-        """The decoded block at `key` of a source (read and kept in the bounded cache when not buffered)."""
+    def block(self, source: int, key: BlockKey, positions: np.ndarray | None = None) -> DocBlock:
+        """A source's decoded block, read when not buffered or its head lacks `positions` (None: all of it)."""
         full = (source, *key)
         block = self._blocks.get(full)
-        if block is None:
+        if block is None or not block.holds(positions):
             if self.partitions and not self.owns(source, tuple(key)):
                 raise ValueError(f"block {full} belongs to a partition this loader does not own")
             t0 = time.perf_counter()
@@ -252,11 +256,9 @@ class SourceLoader:
             self.blocks_read += 1
             self._blocks[full] = block
             self._window.add(full)
-            while len(self._blocks) > self.max_cached_blocks:
-                self.dropped_bytes += self._blocks.popitem(last=False)[1].nbytes
+            self.dropped_bytes += drop_over_count(self._blocks, self.max_cached_blocks, full)
             self._fit_budgets(full)
-        else:
-            self._blocks.move_to_end(full)
+        self._blocks.move_to_end(full)
         return block
 
     def _fit_budgets(self, newest: FullKey) -> None:

@@ -49,6 +49,14 @@ class DocBlock:
     images: ImageTable | None = None  # image sources: each document's images (sources/multimodal.py)
     failed: np.ndarray | None = None  # bool [n]: late failures (module docstring); None: none
     wide: bool = False  # an id beyond uint16 was found: `compact` leaves it as it is (checked once)
+    span: tuple[int, int] | None = None  # a head (`head`): it holds the positions lo <= p < hi only; None: all
+
+    def holds(self, positions: np.ndarray | None) -> bool:
+        """Whether the block holds these documents' tokens (None: the whole block, e.g. its metadata)."""
+        if self.span is None:
+            return True
+        return positions is not None and (len(positions) == 0 or (
+            int(positions.min()) >= self.span[0] and int(positions.max()) < self.span[1]))
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +77,26 @@ def compact(block: DocBlock) -> DocBlock:
         block.wide = True
         return block
     return replace(block, tokens=tokens.astype(np.uint16))
+
+
+def head(block: DocBlock, first: int, tokens: int) -> DocBlock:
+    """The block's documents at shuffled positions `first` on, as many as hold `tokens` tokens (at least
+    one): what the next draws of a cursor block need (buffer_budget.trim_heads). The order is the whole
+    block's (nothing is re-shuffled): a later draw past the head reads the block again, the same block.
+    Text blocks only (media blocks and late failures stay whole); a head is not cut again."""
+    if block.span is not None or block.images is not None or block.failed is not None:
+        return block
+    n = len(block.positions)
+    a = int(np.searchsorted(block.positions, first))
+    b = min(n, a + max(1, int(np.searchsorted(np.cumsum(block.lengths[a:]), tokens, side="right"))))
+    if b == n:  # the rest of the block is its head: kept as it is (no copy)
+        return block
+    lengths = block.lengths[a:b]
+    starts = np.cumsum(lengths) - lengths
+    end = int(block.positions[b]) if b < n else block.num_positions
+    return replace(block, positions=block.positions[a:b].copy(), rows=block.rows[a:b].copy(),
+                   tokens=block.tokens[ragged_arange(block.starts[a:b], lengths)], starts=starts,
+                   lengths=lengths.copy(), span=(int(first), end))
 
 
 @dataclass

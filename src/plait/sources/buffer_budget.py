@@ -11,6 +11,12 @@ A block kept outside the window is compact (blocks.compact: uint16 ids where the
 the same values): with many sources the cursor blocks are most of the buffer (64 sources of 2.4 MiB
 blocks: 153 MiB as int32, 77 MiB compact), and compacting costs one copy per block, never a decode.
 
+A cursor block is also cut to its head (CursorHeads): the documents its next HEAD_STEPS steps draw, at an
+equal share, from the last one gathered on; drawing past a head reads the block again (the same block:
+reading is deterministic), about sources / HEAD_STEPS blocks a step. It keeps no more than that of a row
+group for the hundreds of steps its source takes to draw it, which is what made the buffer grow with the
+number of sources (docs/memory.md).
+
 WINDOW_SLACK sizes the shared budget to the plan window instead (its blocks plus WINDOW_SLACK, within the
 cap), so that the buffer stops growing with the number of sources. It is off (None) by default: at 64
 sources of 2 MiB blocks it cut the node host's PSS from 265 to 127 MiB but re-decoded cursor blocks
@@ -22,10 +28,56 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from plait.sources.blocks import compact
+from plait.sources.blocks import compact, head
 
 FullKey = tuple[int, int, int, int]  # (source, epoch, file_pos, block_pos)
 WINDOW_SLACK: int | None = None  # bytes kept over the plan window's blocks; None: the cap alone (see above)
+HEAD_STEPS = 512  # a cursor block keeps what this many steps draw from its source at an equal share (CursorHeads)
+
+
+def head_tokens(spec) -> int:
+    """Tokens a cursor block keeps (CursorHeads): HEAD_STEPS steps' tokens over the job's sources. The
+    blocks read again to go on past a head are then about (sources / HEAD_STEPS) a step, whatever the
+    weights: a source drawn twice as often goes through its heads twice as fast."""
+    packing = spec.packing
+    step = packing.seq_len * packing.num_microbatches * spec.topology.dp
+    return max(1, HEAD_STEPS * step // max(1, len(spec.sources)))
+
+
+class CursorHeads:
+    """Cuts each block outside the plan window (a cursor block: the Planner draws from it later, no planned
+    step does now) to its head (blocks.head): `tokens` (head_tokens) of its documents from the last one a
+    gather took on (every document before it was drawn by a step that is built: `note` keeps per block the
+    highest shuffled position gathered). A cursor block drawn one document every few steps held a whole
+    row group for hundreds of steps: with many sources, most of the buffer."""
+
+    def __init__(self, spec):
+        self.tokens = head_tokens(spec)
+        self.served: dict[FullKey, int] = {}
+
+    def note(self, key: FullKey, positions) -> None:
+        """A gather took the documents at these shuffled positions of block `key`."""
+        self.served[key] = max(self.served.get(key, 0), int(positions.max()))
+
+    def trim(self, blocks: OrderedDict, live: set, window: set) -> int:
+        """Cut the blocks outside `window` to their heads (forgetting blocks no longer `live`); returns the
+        bytes cut."""
+        self.served = {k: v for k, v in self.served.items() if k in live}
+        cut = 0
+        for k in [k for k in blocks if k not in window]:
+            before = blocks[k].nbytes
+            blocks[k] = head(blocks[k], self.served.get(k, 0), self.tokens)
+            cut += before - blocks[k].nbytes
+        return cut
+
+
+def drop_over_count(blocks: OrderedDict, limit: int, newest: FullKey) -> int:
+    """Drops the least recently used whole blocks beyond `limit` (a SourceLoader's max_cached_blocks), never
+    the one just read (`newest`, made the most recent); a cursor block's head is not counted (a few KiB, one
+    per source: its bytes count in the budgets). Returns the bytes dropped."""
+    blocks.move_to_end(newest)
+    whole = [k for k, block in blocks.items() if block.span is None]
+    return sum(blocks.pop(k).nbytes for k in whole[:max(0, len(whole) - limit)])
 
 
 def window_limit(blocks: OrderedDict, window: set, cap: int | None) -> int | None:

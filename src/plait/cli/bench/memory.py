@@ -55,6 +55,8 @@ def add_arguments(p) -> None:
                         "clients served by one `plait serve --runtime local` process (no Ray at all); node: the "
                         "local runtime as torchrun starts it (LOCAL_RANK 0's trainer hosts the node's data plane)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--data", metavar="DIR", help="keep the sources in DIR and reuse them when it holds them already "
+                   "(the same --sources/--files/--block-mb: 1,000 sources take minutes to write)")
 
 
 # ----- data -------------------------------------------------------------------------------------------
@@ -168,6 +170,22 @@ def _mem(pid: int) -> tuple[int, int]:
         return 0, 0
 
 
+def _maps(pid: int) -> dict[str, int]:
+    """A process's PSS by kind of mapping, bytes: anonymous (heap, malloc arenas, Arrow's allocator),
+    shared-memory segments (/dev/shm) and files (libraries, memory-mapped data)."""
+    import psutil
+
+    kinds = {"anonymous": 0, "shm": 0, "files": 0}
+    try:
+        for m in psutil.Process(pid).memory_maps(grouped=True):
+            path = m.path or ""
+            kind = "shm" if path.startswith("/dev/shm") else "files" if path.startswith("/") else "anonymous"
+            kinds[kind] += m.pss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    return kinds
+
+
 def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dict) -> tuple[list, list]:
     """Starts the trainers; once all have imported torch takes each one's baseline (base_rss, base_pss in
     its report), lets them load, and returns them with their reports (they wait for `finish`)."""
@@ -180,6 +198,7 @@ def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dic
             for r in range(ranks)]
     procs, ready = start_trainers("plait.cli.bench.memory", cfgs, env)
     bases = [_mem(r["pid"]) for r in ready]
+    first_maps = _maps(ready[0]["pid"])  # the node's host (LOCAL_RANK 0) where there is one
     reports = []
     try:
         for p in procs:
@@ -189,7 +208,8 @@ def _run_trainers(mode: str, spec_dict: dict, ranks: int, steps: int, extra: dic
             line = p.stdout.readline()
             if not line:
                 raise RuntimeError(f"a {cfg['mode']} trainer failed (exit {p.wait()})")
-            reports.append({**json.loads(line), "base_rss": base_rss, "base_pss": base_pss})
+            reports.append({**json.loads(line), "base_rss": base_rss, "base_pss": base_pss,
+                            **({"base_maps": first_maps} if not reports else {})})
     except BaseException:
         finish(procs)
         raise
@@ -302,6 +322,8 @@ def measure_node(spec_dict: dict, ranks: int, steps: int) -> dict:
     try:
         added = [(r_ - rep["base_rss"], p_ - rep["base_pss"]) for rep in reports for r_, p_ in [_mem(rep["pid"])]]
         host, clients = _role(added[:1]), _role(added[1:])
+        now = _maps(reports[0]["pid"])
+        host["pss_by_mapping"] = {k: now[k] - reports[0]["base_maps"][k] for k in now}  # what the host added
         return {"total_rss": host["rss"] + clients["rss"], "total_pss": host["pss"] + clients["pss"],
                 "actors": {"host trainer (LOCAL_RANK 0)": host},
                 "roles": {"host": host, "rank": clients},
@@ -313,6 +335,20 @@ def measure_node(spec_dict: dict, ranks: int, steps: int) -> dict:
         finish(procs)
 
 
+def _spec_in(folder: Path, args) -> dict:
+    """The bench's spec over sources in `folder`, written there unless a run with the same data wrote them."""
+    data = {"sources": args.sources, "files": args.files, "block_mb": args.block_mb}
+    done = folder / "sources.json"
+    if done.exists() and json.loads(done.read_text())["data"] == data:
+        entries = json.loads(done.read_text())["entries"]
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        entries = make_sources(folder, args.sources, files=args.files, block_mb=args.block_mb)
+        done.write_text(json.dumps({"data": data, "entries": entries}))
+    return {"sources": entries, "packing": {"seq_len": args.seq_len, "microbatches": 1},
+            "topology": {"dp": args.ranks}, "cost": {"hidden": 1024, "layers": 8, "ffn": 4096, "heads": 8}, "seed": 0}
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -321,8 +357,7 @@ def run(args) -> int:
     mb = 2**20
     with tempfile.TemporaryDirectory(prefix="plait-bench-memory-") as tmp:
         t0 = time.perf_counter()
-        spec_dict = make_spec_dict(Path(tmp), args.sources, args.ranks, seq_len=args.seq_len, files=args.files,
-                                   block_mb=args.block_mb)
+        spec_dict = _spec_in(Path(args.data) if args.data else Path(tmp), args)
         console.print(f"{args.sources} sources written in {time.perf_counter() - t0:.1f} s; "
                       f"{args.ranks} trainer processes per setup, {args.steps} steps each")
         result: dict = {"sources": args.sources, "ranks": args.ranks, "steps": args.steps, "block_mb": args.block_mb,
@@ -340,6 +375,7 @@ def run(args) -> int:
             if args.client == "node":
                 result["host_pss_mib"] = b["roles"]["host"]["pss"] / 2**20
                 result["host_rss_mib"] = b["roles"]["host"]["rss"] / 2**20
+                result["host_pss_by_mapping_mib"] = {k: v / 2**20 for k, v in b["roles"]["host"]["pss_by_mapping"].items()}
     if "per_rank" in result and "plait" in result:
         a, b = result["per_rank"], result["plait"]
         result["ratio"] = a["total_rss"] / max(1, b["total_rss"])
