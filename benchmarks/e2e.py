@@ -39,6 +39,7 @@ def add_comparison_arguments(p) -> None:
     """The job's options and the strategies (benchmarks.e2e_workloads shares them)."""
     product.add_job_arguments(p)
     p.add_argument("--strategies", default="per-rank,plait", help="per-rank, plait or both (default)")
+    p.add_argument("--no-autoscale", action="store_true", help="plait on Ray without the autoscaler")
     p.add_argument("--quick", action="store_true", help="small sizes unless given: a smoke run")
 
 

@@ -107,8 +107,10 @@ def measure(which: str, e2e_argv: list[str]) -> dict:
     """One strategy at one length, in this process: CPU per role (seconds, processes), images, steps/s."""
     from rich.console import Console
 
-    from plait.cli.bench import e2e
-    from plait.cli.bench.e2e_run import GpuClock, autoscale_available, run_per_rank, run_plait, run_plait_local, start_ray
+    from benchmarks import e2e  # add_arguments, parse (sets strategy_list), prepare_data, e2e_spec
+    from benchmarks.e2e_per_rank import run_per_rank
+    from benchmarks.e2e_ray import autoscale_available, run_plait, start_ray
+    from plait.cli.bench.e2e_run import GpuClock, run_plait_local
 
     p = argparse.ArgumentParser()
     e2e.add_arguments(p)

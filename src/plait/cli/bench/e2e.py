@@ -43,7 +43,6 @@ def add_job_arguments(p) -> None:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--images", type=int, default=480, help="distinct images of the image source")
     p.add_argument("--image-weight", type=float, default=0.3, help="token share of the image source")
-    p.add_argument("--no-autoscale", action="store_true", help="benchmarks' Ray rows: without the autoscaler")
     p.add_argument("--cache", default=None, help="folder of the bench's image source (default: plait's cache)")
     p.add_argument("--json", metavar="PATH", help='write {"rows": [...], "load_average": ...}')
     p.add_argument("--quiet", action="store_true", help="no table")

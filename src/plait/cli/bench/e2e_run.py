@@ -167,28 +167,3 @@ def run_plait_local(spec, args, clock: GpuClock) -> dict:
                images_decoded=images, images_delivered=int(trace.images.sum()),
                load_average=[load_before, load_average()])
     return row
-
-
-# Transitional, until benchmarks/e2e_cpu_roles.py imports these from benchmarks/ (they live there now).
-def run_per_rank(spec, args, clock: GpuClock) -> dict:
-    from benchmarks.e2e_per_rank import run_per_rank as run
-
-    return run(spec, args, clock)
-
-
-def run_plait(spec, args, clock: GpuClock, autoscale: bool, **options) -> dict:
-    from benchmarks.e2e_ray import run_plait as run
-
-    return run(spec, args, clock, autoscale, **options)
-
-
-def autoscale_available() -> bool:
-    from benchmarks.e2e_ray import autoscale_available as available
-
-    return available()
-
-
-def start_ray(tries: int = 5, **options) -> None:
-    from benchmarks.e2e_ray import start_ray as start
-
-    start(tries, **options)
