@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from plait.audio_batch import AudioPayload, audio_fields, audio_stats
-from plait.batch import ImagePayload, MicroBatch, Payload, merge_payloads
+from plait.batch import ImagePayload, MicroBatch, Payload, image_fields, merge_payloads
 from plait.packing import IGNORE_INDEX, multi_token_labels, pack_fields
 from plait.video_batch import split_videos, video_fields, video_stats
 from plait.plan import Items, RankPlan
@@ -165,19 +165,3 @@ def without_dropped(items: Items, sel: np.ndarray, images: ImagePayload | None, 
     if videos is not None:
         videos = videos._replace(item=renumber[videos.item])
     return items.take(kept), sel[kept], images, audio, videos
-
-
-def image_fields(images: ImagePayload | None, a: int, b: int) -> dict:
-    """The image fields of the micro-batch holding items a..b-1 (of the rank's fetch): none when the
-    rank fetched no image; empty arrays when this micro-batch holds none of them."""
-    if images is None:
-        return {}
-    lo, hi = np.searchsorted(images.item, [a, b])
-    per_image = images.grid.prod(axis=1)
-    row = np.concatenate([[0], np.cumsum(per_image)])
-    grid = images.grid[lo:hi]
-    frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])  # encoder sequences: one per image or tile
-    cu = np.zeros(len(frames) + 1, dtype=np.int32)
-    np.cumsum(frames, out=cu[1:])
-    return {"pixel_values": images.pixels[row[lo]:row[hi]], "image_grid": grid, "image_cu_seqlens": cu,
-            "image_document": images.item[lo:hi] - a}
