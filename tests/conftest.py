@@ -5,6 +5,7 @@ tests of the measurement suite can import `benchmarks`, and the session's one Ra
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -22,10 +23,15 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "plait"))
 
-# Ray reads its authentication mode once per process: a module that joins a head started without token
-# auth would leave this process unable to authenticate to a local instance started later (its GCS then
-# "fails to start"). One mode for the whole test session keeps the Ray modules independent of their order.
-os.environ["RAY_AUTH_MODE"] = "disabled"
+# Ray's token authentication on, as users run it (Ray 2.59+ turns it on for a local instance by default).
+# Ray reads its authentication mode once per process, so one mode for the whole session keeps the Ray modules
+# independent of their order (a process that joined a head without token auth could not authenticate to a
+# local instance started later). One token for the session, inherited by every process the tests start (Ray
+# heads, trainers): no ~/.ray/auth_token is read or written. A module that tests another token sets its own.
+os.environ["RAY_AUTH_MODE"] = "token"
+if not os.environ.get("RAY_AUTH_TOKEN"):
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+os.environ.pop("RAY_AUTH_TOKEN_PATH", None)  # the token from one source (as Ray's own test utilities set it)
 
 
 # One local Ray instance for the whole test session. Modules that run on it take the `ray_session` fixture

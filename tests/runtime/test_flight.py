@@ -1,7 +1,8 @@
 """The thin trainer client (runtime="flight"): batches over Arrow Flight from a job `plait serve` runs.
 
-One Ray head for the module (`ray start --head`, its own temp dir, auth off), one `plait serve` process
-on it; the trainer processes are plain subprocesses that never import Ray. This process never joins Ray.
+One Ray head for the module (`ray start --head`, its own temp dir, token auth on with the session's token:
+tests/conftest.py), one `plait serve` process on it; the trainer processes are plain subprocesses that never
+import Ray. This process never joins Ray.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def served(spec, tmp_path_factory):
     spec_path.write_text(json.dumps(spec.model_dump(mode="json")))
     port = free_port()
     temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PLAIT_TOKEN", None)
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
                              "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],

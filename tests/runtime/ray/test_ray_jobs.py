@@ -57,12 +57,12 @@ def wait_gone(job: str, timeout: float) -> float:
 
 @pytest.fixture(scope="module")
 def head():
-    """`ray start --head` on a free port without token auth (in its environment and this process's), in
-    its own session; stopped (SIGINT: `--block` then ends every process it started) at the end."""
+    """`ray start --head` on a free port with the session's token auth (tests/conftest.py), in its own
+    session; stopped (SIGINT: `--block` then ends every process it started) at the end."""
     assert not ray.is_initialized(), "this module needs no Ray running in the process"
     port = free_port()
     temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
                              "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
                             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
