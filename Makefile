@@ -54,8 +54,8 @@ test: $(STAMP)
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/plait bench throughput
-	$(VENV)/bin/plait bench balance
+	$(VENV)/bin/python -m benchmarks.throughput
+	$(VENV)/bin/python -m benchmarks.balance
 
 # The docs site (MkDocs, generated reference pages): warnings are errors, as in CI (tests/project/test_docs.py).
 docs: $(STAMP)
