@@ -12,7 +12,8 @@ media at its kind's marker, plans and decodes it by its medium, and expands its 
 kind's id; the Planner adds each kind's encoder cost; the Constructor puts its fields in the micro-batch.
 
 A fourth medium is a module here (its MEDIUM and its reference type, with `kind` set to its name), its spec
-section, and an entry in KINDS.
+section (with its source field and, for WebDataset, `<name>_extensions`), and an entry in KINDS; the format
+readers take every medium a source reads from `source_media` and `MediaKind.references`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = ["AUDIO", "BY_NAME", "IMAGE", "KINDS", "MARKERS", "VIDEO", "MediaKind", "Medium", "audio_policy",
-           "kind_of", "placeholder_ids"]
+           "kind_of", "placeholder_ids", "source_media"]
 
 
 class Medium(Protocol):
@@ -64,6 +65,7 @@ class MediaKind:
     token_field: str
     encoder: str
     module: str
+    ref: str = ""  # "module:Type" wrapping each of its media in a record ("": the data itself, an image's)
 
     def token_id(self, spec) -> int | None:
         """This medium's placeholder id in `spec` (None: the spec has no section for it)."""
@@ -75,10 +77,25 @@ class MediaKind:
         """Its module's MEDIUM (imported on first use: a text-only job never loads Pillow or PyAV)."""
         return importlib.import_module(f"plait.media.{self.module}").MEDIUM
 
+    def references(self, data: list) -> list:
+        """A record's media of this kind (bytes, paths, member names) as its reference type (imported on
+        first use, like `medium`)."""
+        if not self.ref:
+            return list(data)
+        module, name = self.ref.split(":")
+        wrap = getattr(importlib.import_module(module), name)
+        return [wrap(d) for d in data]
+
+    def extensions(self, source) -> list[str]:
+        """webdataset: the member extensions `source` lists for this medium (its `<name>_extensions`)."""
+        return getattr(source, f"{self.name}_extensions")
+
 
 IMAGE = MediaKind("image", "<image>", "image_field", "images", "image_token_id", "vision", "image")
-VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id", "vision", "video")
-AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id", "audio", "audio")
+VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id", "vision", "video",
+                  "plait.media.video:VideoRef")
+AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id", "audio", "audio",
+                  "plait.sources.audio:AudioRef")
 KINDS = (IMAGE, VIDEO, AUDIO)
 MARKERS = {k.marker: k for k in KINDS}
 BY_NAME = {k.name: k for k in KINDS}
@@ -88,6 +105,12 @@ def kind_of(ref) -> MediaKind:
     """The kind of a media reference in a record: its type's `kind` (a VideoRef's, an AudioRef's); an
     image is plain bytes or a path."""
     return BY_NAME[getattr(ref, "kind", "image")]
+
+
+def source_media(source) -> list[tuple[MediaKind, str]]:
+    """The media a source reads: (kind, its field: a column, a JSON key, webdataset extensions) for each
+    kind whose `source_field` the source sets, in KINDS order."""
+    return [(k, getattr(source, k.source_field)) for k in KINDS if getattr(source, k.source_field) is not None]
 
 
 def placeholder_ids(spec) -> dict[str, int]:

@@ -21,11 +21,11 @@ from typing import ClassVar, NamedTuple
 
 from plait.errors import PlaitError
 from plait.media.audio import AudioFeatures, AudioInfo, AudioPlan, PlannedClip
-from plait.media.base import MediaError, field_media
+from plait.media.base import MediaError
 from plait.media.registry import AUDIO
 from plait.spec import Spec
 
-__all__ = ["AudioDocs", "AudioRef", "ClipPlan", "audio_list"]
+__all__ = ["AudioDocs", "AudioRef", "ClipPlan"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,6 @@ class ClipPlan(NamedTuple):
     def plan(self) -> AudioPlan:
         """The clip's AudioPlan (what the audio medium's encoder_units reads)."""
         return self.ref.plan
-
-
-def audio_list(value, root: str | None) -> list[AudioRef]:
-    """A record's audio field as references (media.base.field_media). ValueError for anything else."""
-    return [AudioRef(data) for data in field_media(value, root, "audio")]
 
 
 class AudioDocs:

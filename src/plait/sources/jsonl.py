@@ -24,6 +24,7 @@ import pyarrow.json as pajson
 import zstandard
 
 from plait.errors import SourceError
+from plait.media.registry import source_media
 from plait.sources.multimodal import records_from_values
 from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock, RawLengths, describe, int_lengths
 
@@ -127,7 +128,8 @@ class JsonlReader(FormatReader):
                     recs.append(None)
         if not recs:
             raise SourceError(self.spec.name, path, None, EMPTY_FILE)
-        texts, images, videos, audios, index = [], [], [], [], []
+        fields = source_media(self.spec)
+        texts, media, index = [], {kind.name: [] for kind, _ in fields}, []
         for i, rec in enumerate(recs):
             if rec is None:
                 continue
@@ -135,13 +137,11 @@ class JsonlReader(FormatReader):
                 bad.append((i, "record is not a JSON object"))
                 continue
             texts.append(rec.get(self.field))
-            images.append(rec.get(self.spec.image_field) if self.spec.image_field else None)
-            videos.append(rec.get(self.spec.video_field) if self.spec.video_field else None)
-            audios.append(rec.get(self.spec.audio_field) if self.spec.audio_field else None)
+            for kind, key in fields:
+                media[kind.name].append(rec.get(key))
             index.append(i)
-        records, kept, more = records_from_values(texts, images, self.spec, [str(i) for i in index],
-                                                  videos if self.spec.video_field else None, posixpath.dirname(path),
-                                                  audios if self.spec.audio_field else None)
+        records, kept, more = records_from_values(texts, media, self.spec, [str(i) for i in index],
+                                                  posixpath.dirname(path))
         bad += [(int(name), why) for name, why in more]
         ok_index = np.asarray(index, dtype=np.int64)[kept] if len(kept) else np.zeros(0, np.int64)
         return RawBlock(0, len(recs), ok_index, pa.array([""] * len(records), pa.string()), sorted(bad), records)

@@ -45,14 +45,13 @@ import pyarrow as pa
 
 from plait.media.base import MediaError, field_media
 from plait.media.image import BadImage, ImagePolicy
-from plait.media.registry import AUDIO, IMAGE, KINDS, VIDEO, kind_of
+from plait.media.registry import AUDIO, BY_NAME, IMAGE, KINDS, VIDEO, kind_of
 from plait.media.video import VideoRef
 from plait.spec import SourceSpec, Spec
-from plait.sources.audio import AudioDocs, AudioRef, audio_list
-from plait.sources.video import VIDEO_KIND, VideoDocs, video_list
+from plait.sources.audio import AudioDocs, AudioRef
+from plait.sources.video import VIDEO_KIND, VideoDocs
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
-IMAGE_MARKER, VIDEO_MARKER, AUDIO_MARKER = IMAGE.marker, VIDEO.marker, AUDIO.marker
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 HEAD_BYTES = 1 << 16  # header prefix read at planning time (the whole image if its header needs more)
 
@@ -110,64 +109,42 @@ def render_chat(turns) -> str:
     return "".join(out)
 
 
-def make_record(text, images: list[ImageRef], template: str | None, name: str, videos: list | None = None,
-                audios: list | None = None) -> MMRecord:
-    """Segments and images of a record under the source's template; BadRecord when they disagree.
-    `videos` (a video source): the record's VideoRefs, placed at `<video>` markers (sources/video.py);
-    `audios` (an audio source): its AudioRefs, at `<audio>` markers (sources/audio.py)."""
-    if videos is not None or audios is not None:
-        return _with_media(text, images, videos or [], audios or [], template, name)
-    if template == "chat":
-        segments = render_chat(text).split(IMAGE_MARKER)
-        if len(segments) - 1 != len(images):
-            raise BadRecord(f"conversation has {len(segments) - 1} {IMAGE_MARKER} marker(s) for {len(images)} image(s)")
-        return MMRecord(segments, images, name)
-    if not isinstance(text, str):
-        raise BadRecord(f"text is {type(text).__name__}, not a string")
-    return MMRecord([""] * len(images) + [text], images, name)
-
-
-def _with_media(text, images: list, videos: list, audios: list, template: str | None, name: str) -> MMRecord:
-    """make_record for a video or audio source: media in marker order (chat), or images, videos, then
-    clips (caption)."""
+def make_record(text, media: dict[str, list], template: str | None, name: str) -> MMRecord:
+    """Segments and media of a record under the source's template; BadRecord when they disagree.
+    `media`: the record's references by kind name (MediaKind.references), for the kinds its source reads;
+    chat places each at its kind's marker, caption puts them first in KINDS order."""
+    # an image-only source keeps `<video>` / `<audio>` in its text as text (as before those media
+    # existed); a source reading any other medium claims every kind's marker
+    kinds = [IMAGE] if set(media) <= {IMAGE.name} else KINDS
+    refs = [(kind, media.get(kind.name, [])) for kind in kinds]
     if template != "chat":
         if not isinstance(text, str):
             raise BadRecord(f"text is {type(text).__name__}, not a string")
-        media = [*images, *videos, *audios]
-        return MMRecord([""] * len(media) + [text], media, name)
-    kinds = ((IMAGE, images), (VIDEO, videos), (AUDIO, audios))
-    parts = re.split("(" + "|".join(kind.marker for kind, _ in kinds) + ")", render_chat(text))
+        flat = [r for _, kind_refs in refs for r in kind_refs]
+        return MMRecord([""] * len(flat) + [text], flat, name)
+    parts = re.split("(" + "|".join(kind.marker for kind, _ in refs) + ")", render_chat(text))
     markers = parts[1::2]
-    for kind, refs in kinds:
-        if markers.count(kind.marker) != len(refs):
+    for kind, kind_refs in refs:
+        if markers.count(kind.marker) != len(kind_refs):
             raise BadRecord(f"conversation has {markers.count(kind.marker)} {kind.marker} marker(s) for "
-                            f"{len(refs)} {kind.name}(s)")
-    queues = {kind.marker: iter(refs) for kind, refs in kinds}
+                            f"{len(kind_refs)} {kind.name}(s)")
+    queues = {kind.marker: iter(kind_refs) for kind, kind_refs in refs}
     return MMRecord(parts[0::2], [next(queues[m]) for m in markers], name)
 
 
-def image_list(value, root: str | None) -> list[ImageRef]:
-    """A record's image field as references (media.base.field_media); BadRecord for anything else."""
-    try:
-        return field_media(value, root, "image")
-    except ValueError as e:
-        raise BadRecord(str(e)) from None
-
-
-def records_from_values(texts: list, images: list, spec: SourceSpec, names: list[str], videos: list | None = None,
-                        folder: str | None = None, audios: list | None = None):
-    """MMRecords of rows (texts[i], images[i], videos[i], audios[i]); returns (records, kept indices, bad
-    (name, reason)).
+def records_from_values(texts: list, media: dict[str, list], spec: SourceSpec, names: list[str],
+                        folder: str | None = None):
+    """MMRecords of rows (texts[i], and media[kind][i] for each kind the source reads: registry.source_media);
+    returns (records, kept indices, bad (name, reason)).
     Relative media paths join `image_root`, else `folder` (a LLaVA JSON's own folder), else stay as they are."""
     records, kept, bad = [], [], []
     root = spec.image_root if spec.image_root is not None else folder
-    for i, (text, img) in enumerate(zip(texts, images)):
+    for i, text in enumerate(texts):
         try:
             if text is None:
                 raise BadRecord(f"field {spec.text_field!r} is null or missing")
-            vids = None if videos is None else video_list(videos[i], root)
-            clips = None if audios is None else audio_list(audios[i], root)
-            records.append(make_record(text, image_list(img, root), spec.template, names[i], vids, clips))
+            refs = {kind: BY_NAME[kind].references(field_media(values[i], root, kind)) for kind, values in media.items()}
+            records.append(make_record(text, refs, spec.template, names[i]))
             kept.append(i)
         except (BadRecord, ValueError) as e:
             bad.append((names[i], str(e)))

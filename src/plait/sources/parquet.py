@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from plait.errors import SourceError
+from plait.media.registry import source_media
 from plait.sources.multimodal import records_from_values
 from plait.sources.reader import (
     EMPTY_FILE,
@@ -58,8 +59,7 @@ class ParquetReader(FormatReader):
             handle = self.open_stream(path) if "://" in path else None
             try:
                 pf = pq.ParquetFile(handle if handle is not None else path, buffer_size=READ_BUFFER, pre_buffer=False)
-                for column in (self.field, self.spec.length_field, self.spec.image_field, self.spec.video_field,
-                               self.spec.audio_field):
+                for column in (self.field, self.spec.length_field, *(c for _, c in source_media(self.spec))):
                     if column is not None and column not in pf.schema_arrow.names:
                         raise SourceError(
                             self.spec.name, path, None, f"no column {column!r} (columns: {pf.schema_arrow.names})"
@@ -88,6 +88,7 @@ class ParquetReader(FormatReader):
         """How many row ranges a row group is read in: its estimated decoded size over `piece_bytes`."""
         rows = group.num_rows
         estimate = DOC_INDEX_BYTES * rows
+        media_columns = [column for _, column in source_media(self.spec)]
         for i in range(group.num_columns):
             column = group.column(i)
             name = column.path_in_schema.split(".")[0]
@@ -95,7 +96,7 @@ class ParquetReader(FormatReader):
                 estimate += 4 * column.num_values  # one int32 per id (dictionary-encoded ids decode wider)
             elif name == self.field:  # text: bytes-level tokens are one int32 per byte; a tokenizer ~ 1 per 4
                 estimate += column.total_uncompressed_size * (4 if self.spec.tokenizer is None else 1)
-            elif name in (self.spec.image_field, self.spec.video_field, self.spec.audio_field):
+            elif name in media_columns:
                 estimate += column.total_uncompressed_size
         pieces = max(1, min(rows, -(-estimate // self.piece_bytes)))
         return int(-(-rows // -(-rows // pieces)))  # as many as equal ranges of ceil(rows / pieces) rows fill: none empty
@@ -168,15 +169,12 @@ class ParquetReader(FormatReader):
     def _read_records(self, path: str, block: int) -> RawBlock:
         """Image-text rows: the text column and the image column (struct<bytes, path>, binary, a path, or
         a list of them); image bytes stay inline in the records (read once with the block)."""
-        media = [c for c in (self.spec.image_field, self.spec.video_field, self.spec.audio_field) if c is not None]
-        first, table = self._table(path, block, [self.field, *media])
+        fields = source_media(self.spec)
+        first, table = self._table(path, block, [self.field, *(c for _, c in fields)])
         texts = table.column(0).to_pylist()
         n = len(texts)
-        images = table.column(self.spec.image_field).to_pylist() if self.spec.image_field else [None] * n
-        videos = table.column(self.spec.video_field).to_pylist() if self.spec.video_field else None
-        audios = table.column(self.spec.audio_field).to_pylist() if self.spec.audio_field else None
-        records, kept, bad = records_from_values(texts, images, self.spec, [str(first + i) for i in range(n)], videos,
-                                                 audios=audios)
+        media = {kind.name: table.column(column).to_pylist() for kind, column in fields}
+        records, kept, bad = records_from_values(texts, media, self.spec, [str(first + i) for i in range(n)])
         return RawBlock(first, n, kept, pa.array([""] * len(records), pa.string()),
                         [(int(name), why) for name, why in bad], records)
 

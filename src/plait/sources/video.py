@@ -23,7 +23,6 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from plait.media.base import field_media
 from plait.media.registry import KINDS, VIDEO
 from plait.media.video import BadVideo, VideoPlan, VideoPolicy, VideoRef
 from plait.sources.reader import RawBlock
@@ -36,11 +35,6 @@ VIDEO_KIND = KINDS.index(VIDEO)  # ImagePayload.kind of a video (0: an image)
 def video_policy(spec: Spec) -> VideoPolicy | None:
     """The spec's video rule (None without a `videos` and an `images` section): the video medium's."""
     return VIDEO.medium.policy(spec)
-
-
-def video_list(value, root: str | None) -> list[VideoRef]:
-    """A record's video field as references (media.base.field_media). ValueError for anything else."""
-    return [VideoRef(data) for data in field_media(value, root, "video")]
 
 
 class VideoDocs:

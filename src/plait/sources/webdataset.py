@@ -32,10 +32,9 @@ import numpy as np
 import pyarrow as pa
 
 from plait.errors import SourceError
-from plait.sources.audio import AudioRef
+from plait.media.registry import IMAGE, source_media
 from plait.sources.multimodal import BadRecord, make_record
 from plait.sources.reader import EMPTY_FILE, FormatReader, RawBlock
-from plait.media.video import VideoRef
 
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)\}")
 
@@ -164,29 +163,20 @@ class WebDatasetReader(FormatReader):
         first = block * self.SAMPLES_PER_BLOCK
         run = samples[first:first + self.SAMPLES_PER_BLOCK]
         records, ok, bad = [], [], []
-        exts = self.spec.image_extensions
+        kinds = [kind for kind, _ in source_media(self.spec)]
+        # an image-only source's samples lack "image" members; one reading other media, "media" members
+        what = "image" if kinds == [IMAGE] else "media"
         for i, (key, members) in enumerate(run):
             try:
                 if self.text_ext not in members:
                     raise BadRecord(f"sample {key!r} has no {self.text_ext!r} member (has: {', '.join(sorted(members))})")
-                images = [members[e] for e in exts if e in members]
-                videos = [VideoRef(members[e]) for e in self.spec.video_extensions if e in members]
-                clips = [AudioRef(members[e]) for e in self.spec.audio_extensions if e in members]
-                if self.spec.video_field is not None or self.spec.audio_field is not None:
-                    if not images and not videos and not clips:
-                        wanted = exts + self.spec.video_extensions + self.spec.audio_extensions
-                        raise BadRecord(f"sample {key!r} has no media member ({', '.join(wanted)}); "
-                                        f"has: {', '.join(sorted(members))}")
-                    text = self._text(path, members[self.text_ext])
-                    records.append(make_record(text, images, self.spec.template, key,
-                                               videos if self.spec.video_field else None,
-                                               clips if self.spec.audio_field else None))
-                    ok.append(i)
-                    continue
-                if not images:
-                    raise BadRecord(f"sample {key!r} has no image member ({', '.join(exts)}); "
+                media = {kind.name: kind.references([members[e] for e in kind.extensions(self.spec) if e in members])
+                         for kind in kinds}
+                if not any(media.values()):
+                    wanted = [e for kind in kinds for e in kind.extensions(self.spec)]
+                    raise BadRecord(f"sample {key!r} has no {what} member ({', '.join(wanted)}); "
                                     f"has: {', '.join(sorted(members))}")
-                records.append(make_record(self._text(path, members[self.text_ext]), images, self.spec.template, key))
+                records.append(make_record(self._text(path, members[self.text_ext]), media, self.spec.template, key))
                 ok.append(i)
             except BadRecord as e:
                 bad.append((key, str(e)))
