@@ -14,7 +14,7 @@ import plait  # noqa: E402
 from plait.cli.audio_data import audio_source_spec, write_audio_source  # noqa: E402
 from plait.media import audio  # noqa: E402
 from plait.runtime import scaling  # noqa: E402
-from plait.sources.audio import AudioRef  # noqa: E402
+from plait.media.audio import AudioRef  # noqa: E402
 
 
 def test_probe_decodes_every_clip_of_the_blocks_it_reads(tmp_path, monkeypatch):

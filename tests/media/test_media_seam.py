@@ -28,7 +28,7 @@ def test_every_kind_gives_the_whole_interface():
 
 def test_references_find_their_kind():
     from plait.media.video import VideoRef
-    from plait.sources.audio import AudioRef
+    from plait.media.audio import AudioRef
 
     assert kind_of(b"\x89PNG") is IMAGE and kind_of("a/b.jpg") is IMAGE
     assert kind_of(VideoRef("v.mp4")) is VIDEO and kind_of(AudioRef("a.wav")) is AUDIO

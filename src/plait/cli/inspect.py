@@ -9,7 +9,7 @@ from rich.table import Table
 
 from plait.cli.common import table_console
 from plait.roles.source_loader import SourceLoader
-from plait.sources.audio import AudioRef
+from plait.media.audio import AudioRef
 from plait.spec import load_spec
 from plait.media.video import VideoRef
 

@@ -38,7 +38,7 @@ the same shape as the vision encoder's per-image cost (plait.cost.EncoderCost's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from plait.errors import PlaitError
 from plait.media.audio_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel
 from plait.media.base import DecodeCounter, MediaData, MediaError, describe, ffmpeg_reason, open_container, peek
 
-__all__ = ["AUDIO_DECODES", "AUDIO_EXTENSIONS", "FRAME_DECODES", "MEDIUM", "POLICIES", "AudioFeatures", "AudioInfo",
+__all__ = ["AUDIO_DECODES", "AUDIO_EXTENSIONS", "FRAME_DECODES", "MEDIUM", "POLICIES", "AudioFeatures", "AudioInfo", "AudioRef",
            "AudioPlan", "AudioPolicy", "PlannedClip", "decode", "encoder_cost", "probe", "tokens_for_frames"]
 
 AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "oga", "m4a")
@@ -214,6 +214,17 @@ class AudioFeatures(NamedTuple):
     input_features: np.ndarray
     feature_attention_mask: np.ndarray
     plan: AudioPlan
+
+
+@dataclass(frozen=True)
+class AudioRef:
+    """One clip of a record: inline bytes, or what the reader resolves (a member name, a path); once
+    planned, its header info and plan."""
+
+    kind: ClassVar[str] = "audio"  # media.registry.kind_of
+    ref: bytes | str
+    info: AudioInfo | None = None
+    plan: AudioPlan | None = None
 
 
 @dataclass(frozen=True)

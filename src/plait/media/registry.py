@@ -95,7 +95,7 @@ IMAGE = MediaKind("image", "<image>", "image_field", "images", "image_token_id",
 VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id", "vision", "video",
                   "plait.media.video:VideoRef")
 AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id", "audio", "audio",
-                  "plait.sources.audio:AudioRef")
+                  "plait.media.audio:AudioRef")
 KINDS = (IMAGE, VIDEO, AUDIO)
 MARKERS = {k.marker: k for k in KINDS}
 BY_NAME = {k.name: k for k in KINDS}

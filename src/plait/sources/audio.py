@@ -1,8 +1,8 @@
 """Audio clips in media-text records: references, header-only planning, decode at gather.
 
 A reader that reads an `audio_field` puts each clip of a record among the record's media as an
-`AudioRef`, in the order of the conversation's `<audio>` / `<image>` / `<video>` markers (caption
-template: images, videos, then clips, then the text). `AudioDocs` is what the record pipeline
+`AudioRef` (plait.media.audio), in the order of the conversation's `<audio>` / `<image>` / `<video>`
+markers (caption template: images, videos, then clips, then the text). `AudioDocs` is what the record pipeline
 (sources/multimodal.py) calls for them:
 
   plan    probe the container's headers (plait.media.audio.probe: no packet decoded) and apply the
@@ -16,27 +16,15 @@ WebDataset member, a remote file or inline bytes are read into memory).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 from plait.errors import PlaitError
-from plait.media.audio import AudioFeatures, AudioInfo, AudioPlan, PlannedClip
+from plait.media.audio import AudioFeatures, AudioInfo, AudioPlan, AudioRef, PlannedClip
 from plait.media.base import MediaError
 from plait.media.registry import AUDIO
 from plait.spec import Spec
 
-__all__ = ["AudioDocs", "AudioRef", "ClipPlan"]
-
-
-@dataclass(frozen=True)
-class AudioRef:
-    """One clip of a record: inline bytes, or what the reader resolves (a member name, a path); once
-    planned, its header info and plan."""
-
-    kind: ClassVar[str] = "audio"  # media.registry.kind_of
-    ref: bytes | str
-    info: AudioInfo | None = None
-    plan: AudioPlan | None = None
+__all__ = ["AudioDocs", "ClipPlan"]
 
 
 class ClipPlan(NamedTuple):

@@ -43,12 +43,13 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from plait.media.audio import AudioRef
 from plait.media.base import MediaError, field_media
 from plait.media.image import BadImage, ImagePolicy
 from plait.media.registry import AUDIO, BY_NAME, IMAGE, KINDS, VIDEO, kind_of
 from plait.media.video import VideoRef
 from plait.spec import SourceSpec, Spec
-from plait.sources.audio import AudioDocs, AudioRef
+from plait.sources.audio import AudioDocs
 from plait.sources.video import VIDEO_KIND, VideoDocs
 
 ImageRef = bytes | str  # inline bytes, or what the reader resolves: a member name, a path
