@@ -328,5 +328,7 @@ class AudioMedium:
     def batch_fields(self, payload, a: int, b: int) -> dict:
         return audio_fields(payload, a, b)
 
+    reference = AudioRef  # a record's audio: plait.media.registry.Medium.reference
+
 
 MEDIUM = AudioMedium()

@@ -11,7 +11,8 @@ becomes, `placeholder_tokens(plan)` of them in input_ids), `decode` (once per de
 media at its kind's marker, plans and decodes it by its medium, and expands its placeholder run with its
 kind's id; the Planner adds each kind's encoder cost; the Constructor puts its fields in the micro-batch.
 
-A fourth medium is a module here (its MEDIUM and its reference type, with `kind` set to its name), its spec
+A fourth medium is a module here (its MEDIUM, whose `reference` wraps a record's media in a type with `kind`
+set to its name), its spec
 section (with its source field and, for WebDataset, `<name>_extensions`), and an entry in KINDS; the format
 readers take every medium a source reads from `source_media` and `MediaKind.references`.
 """
@@ -51,6 +52,10 @@ class Medium(Protocol):
     def batch_fields(self, payload, a: int, b: int) -> dict:
         """The media's fields in the micro-batch holding items a..b-1 of a rank's payload."""
 
+    def reference(self, data):
+        """One of a record's media (bytes, a path, a member name) as it stands in the record: its reference
+        type (with `kind` its medium's name), or the data itself (an image's)."""
+
 
 @dataclass(frozen=True)
 class MediaKind:
@@ -65,7 +70,6 @@ class MediaKind:
     token_field: str
     encoder: str
     module: str
-    ref: str = ""  # "module:Type" wrapping each of its media in a record ("": the data itself, an image's)
 
     def token_id(self, spec) -> int | None:
         """This medium's placeholder id in `spec` (None: the spec has no section for it)."""
@@ -78,13 +82,10 @@ class MediaKind:
         return importlib.import_module(f"plait.media.{self.module}").MEDIUM
 
     def references(self, data: list) -> list:
-        """A record's media of this kind (bytes, paths, member names) as its reference type (imported on
-        first use, like `medium`)."""
-        if not self.ref:
-            return list(data)
-        module, name = self.ref.split(":")
-        wrap = getattr(importlib.import_module(module), name)
-        return [wrap(d) for d in data]
+        """A record's media of this kind (bytes, paths, member names) as they stand in the record
+        (`Medium.reference`)."""
+        reference = self.medium.reference
+        return [reference(d) for d in data]
 
     def extensions(self, source) -> list[str]:
         """webdataset: the member extensions `source` lists for this medium (its `<name>_extensions`)."""
@@ -92,10 +93,8 @@ class MediaKind:
 
 
 IMAGE = MediaKind("image", "<image>", "image_field", "images", "image_token_id", "vision", "image")
-VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id", "vision", "video",
-                  "plait.media.video:VideoRef")
-AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id", "audio", "audio",
-                  "plait.media.audio:AudioRef")
+VIDEO = MediaKind("video", "<video>", "video_field", "videos", "video_token_id", "vision", "video")
+AUDIO = MediaKind("audio", "<audio>", "audio_field", "audio", "audio_token_id", "audio", "audio")
 KINDS = (IMAGE, VIDEO, AUDIO)
 MARKERS = {k.marker: k for k in KINDS}
 BY_NAME = {k.name: k for k in KINDS}

@@ -378,5 +378,7 @@ class VideoMedium:
     def batch_fields(self, payload, a: int, b: int) -> dict:
         return video_fields(payload, a, b)
 
+    reference = VideoRef  # a record's video: plait.media.registry.Medium.reference
+
 
 MEDIUM = VideoMedium()
