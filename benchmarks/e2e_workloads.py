@@ -194,7 +194,7 @@ def plait_served_from_pool(args, spec, clock, err, pool: set[int]) -> dict:
 
     import plait
     from plait.cli.bench.e2e_run import load_average, plait_shape, run_synchronous, summarize
-    from plait.cli.bench.processes import start_serve, stop_serve
+    from benchmarks.processes import start_serve, stop_serve
 
     served = spec.with_overrides(loading={"workers": args.cpus}).model_dump(mode="json")
     job = f"bench-e2e-pool-{os.getpid()}-{time.time_ns()}"
@@ -298,7 +298,7 @@ def run_node_images(args, spec_of, err) -> list[dict]:
     """DP processes, torchrun's environment each: plait (one SourceLoader, loading.workers = W threads) vs
     per-rank (a DataLoader per process, W / DP worker processes each, at least one)."""
     from plait.cli.bench.e2e_run import load_average
-    from plait.cli.bench.processes import torchrun_env
+    from plait.cli.bench.memory import torchrun_env
 
     dp, workers = args.node_dp, args.node_workers
     spec = spec_of(dp)

@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import main
-from plait.cli.bench.processes import finish, start_serve, start_trainers, stop_serve, torchrun_env
+from benchmarks.processes import init_ray, plait_processes, start_serve, stop_serve
+from plait.cli.bench.memory import finish, start_trainers, torchrun_env
 
 HELP = "memory plait adds to 8 torch trainers at 4 and 64 sources of 16-64 MiB row groups, per runtime"
 DESCRIPTION = __doc__
 ROOT = Path(__file__).resolve().parents[1]  # trainers run `python -m benchmarks.memory_realistic` from here
 MIB = 2**20
-ROLES = ("PlannerActor", "LoaderActor", "ConstructorActor")
 
 
 def add_arguments(p) -> None:
@@ -123,30 +123,6 @@ def process_memory(pid: int) -> int:
         return 0
 
 
-def plait_processes(exclude: set[int], serve_pid: int | None) -> tuple[dict, dict]:
-    """This process's descendants (the trainers excluded) as plait roles {role: [rss]} and Ray's daemons."""
-    import psutil
-
-    roles: dict[str, list[int]] = {}
-    daemons: dict[str, list[int]] = {}
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in exclude:
-            continue
-        try:
-            cmd = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        rss = process_memory(child.pid)
-        role = "serve" if child.pid == serve_pid else next((r for r in ROLES if f"ray::{r}" in cmd), None)
-        if role:
-            roles.setdefault(role, []).append(rss)
-        else:
-            name = "worker (idle/other)" if "ray::" in cmd else "agents" if ("dashboard" in cmd or "agent" in cmd) \
-                else (os.path.basename(cmd.split()[0]) if cmd else "?")
-            daemons.setdefault(name, []).append(rss)
-    return roles, daemons
-
-
 def run_trainers(cfg: dict, trainers: int, env: dict, torchrun_id: str | None = None) -> tuple[list, list]:
     """One trainer per rank; with `torchrun_id`, each sees the environment torchrun would give it."""
     cfgs = [{**cfg, "rank": r, **({} if torchrun_id is None else {"torchrun": torchrun_env(r, trainers, torchrun_id)})}
@@ -197,12 +173,7 @@ def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: i
             return _summary(reports, {}, {})
         finally:
             finish(procs)
-    ray = None
-    if runtime == "flight":
-        import ray
-
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, namespace="plait",
-                 log_to_driver=False, configure_logging=False)
+    ray = init_ray() if runtime == "flight" else None
     serve = None
     try:
         spec_path = root / f"spec-{len(spec_dict['sources'])}.json"
@@ -213,7 +184,7 @@ def measure(spec_dict: dict, root: Path, runtime: str, trainers: int, loaders: i
         procs, reports = run_trainers({"runtime": "flight", "spec": spec_dict, "job": job, "address": address,
                                        "token": token}, trainers, env)
         try:
-            roles, daemons = plait_processes({r["pid"] for r in reports}, serve.pid)
+            roles, daemons = plait_processes({r["pid"] for r in reports}, serve.pid, process_memory)
             return _summary(reports, roles, daemons)
         finally:
             finish(procs)

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import main
+from benchmarks.processes import start_serve, stop_serve
 from benchmarks.soak_sampler import Sampler, ray_process_table, role_table
-from plait.cli.bench.memory import make_spec_dict
-from plait.cli.bench.processes import start_serve, stop_serve, torchrun_env
+from plait.cli.bench.memory import make_spec_dict, torchrun_env
 from plait.errors import PlaitError
 
 HELP = "memory over a long run: RSS/PSS of every process by role, slope per hour after a warm-up"

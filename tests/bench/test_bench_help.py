@@ -9,7 +9,7 @@ import pytest
 
 from plait.cli import BENCH_MODULES, main
 
-MOVED = ("balance", "throughput", "e2e", "video_resize", "images_ray")  # python -m benchmarks.NAME
+MOVED = ("balance", "throughput", "e2e", "video_resize", "images_ray", "memory")  # python -m benchmarks.NAME
 
 
 @pytest.mark.parametrize("name", sorted(BENCH_MODULES))
