@@ -134,7 +134,8 @@ def measure_plait(spec_path, args) -> dict:
         try:
             clients = product.added(reports)
             client_rss, client_pss = sum(r for r, _ in clients), sum(p for _, p in clients)
-            actors, daemons = plait_processes({r["pid"] for r in reports}, None if serve is None else serve.pid, product.mem)
+            serve_pid = None if serve is None else serve.pid
+            actors, daemons = plait_processes({r["pid"] for r in reports}, serve_pid, product.mem)
             return {"total_rss": sum(r for v in actors.values() for r, _ in v) + client_rss,
                     "total_pss": sum(p for v in actors.values() for _, p in v) + client_pss,
                     "actors": {k: product.role(v) for k, v in actors.items()},

@@ -16,7 +16,8 @@ def start_serve(spec_path: Path, job: str, ray_address: str | None, loaders: int
     """`plait serve SPEC --job JOB` on an existing Ray instance, or with `ray_address` None the one-process
     server (`--runtime local`, no Ray); returns (process, PLAIT_ADDRESS, PLAIT_TOKEN)."""
     cmd = [str(Path(sys.executable).parent / "plait"), "serve", str(spec_path), "--job", job]
-    cmd += ["--runtime", "local"] if ray_address is None else ["--ray-address", ray_address, "--loaders", str(loaders or 1)]
+    on_ray = ["--ray-address", str(ray_address), "--loaders", str(loaders or 1)]
+    cmd += ["--runtime", "local"] if ray_address is None else on_ray
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     printed: dict[str, str] = {}
     while "PLAIT_TOKEN" not in printed:

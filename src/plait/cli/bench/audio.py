@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench.media_bench import Media, add_common
-from plait.cli.bench.media_bench import run as run_media
+from plait.cli.bench.media_bench import Media
 from plait.cli.common import positive_int
 from plait.errors import PlaitError
 from plait.media.audio import AUDIO_EXTENSIONS
@@ -27,7 +26,7 @@ DESCRIPTION = __doc__
 
 
 def add_arguments(p) -> None:
-    add_common(p, MEDIA, 24)
+    MEDIA.add_arguments(p)
     p.add_argument("--min-seconds", type=float, default=2.0, help="shortest generated clip (default 2)")
     p.add_argument("--max-seconds", type=float, default=20.0, help="longest generated clip (default 20)")
     p.add_argument("--policy", choices=("qwen2audio", "chunked"), default="qwen2audio", help="window policy")
@@ -160,10 +159,8 @@ def rows(r: dict) -> list[tuple[str, str]]:
             ("torch threads / cpus", f"{r['torch_threads']} / {r['cpus']}")]
 
 
-MEDIA = Media("audio", "audio", AUDIO_EXTENSIONS, "clips", generate, measure, rows,
+MEDIA = Media("audio", "audio", AUDIO_EXTENSIONS, "clips", 24, generate, measure, rows,
               lambda r: f"audio: plait's gather vs {r['baseline']}; {r['clips']} clips ({r['source']}), "
                         f"{r['audio_seconds']:,.1f} s, policy {r['policy']}, {r['mel_bins']} mel bins")
 
-
-def run(args) -> int:
-    return run_media(args, MEDIA)
+run = MEDIA.run

@@ -14,17 +14,14 @@ import json
 import time
 from pathlib import Path
 
-from plait.cli.bench.media_bench import Media, add_common, build_steps, loader_spec
-from plait.cli.bench.media_bench import run as run_media
+from plait.cli.bench.media_bench import Media, build_steps, loader_spec
 
 HELP = "images/s of the loader (decode, resize, patchify) vs a plain Pillow loop; decodes per delivered image"
 DESCRIPTION = __doc__
 
 
 def add_arguments(p) -> None:
-    add_common(p, MEDIA, 300)
-    p.add_argument("--steps", type=int, default=8, help="global steps the loader plans and builds")
-    p.add_argument("--dp", type=int, default=8, help="data-parallel ranks (all built in this process)")
+    MEDIA.add_arguments(p, steps=8, dp=8)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--max-pixels", type=int, default=28 * 28 * 256, help="images.max_pixels (dynamic policy)")
     p.add_argument("--max-side", type=int, default=640, help="largest generated image side in pixels")
@@ -49,8 +46,7 @@ def generate(args, folder: Path) -> list[Path]:
 
 def measure(args, files: list[Path], folder: Path) -> dict:
     from plait.errors import PlaitError
-    from plait.media.image import DECODES, BadImage, bench_pillow, image_size
-    from plait.media.image_policy import ImagePolicy
+    from plait.media.image import DECODES, BadImage, ImageMedium, bench_pillow, image_size
     from plait.sources.workers import available_cpus
 
     args.workers = available_cpus() if args.workers is None else args.workers
@@ -75,11 +71,8 @@ def measure(args, files: list[Path], folder: Path) -> dict:
             readable.append(f)
         except BadImage:
             pass
-    im = spec.images
-    policy = ImagePolicy(kind=im.policy, patch=im.patch, merge=im.merge, min_pixels=im.min_pixels,
-                         max_pixels=im.max_pixels)
     c0 = time.process_time()
-    pillow = bench_pillow(readable, policy, rounds=args.rounds)
+    pillow = bench_pillow(readable, ImageMedium().policy(spec), rounds=args.rounds)
     pillow_cpu = len(readable) * args.rounds / max(time.process_time() - c0, 1e-9)
     n = delivered[0]
     per_cpu, wall = n / max(loader["build_cpu_s"], 1e-9), n / max(loader["build_wall_s"], 1e-9)
@@ -104,10 +97,8 @@ def rows(r: dict) -> list[tuple[str, str]]:
             ("decodes per delivered image (target 1)", f"{r['decodes_per_image_local']:.3f}")]
 
 
-MEDIA = Media("images", "image", ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"), "images", generate,
-              measure, rows, lambda r: f"images: loader (local, DP {r['dp']}) vs plain Pillow, {r['images_files']} "
+MEDIA = Media("images", "image", ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"), "images", 300,
+              generate, measure, rows, lambda r: f"images: loader (local, DP {r['dp']}) vs plain Pillow, {r['images_files']} "
                                        f"files ({r['source']})")
 
-
-def run(args) -> int:
-    return run_media(args, MEDIA)
+run = MEDIA.run

@@ -23,19 +23,26 @@ class Media:
     what: str  # one file's kind, as the user's --path error names it
     extensions: tuple[str, ...]
     count: str  # the option giving how many files: --images, --videos, --clips
+    default: int  # files generated
     generate: Callable  # (args, folder) -> generated files
     measure: Callable  # (args, files, folder) -> the result's figures
     rows: Callable  # (result) -> [(measure, value)] of the table
     title: Callable  # (result) -> the table's title
 
+    def add_arguments(self, p, steps: int | None = None, dp: int | None = None) -> None:
+        """--path, the count, --json, --quiet; and where the loader plans and builds, --steps and --dp."""
+        p.add_argument("--path", help=f"a folder (searched recursively) or a glob of your {self.what} files "
+                       f"({', '.join(self.extensions)}) to measure instead of generated ones")
+        p.add_argument(f"--{self.count}", type=int, default=self.default, help=f"{self.what} files (with --path: "
+                       f"the first N found; default {self.default})")
+        p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+        p.add_argument("--quiet", action="store_true", help="no table")
+        if steps is not None:
+            p.add_argument("--steps", type=int, default=steps, help="global steps the loader plans and builds")
+            p.add_argument("--dp", type=int, default=dp, help="data-parallel ranks (all built in this process)")
 
-def add_common(p, media: Media, default: int) -> None:
-    p.add_argument("--path", help=f"a folder (searched recursively) or a glob of your {media.what} files "
-                   f"({', '.join(media.extensions)}) to measure instead of generated ones")
-    p.add_argument(f"--{media.count}", type=int, default=default, help=f"{media.what} files (with --path: the "
-                   f"first N found; default {default})")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no table")
+    def run(self, args) -> int:
+        return run(args, self)
 
 
 def find_files(path: str, extensions: tuple[str, ...], limit: int, what: str) -> list[Path]:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench.media_bench import Media, add_common, build_steps, loader_spec
-from plait.cli.bench.media_bench import run as run_media
+from plait.cli.bench.media_bench import Media, build_steps, loader_spec
 from plait.media.video import VIDEO_EXTENSIONS
 
 HELP = "videos/s and frames/s of the loader vs a plain PyAV loop over the same files; decodes per video"
@@ -29,10 +28,8 @@ SMALL_RULE = {"fps": 2.0, "min_frames": 4, "max_frames": 32, "min_pixels": 28 * 
 
 
 def add_arguments(p) -> None:
-    add_common(p, MEDIA, 24)
+    MEDIA.add_arguments(p, steps=4, dp=2)
     p.add_argument("--max-seconds", type=float, default=6.0, help="longest generated video, seconds")
-    p.add_argument("--steps", type=int, default=4, help="global steps the loader plans and builds")
-    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (all built in this process)")
     p.add_argument("--seq-len", type=int, default=None, help="packing.seq_len (default 4096; 131072 with "
                    "--qwen-defaults)")
     p.add_argument("--qwen-defaults", action="store_true", help="the videos section's defaults (qwen-vl-utils "
@@ -134,9 +131,7 @@ def rows(r: dict) -> list[tuple[str, str]]:
             ("frames decoded while planning (target 0)", f"{r['planning_frame_decodes']}")]
 
 
-MEDIA = Media("video", "video", VIDEO_EXTENSIONS, "videos", generate, measure, rows,
+MEDIA = Media("video", "video", VIDEO_EXTENSIONS, "videos", 24, generate, measure, rows,
               lambda r: f"video: loader (local, DP {r['dp']}) vs a plain PyAV loop, {r['video_files']} files ({r['source']})")
 
-
-def run(args) -> int:
-    return run_media(args, MEDIA)
+run = MEDIA.run
