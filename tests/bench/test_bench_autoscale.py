@@ -78,13 +78,12 @@ def test_the_schedule_doubles_the_image_share_at_the_change(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.ray
 @pytest.mark.slow
-def test_smallest_run_gives_one_digest_and_every_field(tmp_path):
-    pytest.importorskip("ray")
+def test_smallest_run_gives_one_digest_and_every_field(tmp_path, ray_session):
+    """On the session's Ray instance (the bench starts one only where none runs)."""
     out = tmp_path / "autoscale.json"
-    rc = bench_main(bench, ["--steps", "8", "--change-at", "4", "--warmup", "2", "--images", "24",
-                     "--rate", "10", "--seq-len", "2048", "--cpus", "2", "--quiet", "--json", str(out)])
+    rc = bench_main(bench, ["--steps", "6", "--change-at", "3", "--warmup", "1", "--images", "16",
+                     "--rate", "10", "--seq-len", "1024", "--cpus", "2", "--quiet", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     rows = {c["config"]: c for c in r["configs"]}

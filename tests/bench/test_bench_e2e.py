@@ -31,27 +31,27 @@ def test_short_run_feeds_both_strategies_the_same_steps_and_plait_balances_bette
 
     out = tmp_path / "e2e.json"
     # --gpu-tflops high: tiny simulated compute, so the run is short (rates are not asserted: benchmarks)
-    argv = ["--quick", "--workloads", "gpu-bound", "--dp", "4", "--steps", "4",
-            "--warmup", "1", "--gpu-tflops", "4000", "--cpus", "2", "--images", "48", "--cache", str(tmp_path / "data"),
+    argv = ["--quick", "--workloads", "gpu-bound", "--dp", "4", "--steps", "3", "--warmup", "1", "--seq-len", "4096",
+            "--gpu-tflops", "4000", "--cpus", "2", "--images", "32", "--cache", str(tmp_path / "data"),
             "--quiet", "--json", str(out)]
     assert main(e2e, argv) == 0
     result = json.loads(out.read_text())
     assert len(result["load_average"]["before"]) == 3 and len(result["load_average"]["after"]) == 3
     assert all(ROW_KEYS <= set(r) for r in result["rows"])
     rows = {(r["workload"], r["strategy"], r["dp"], r["seq_len"]): r for r in result["rows"]}
-    assert set(rows) == {("gpu-bound", s, 4, 8192) for s in ("per-rank", "plait")}
-    per_rank, plait = rows["gpu-bound", "per-rank", 4, 8192], rows["gpu-bound", "plait", 4, 8192]
-    assert per_rank["steps"] == plait["steps"] == 4 and per_rank["measured_steps"] == plait["measured_steps"] == 3
+    assert set(rows) == {("gpu-bound", s, 4, 4096) for s in ("per-rank", "plait")}
+    per_rank, plait = rows["gpu-bound", "per-rank", 4, 4096], rows["gpu-bound", "plait", 4, 4096]
+    assert per_rank["steps"] == plait["steps"] == 3 and per_rank["measured_steps"] == plait["measured_steps"] == 2
     # a budget of 2 CPUs: per-rank still has one worker process a rank (at least one), plait 2 loaders at most
     assert per_rank["processes"] == 4 and per_rank["workers_per_rank"] == 1 and plait["loaders_at_start"] <= 2
     assert plait["balance_loss"] <= per_rank["balance_loss"]
-    capacity = 4 * 2 * 8192  # dp x micro-batches x seq_len
+    capacity = 4 * 2 * 4096  # dp x micro-batches x seq_len
     for r in (per_rank, plait):
         assert 0.5 * capacity < r["tokens_per_step"] <= capacity
         assert 0.0 <= r["wait_fraction"] <= 1.0 and r["steps_per_s"] > 0
     ratios = {(q["workload"], q["dp"], q["seq_len"]): q for q in result["ratios"]}
-    assert set(ratios) == {("gpu-bound", 4, 8192)}
-    assert ratios["gpu-bound", 4, 8192]["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
+    assert set(ratios) == {("gpu-bound", 4, 4096)}
+    assert ratios["gpu-bound", 4, 4096]["steps_per_s_ratio"] == pytest.approx(plait["steps_per_s"] / per_rank["steps_per_s"])
 
 
 @pytest.mark.subprocess
