@@ -250,26 +250,21 @@ def run(args) -> int:
 
 
 def print_table(rows: list[dict], warm: float, elapsed: float, args) -> None:
-    from rich.table import Table
-
-    from plait.cli.common import table_console
+    from plait.cli.bench.media_bench import print_table as table
 
     by = {(r["dist"], r["dp"], r["seq_len"], r["strategy"]): r for r in rows}
-    t = Table(title=f"per-rank cost balance, {args.microbatches} micro-batches/rank, pp={args.pp} "
-                    "(max/mean: 1.0 is perfect; max/LB: certified distance from optimal)")
-    for col in ("dist", "dp", "seq_len", "docs/rank", "naive\nmax/mean", "plait\nmax/mean", "plait\nmax/LB",
-                "plait\nmax/capLB", "plait\nfill", "plait plan\nms (CPU)", "speedup\nvs naive"):
-        t.add_column(col, justify="left" if col == "dist" else "right")
-    speedups = []
+    lines, speedups = [], []
     for r in (r for r in rows if r["strategy"] == "naive"):
         p = by[(r["dist"], r["dp"], r["seq_len"], "plait")]
         speedups.append(p["speedup_vs_naive"])
-        t.add_row(r["dist"], str(r["dp"]), f"{r['seq_len'] // 1024}k", f"{p['docs_per_rank']:,.0f}",
-                  f"{r['max_over_mean']:.3f}", f"{p['max_over_mean']:.4f}", f"{p['max_over_lb']:.4f}",
-                  f"{p['max_over_capacity_lb']:.4f}", f"{p['fill']:.3f}", f"{p['plan_ms']:.1f}",
-                  f"{p['speedup_vs_naive']:.2f}x")
-    out = table_console()
-    out.print(t)
+        lines.append((r["dist"], str(r["dp"]), f"{r['seq_len'] // 1024}k", f"{p['docs_per_rank']:,.0f}",
+                      f"{r['max_over_mean']:.3f}", f"{p['max_over_mean']:.4f}", f"{p['max_over_lb']:.4f}",
+                      f"{p['max_over_capacity_lb']:.4f}", f"{p['fill']:.3f}", f"{p['plan_ms']:.1f}",
+                      f"{p['speedup_vs_naive']:.2f}x"))
+    out = table(f"per-rank cost balance, {args.microbatches} micro-batches/rank, pp={args.pp} (max/mean: 1.0 is "
+                "perfect; max/LB: certified distance from optimal)", lines, left=("dist",), columns=(
+                    "dist", "dp", "seq_len", "docs/rank", "naive\nmax/mean", "plait\nmax/mean", "plait\nmax/LB",
+                    "plait\nmax/capLB", "plait\nfill", "plait plan\nms (CPU)", "speedup\nvs naive"))
     geo = float(np.exp(np.mean(np.log(speedups)))) if speedups else 1.0
     out.print(f"plait over naive: step-time speedup per unit of work {geo:.2f}x (geometric mean), "
               f"{min(speedups):.2f}x .. {max(speedups):.2f}x; numba kernels ready in {warm:.2f} s; sweep {elapsed:.1f} s")

@@ -160,28 +160,25 @@ def run(args) -> int:
 
 
 def table(result: dict) -> None:
-    from rich.table import Table
-
-    from plait.cli.common import table_console
+    from plait.cli.bench.media_bench import print_table
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    load = result["load_average"]
-    t = Table(title=f"end to end, {result['cpus']} CPUs budget on {result['machine_cores']} cores, load average "
-                    f"{load['before'][0]:.1f} -> {load['after'][0]:.1f}")
-    for col in ("workload", "strategy", "dp", "steps/s", "GPU-only steps/s", "GPU busy", "images/s", "wait",
-                "balance loss", "tokens/s", "loaders"):
-        t.add_column(col, justify="left" if col in ("workload", "strategy", "loaders") else "right")
+    rows = []
     for r in result["rows"]:
         who = (f"{r['processes']} proc" if "processes" in r else f"{r['loaders_at_start']}->{r['loaders_at_end']} "
                "actors" if "loaders_at_start" in r else f"{r.get('workers', '-')} threads")
-        t.add_row(r["workload"], r["strategy"] + (f" ({r['runtime']})" if r.get("runtime") else ""), str(r["dp"]),
-                  fmt(r["steps_per_s"], ".3f"), fmt(r.get("compute_bound_steps_per_s"), ".3f"),
-                  fmt(r["steps_per_s"] / r["compute_bound_steps_per_s"], ".0%") if r.get("compute_bound_steps_per_s") else "-",
-                  fmt(r.get("images_per_s"), ".1f"), fmt(r["wait_fraction"], ".1%"), fmt(r["balance_loss"], ".3f"),
-                  fmt(r["tokens_per_s"], ",.0f"), who)
-    out = table_console()
-    out.print(t)
+        gpu_only = r.get("compute_bound_steps_per_s")
+        busy = r["steps_per_s"] / gpu_only if gpu_only else None
+        rows.append((r["workload"], r["strategy"] + (f" ({r['runtime']})" if r.get("runtime") else ""), str(r["dp"]),
+                     fmt(r["steps_per_s"], ".3f"), fmt(gpu_only, ".3f"), fmt(busy, ".0%"),
+                     fmt(r.get("images_per_s"), ".1f"), fmt(r["wait_fraction"], ".1%"), fmt(r["balance_loss"], ".3f"),
+                     fmt(r["tokens_per_s"], ",.0f"), who))
+    load = result["load_average"]
+    out = print_table(f"end to end, {result['cpus']} CPUs budget on {result['machine_cores']} cores, load average "
+                      f"{load['before'][0]:.1f} -> {load['after'][0]:.1f}", rows, columns=(
+                          "workload", "strategy", "dp", "steps/s", "GPU-only steps/s", "GPU busy", "images/s", "wait",
+                          "balance loss", "tokens/s", "loaders"), left=("workload", "strategy", "loaders"))
     for f in result.get("failures") or []:
         out.print(f"[red]{f['workload']}: no rows ({f['error']})[/]")

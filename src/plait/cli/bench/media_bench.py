@@ -1,7 +1,7 @@
-"""The skeleton `plait bench images`, `video` and `audio` share: generated files or the user's own
-(`--path`, a folder searched recursively or a glob; a file that fails is skipped, counted and named),
-plait against a plain reference loop over the same files in the same run, one table and `--json`.
-Each command is a `Media`: what differs (its files, its two sides, its table rows)."""
+"""The skeleton `plait bench images`, `video` and `audio` share: generated files or the user's own (`--path`,
+a folder searched recursively or a glob; a file that fails is skipped, counted and named), plait against a
+plain reference loop over the same files in the same run, one table and `--json`. Each command is a `Media`:
+what differs (its files, its two sides, its table rows). `print_table` draws every bench's table."""
 
 from __future__ import annotations
 
@@ -95,18 +95,21 @@ def loader_spec(args, source: dict, **sections):
                       **sections})
 
 
-def print_table(title: str, rows: list[tuple[str, str]], value: str = "value") -> None:
-    """A two-column table (measure, value) on stdout."""
+def print_table(title: str, rows: list[tuple[str, ...]], columns=("measure", "value"), left=("measure",)):
+    """A table of every bench on stdout: `columns` (those in `left` left-justified, figures right); returns
+    the console, for the lines that follow it."""
     from rich.table import Table
 
     from plait.cli.common import table_console
 
     t = Table(title=title)
-    t.add_column("measure")
-    t.add_column(value, justify="right")
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
     for row in rows:
         t.add_row(*row)
-    table_console().print(t)
+    out = table_console()
+    out.print(t)
+    return out
 
 
 def build_steps(spec, steps: int, counters: tuple, on_batch) -> dict:

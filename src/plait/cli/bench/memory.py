@@ -54,8 +54,7 @@ def add_data_arguments(p) -> None:
 def make_sources(root: Path, sources: int, *, files: int = 2, row_groups: int = 2, block_mb: float = 2.0,
                  doc_len: int = 1024, seed: int = 0) -> list[dict]:
     """S folders of pre-tokenized Parquet (list<int32>); one row group decodes to about block_mb."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from plait.cli.mixed_corpus import write_token_parquet
 
     rng = np.random.default_rng(seed)
     docs = max(1, int(block_mb * MIB / 4 / doc_len))
@@ -65,11 +64,8 @@ def make_sources(root: Path, sources: int, *, files: int = 2, row_groups: int = 
         folder.mkdir(parents=True, exist_ok=True)
         for f in range(files):
             lengths = np.clip(rng.lognormal(np.log(doc_len), 0.6, size=docs * row_groups), 16, 16 * doc_len)
-            offsets = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))]).astype(np.int32)
-            flat = rng.integers(2, 32000, size=int(offsets[-1]), dtype=np.int32)
-            col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-            pq.write_table(pa.table({"input_ids": col}), folder / f"part-{f:03d}.parquet", row_group_size=docs,
-                           compression="none")
+            write_token_parquet(folder / f"part-{f:03d}.parquet", lengths.astype(np.int64), rng, row_group_size=docs,
+                                vocab=(2, 32000), compression="none")
         entries.append({"name": f"src{s:04d}", "path": str(folder / "*.parquet"), "tokens_field": "input_ids",
                         "eos": 1, "weight": 1.0})
     return entries
@@ -284,28 +280,20 @@ def measure(args, setups: dict) -> dict:
 
 
 def plait_row(result: dict) -> tuple[str, ...]:
-    b, client = result["plait"], result["client"]
+    b = result["plait"]
     roles = ", ".join(f"{v['count']} {k.replace('Actor', '')} {v['rss'] / MIB:.0f} MiB"
                       for k, v in sorted(b["actors"].items()))
-    setup = {"flight-local": "one-process server, flight client",
-             "node": "local runtime, one data plane per node"}.get(client, f"ray runtime, {client} client")
-    return (f"plait ({setup})", f"{b['total_pss'] / MIB:,.0f}", f"{b['total_rss'] / MIB:,.0f}",
+    return (f"plait ({result['client']} client)", f"{b['total_pss'] / MIB:,.0f}", f"{b['total_rss'] / MIB:,.0f}",
             f"{roles}; client {b['client_pss_per_rank'] / MIB:.0f} MiB PSS ({b['client_rss_per_rank'] / MIB:.0f} "
             "RSS)/rank")
 
 
 def report(result: dict, rows: list[tuple[str, ...]], json_path: str | None) -> None:
     """The table of `rows` (what, PSS MiB, RSS MiB, note) and the JSON."""
-    from rich.table import Table
+    from plait.cli.bench.media_bench import print_table
 
-    from plait.cli.common import table_console
-
-    table = Table(title=f"data-loading memory, {result['sources']} sources x {result['ranks']} ranks")
-    for col in ("what", "PSS MiB", "RSS MiB", "note"):
-        table.add_column(col, justify="left" if col in ("what", "note") else "right")
-    for row in rows:
-        table.add_row(*row)
-    table_console().print(table)
+    print_table(f"data-loading memory, {result['sources']} sources x {result['ranks']} ranks", rows,
+                columns=("what", "PSS MiB", "RSS MiB", "note"), left=("what", "note"))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
 

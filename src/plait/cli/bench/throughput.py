@@ -94,7 +94,7 @@ def report(result: dict, title: str, json_path: str | None) -> None:
     print_table(title, ([("raw pyarrow read of the token columns (baseline)", f"{raw:,.0f}")] if raw else []) + [
         ("plait: read + shuffle + mix + balance + pack", f"{result['tokens_per_s']:,.0f}"),
         ("ratio plait / raw", f"{result['ratio']:.2f}") if raw else
-        ("baseline", "none: not every source is local, pre-tokenized Parquet")], value="tokens/s")
+        ("baseline", "none: not every source is local, pre-tokenized Parquet")], columns=("measure", "tokens/s"))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
 
