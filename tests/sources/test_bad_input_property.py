@@ -41,7 +41,7 @@ from helpers import docs_in_batch, make_spec
 
 NAME = "prop"
 SEQ = 256
-STEPS = 8  # at most 4 files x 8 records x 7 tokens: epoch 0 is over within the first steps
+STEPS = 3  # at most 4 files x 8 records x 7 tokens (<= 224 < SEQ): epoch 0 is over within step 0
 
 RECORD_KINDS = {
     "jsonl": ["good"] * 6 + ["bad-json", "null", "wrong-type", "missing"],
