@@ -224,16 +224,16 @@ def sweep_of(args, draws: dict, strategies: dict | None = None) -> Sweep:
 
 def run_sweep(args, cfg: Sweep, on_step=None) -> tuple[list[dict], float, float]:
     """(rows, seconds the numba kernels took to be ready, seconds of the sweep), with a progress bar."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from plait import balance
+    from plait.cli.common import console
 
     warm = balance.warmup()
     first_fit(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), 1, 1)
     total, t0 = len(cfg.draws) * len(cfg.dps) * len(cfg.seq_lens) * cfg.steps, time.perf_counter()
     with Progress(TextColumn("[bold]balance[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-                  TimeElapsedColumn(), console=Console(stderr=True), disable=args.quiet) as bar:
+                  TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
         task = bar.add_task("sweep", total=total)
         rows = sweep(cfg, progress=lambda: bar.advance(task), on_step=on_step)
     if args.json:

@@ -4,10 +4,10 @@ DP ranks (threads) take micro-batches one by one (a blocked call is the rank's w
 each for the cost model's time (a 7B Llama-like LLM plus a ViT-L-like encoder, training FLOPs) over a stated
 GPU speed; a step ends when every rank has finished it (the all-reduce). The data: the demo's text sources
 and an image source (LLaVA-style captions + JPEG/PNG). Workloads: gpu-bound (--gpu-tflops) and data-bound
-(--data-bound-tflops: delivery sets the pace), each on the runtimes of --runtimes with --cpus CPUs: local
-(loading.workers = --cpus threads in this process) and ray (a Ray instance of --cpus CPUs). Per row:
-steps/s; gpu_busy = steps/s over what the GPUs alone allow with that balance (1.0: they never wait);
-wait_fraction, balance_loss, tokens/s. Against per-rank torch DataLoaders: `python -m benchmarks.e2e`.
+(--data-bound-tflops: delivery sets the pace), each on the local runtime (loading.workers = --cpus threads
+in this process). Per row: steps/s; gpu_busy = steps/s over what the GPUs alone allow with that balance
+(1.0: they never wait); wait_fraction, balance_loss, tokens/s. Against per-rank torch DataLoaders and plait
+on Ray: `python -m benchmarks.e2e`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from plait.cli.bench.e2e_run import GpuClock, run_plait_local
+from plait.cli.common import positive_int
 from plait.errors import PlaitError
 
 HELP = "end to end: a simulated synchronous DP job fed by plait (steps/s, and the share the GPUs alone allow)"
@@ -33,15 +34,15 @@ def add_arguments(p) -> None:
 def add_job_arguments(p) -> None:
     """The simulated job's options (benchmarks.e2e and benchmarks.e2e_workloads share them)."""
     p.add_argument("--dp", default="8", help="DP sizes (default 8)")
-    p.add_argument("--steps", type=int, default=14, help="steps per row, warm-up included")
+    p.add_argument("--steps", type=positive_int, default=14, help="steps per row, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates (start-up)")
-    p.add_argument("--cpus", type=int, default=8, help="CPU budget: the local runtime's loading threads, Ray's CPUs")
+    p.add_argument("--cpus", type=positive_int, default=8, help="CPU budget: the local runtime's loading threads, Ray's CPUs")
     p.add_argument("--gpu-tflops", type=float, default=400.0,
                    help="simulated GPU speed, effective training TFLOP/s per rank (default 400: an H100 at ~40%% MFU)")
     p.add_argument("--data-bound-tflops", type=float, default=100000.0, help="data-bound: the GPU speed")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--images", type=int, default=480, help="distinct images of the image source")
+    p.add_argument("--seq-len", type=positive_int, default=8192)
+    p.add_argument("--microbatches", type=positive_int, default=2)
+    p.add_argument("--images", type=positive_int, default=480, help="distinct images of the image source")
     p.add_argument("--image-weight", type=float, default=0.3, help="token share of the image source")
     p.add_argument("--cache", default=None, help="folder of the bench's image source (default: plait's cache)")
     p.add_argument("--json", metavar="PATH", help='write {"rows": [...], "load_average": ...}')
@@ -101,10 +102,8 @@ def parse_job(args) -> list[int]:
         dps = [int(x) for x in str(args.dp).split(",") if x.strip()]
     except ValueError:
         raise PlaitError(f"--dp: expected comma-separated integers, got {args.dp!r}") from None
-    for name, value in (("dp", min(dps, default=0)), ("steps", args.steps), ("cpus", args.cpus),
-                        ("seq_len", args.seq_len), ("microbatches", args.microbatches), ("images", args.images)):
-        if value < 1:
-            raise PlaitError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if min(dps, default=0) < 1:
+        raise PlaitError(f"--dp: every DP size must be >= 1, got {args.dp!r}")
     if args.warmup < 0 or args.warmup >= args.steps:
         raise PlaitError(f"--warmup must be in 0..steps-1 ({args.steps - 1}), got {args.warmup}")
     if not (args.gpu_tflops > 0 and args.data_bound_tflops > 0):
@@ -142,9 +141,9 @@ def plait_rows(args, specs: dict, workloads: list[str], err, failures: list[dict
 
 
 def run(args) -> int:
-    from rich.console import Console
+    from plait.cli.common import console as err
 
-    dps, err, load_before = parse(args), Console(stderr=True), os.getloadavg()
+    dps, load_before = parse(args), os.getloadavg()
     demo, image_dir = prepare_data(Path(args.cache) if args.cache else None, args.images)
     specs = {dp: e2e_spec(demo, image_dir, dp, args) for dp in dps}
     failures: list[dict] = []

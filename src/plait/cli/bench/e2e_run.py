@@ -1,5 +1,5 @@
 """The simulated training job of `plait bench e2e` (plait.cli.bench.e2e explains it): the GPU clock,
-synchronous DP ranks as threads, the summary, and one run of plait on each runtime."""
+synchronous DP ranks as threads, the summary, and one run of plait on the local runtime."""
 
 from __future__ import annotations
 
@@ -143,16 +143,14 @@ def load_average() -> float:
 def run_plait_local(spec, args, clock: GpuClock) -> dict:
     """plait as one machine runs it without services: the local runtime in this process, reading every
     rank (LocalRuntime all_ranks: each step planned once, every rank's micro-batches built ahead on build
-    threads, several ranks at once), one SourceLoader decoding on `loading.workers` = B threads (the
-    budget per-rank spends on B worker processes; `--local-workers` sets another)."""
+    threads, several ranks at once), one SourceLoader decoding on `loading.workers` = --cpus threads."""
     from plait.runtime.local import LocalRuntime
     from plait.sources.workers import resolve_workers
 
-    workers = getattr(args, "local_workers", None) or args.cpus
-    spec = spec.with_overrides(loading={"workers": workers})
+    spec = spec.with_overrides(loading={"workers": args.cpus})
     load_before = load_average()
     t0 = time.perf_counter()
-    rt = LocalRuntime(spec, all_ranks=True, build_threads=getattr(args, "local_build_threads", None))
+    rt = LocalRuntime(spec, all_ranks=True)
     try:
         start = rt.state_dict()
         streams = [(mb for _, mb in rt.iter_rank(r, start, 0, args.steps)) for r in range(spec.topology.dp)]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from plait.cli.bench.media_bench import Media, build_steps, loader_spec
+from plait.cli.common import positive_int
 
 HELP = "images/s of the loader (decode, resize, patchify) vs a plain Pillow loop; decodes per delivered image"
 DESCRIPTION = __doc__
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-pixels", type=int, default=28 * 28 * 256, help="images.max_pixels (dynamic policy)")
     p.add_argument("--max-side", type=int, default=640, help="largest generated image side in pixels")
     p.add_argument("--rounds", type=int, default=2, help="passes of the Pillow loop over the files")
-    p.add_argument("--workers", type=int, default=None, help="the loader's loading.workers (default: the cores "
+    p.add_argument("--workers", type=positive_int, default=None, help="the loader's loading.workers (default: the cores "
                    "this process may use)")
 
 
@@ -45,13 +46,10 @@ def generate(args, folder: Path) -> list[Path]:
 
 
 def measure(args, files: list[Path], folder: Path) -> dict:
-    from plait.errors import PlaitError
     from plait.media.image import DECODES, BadImage, ImageMedium, bench_pillow, image_size
     from plait.sources.workers import available_cpus
 
     args.workers = available_cpus() if args.workers is None else args.workers
-    if args.workers < 1:
-        raise PlaitError(f"--workers must be >= 1, got {args.workers}")
     jsonl = folder / "captions.jsonl"
     jsonl.write_text("".join(json.dumps({"id": f"image-{i}", "image": str(f), "caption": f"a picture: {f.name}"}) + "\n"
                              for i, f in enumerate(files)))

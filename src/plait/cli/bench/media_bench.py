@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.cli.common import console, positive_int
 from plait.errors import PlaitError
 
 
@@ -33,7 +34,7 @@ class Media:
         """--path, the count, --json, --quiet; and where the loader plans and builds, --steps and --dp."""
         p.add_argument("--path", help=f"a folder (searched recursively) or a glob of your {self.what} files "
                        f"({', '.join(self.extensions)}) to measure instead of generated ones")
-        p.add_argument(f"--{self.count}", type=int, default=self.default, help=f"{self.what} files (with --path: "
+        p.add_argument(f"--{self.count}", type=positive_int, default=self.default, help=f"{self.what} files (with --path: "
                        f"the first N found; default {self.default})")
         p.add_argument("--json", metavar="PATH", help="write the results as JSON")
         p.add_argument("--quiet", action="store_true", help="no table")
@@ -42,7 +43,26 @@ class Media:
             p.add_argument("--dp", type=int, default=dp, help="data-parallel ranks (all built in this process)")
 
     def run(self, args) -> int:
-        return run(args, self)
+        load = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix=f"plait-bench-{self.name}-") as tmp:
+            folder = Path(tmp)
+            if args.path:
+                files = find_files(args.path, self.extensions, getattr(args, self.count), self.what)
+            else:
+                with console.status(f"writing the {self.what} files…", spinner="dots"):
+                    files = self.generate(args, folder)
+            figures = self.measure(args, files, folder)
+        result = {"path": args.path, "source": args.path or "generated", **figures, "cpus": os.cpu_count(),
+                  "loadavg": [round(x, 2) for x in (*load, *os.getloadavg())]}
+        if not args.quiet:
+            print_table(self.title(result), self.rows(result) + [
+                ("bad files skipped", str(result["skipped"])),
+                ("load average (start, end)", f"{load[0]:.1f}, {result['loadavg'][3]:.1f}")])
+        for line in result["errors"][:10]:
+            console.print(f"  left out: {line}", highlight=False, soft_wrap=True, markup=False)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
 
 
 def find_files(path: str, extensions: tuple[str, ...], limit: int, what: str) -> list[Path]:
@@ -54,33 +74,6 @@ def find_files(path: str, extensions: tuple[str, ...], limit: int, what: str) ->
     if not files:
         raise PlaitError(f"--path {path}: no {what} files there (extensions: {', '.join(extensions)})")
     return files[:limit]
-
-
-def run(args, media: Media) -> int:
-    from rich.console import Console
-
-    if getattr(args, media.count) < 1:
-        raise PlaitError(f"--{media.count} must be >= 1, got {getattr(args, media.count)}")
-    load, err = os.getloadavg(), Console(stderr=True)
-    with tempfile.TemporaryDirectory(prefix=f"plait-bench-{media.name}-") as tmp:
-        folder = Path(tmp)
-        if args.path:
-            files = find_files(args.path, media.extensions, getattr(args, media.count), media.what)
-        else:
-            with err.status(f"writing the {media.what} files…", spinner="dots"):
-                files = media.generate(args, folder)
-        figures = media.measure(args, files, folder)
-    result = {"path": args.path, "source": args.path or "generated", **figures, "cpus": os.cpu_count(),
-              "loadavg": [round(x, 2) for x in (*load, *os.getloadavg())]}
-    if not args.quiet:
-        print_table(media.title(result), media.rows(result) + [
-            ("bad files skipped", str(result["skipped"])),
-            ("load average (start, end)", f"{load[0]:.1f}, {result['loadavg'][3]:.1f}")])
-    for line in result["errors"][:10]:
-        err.print(f"  left out: {line}", highlight=False, soft_wrap=True, markup=False)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
 
 
 def loader_spec(args, source: dict, **sections):
