@@ -157,23 +157,27 @@ def single_process_digests(spec) -> dict[int, str]:
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_ranks_far_apart_wait_for_each_other_instead_of_failing(tmp_path):
-    """Eight torchrun-style processes read one node's data plane at very different speeds: rank 7 joins,
-    pauses, then reads slowly, rank 0 (the host) as fast as it can, i.e. it would be 200 steps ahead. With a
-    plan window of 8 steps the fast ranks wait (backpressure), nobody fails, every rank gets the
-    single-process stream, the host never holds more than the window, and the lagging rank is logged."""
+    """Four torchrun-style processes read one node's data plane at very different speeds: the last rank
+    joins, pauses, then reads slowly, rank 0 (the host) as fast as it can, i.e. it would be 100 steps ahead.
+    With a plan window of 8 steps the fast ranks wait (backpressure), nobody fails, every rank gets the
+    single-process stream, the host never holds more than the window, and the lagging rank is logged.
+    (Four ranks, not eight: each is a process importing plait, and the property needs one slow rank and
+    ranks of different speeds, not a count.)"""
+    ranks, steps = 4, 120
+    last = ranks - 1
     ds = token_parquet(tmp_path / "data", files=2, docs_per_file=400, row_group_size=50, lo=4, hi=30)
-    spec_dict = make_spec([ds], seq_len=32, microbatches=1, dp=8, steps=220)
+    spec_dict = make_spec([ds], seq_len=32, microbatches=1, dp=ranks, steps=steps)
     window = 8
-    env = {**os.environ, "LOCAL_WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": f"far-{os.getpid()}",
+    env = {**os.environ, "LOCAL_WORLD_SIZE": str(ranks), "TORCHELASTIC_RUN_ID": f"far-{os.getpid()}",
            "PLAIT_NODE_DIR": str(tmp_path / "rdzv"), "PLAIT_PLAN_WINDOW": str(window), "PLAIT_LAG_REPORT_S": "0.5"}
     env.pop("PLAIT_LOCAL_SHARE", None)
     procs, mark = [], str(tmp_path / "rank0-is-reading")
-    for r in range(8):
-        cfg = {"spec": spec_dict, "rank": r, "slow": 0.02 if r == 7 else 0.002 * (r % 3), "close": True,
+    for r in range(ranks):
+        cfg = {"spec": spec_dict, "rank": r, "slow": 0.02 if r == last else 0.002 * (r % 3), "close": True,
                "stats": r == 0}
         if r == 0:
             cfg["mark"] = mark  # written once it has its first batches
-        if r == 7:
+        if r == last:
             cfg["pause_after"] = mark  # then it waits 2 s more: rank 0 runs into the window's edge meanwhile
         procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], env={**env, "LOCAL_RANK": str(r)},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -185,13 +189,13 @@ def test_ranks_far_apart_wait_for_each_other_instead_of_failing(tmp_path):
         outs.append(json.loads(out.strip().splitlines()[-1]))
         errs.append(err)
     expected = single_process_digests(plait.load_spec(spec_dict))
-    assert [o["digest"] for o in outs] == [expected[r] for r in range(8)]
-    assert all(o["batches"] == 220 for o in outs)
+    assert [o["digest"] for o in outs] == [expected[r] for r in range(ranks)]
+    assert all(o["batches"] == steps for o in outs)
     stats = outs[0]["stats"]
     assert stats["window_size"] == window and stats["longest"] <= window  # bounded host memory
     assert stats["waits"] > 0  # the fast ranks waited
     assert "step" in errs[0] and "waits for" in errs[0]  # the host logged whom it waited for
-    assert f"pid {procs[7].pid}" in errs[0] or f"process {procs[7].pid}" in errs[0]  # rank 7 named
+    assert f"pid {procs[last].pid}" in errs[0] or f"process {procs[last].pid}" in errs[0]  # the slow rank named
 
 
 def _worker(cfg: dict) -> None:
