@@ -31,7 +31,8 @@ def test_every_ray_rank_resuming_under_a_changed_spec_reads_the_single_process_s
             return read(loader, state)
 
     spec, saved, reference = changed_weights_case(tmp_path, warned_read)
-    first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job="changed-once", loaders=1)
+    # no standby Planner (not the subject: one process fewer)
+    first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job="changed-once", loaders=1, planner_standby=False)
     try:
         second = plait.Loader(spec, 1, read_ahead=0, runtime="ray", job="changed-once", attach=True)
         try:

@@ -14,25 +14,6 @@ from helpers import make_spec, token_parquet  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
-def test_two_loaders_share_the_instance_plait_started_and_the_last_close_releases_it(tmp_path):
-    assert not ray.is_initialized(), "this test needs no Ray running in the process"
-    ds = token_parquet(tmp_path / "a", files=2, docs_per_file=20, row_group_size=5, lo=4, hi=40)
-    spec = make_spec([ds], seq_len=64, microbatches=2, dp=1)
-    first = plait.Loader(spec, runtime="ray", loaders=1, steps=2)
-    second = plait.Loader(spec, runtime="ray", loaders=1, steps=2)
-    try:
-        assert len(list(first)) == 4  # 2 steps x 2 micro-batches
-        first.close()
-        assert ray.is_initialized(), "closing one Loader must not pull Ray from under the other"
-        assert len(list(second)) == 4
-    finally:
-        second.close()
-    assert not ray.is_initialized(), "the last close releases the instance plait started"
-    first.close()
-    second.close()
-    assert not ray.is_initialized(), "a close never starts anything"
-
-
 @pytest.mark.parametrize("said, cause", [
     ("gcs_client.cc:210: Failed to get cluster ID from GCS server: Unauthenticated: RPC error: InvalidAuthToken",
      "authentication failed"),
@@ -67,9 +48,11 @@ def test_a_failed_join_says_plaits_advice_first_and_keeps_rays_output_in_a_file(
     os.remove(log)
 
 
-def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
+def test_a_local_instance_plait_starts_is_set_up_for_a_long_job_and_released_by_the_last_close(tmp_path):
     """Bounded task events in the GCS, no dashboard (nor Ray's metrics export), rotated logs, bounded malloc
-    arenas; plait's actors without task events: read back from the instance plait started."""
+    arenas; plait's actors without task events: read back from the instance plait started. Two Loaders of
+    the process share that instance; closing one leaves it to the other, the last close releases it, and a
+    close never starts anything. (One instance for both checks: each start costs seconds of CPU.)"""
     from ray._private import ray_constants, worker
     from ray._private.state import state
 
@@ -80,9 +63,11 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
     from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, TASK_EVENTS_IN_GCS
 
     assert not ray.is_initialized(), "this test needs no Ray running in the process"
-    ds = token_parquet(tmp_path / "a", files=1, docs_per_file=20, row_group_size=5, lo=4, hi=40)
-    loader = plait.Loader(make_spec([ds], seq_len=64, microbatches=2, dp=1), runtime="ray", loaders=1, steps=1,
-                          job="long-job")
+    ds = token_parquet(tmp_path / "a", files=2, docs_per_file=20, row_group_size=5, lo=4, hi=40)
+    spec = make_spec([ds], seq_len=64, microbatches=2, dp=1)
+    # a named job without its standby Planner (not the subject here: one process fewer)
+    first = plait.Loader(spec, runtime="ray", loaders=1, steps=2, job="long-job", planner_standby=False)
+    second = plait.Loader(spec, runtime="ray", loaders=1, steps=2)
     try:
         config = state.get_system_config()
         assert config["task_events_max_num_task_in_gcs"] == TASK_EVENTS_IN_GCS  # Ray's default: 100,000
@@ -92,7 +77,7 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
         assert not node.webui_url  # no dashboard: Ray keeps only a head process of one module, without web UI
         for process in node.all_processes.get(ray_constants.PROCESS_TYPE_DASHBOARD, []):
             assert "--disable-frontend" in process.process.args
-        assert len(list(loader)) == 2
+        assert len(list(first)) == 4  # 2 steps x 2 micro-batches
         # plait's actors make no task events (each call would be one more record in the GCS), on any cluster:
         # every actor plait starts takes its options from actor_options (Ray offers no public read-back)
         from plait.runtime.ray.common import actor_options
@@ -109,9 +94,17 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job(tmp_path):
             assert any(path.endswith("ray/core/libjemalloc.so") for path in mapped), pid
         assert "MALLOC_ARENA_MAX" not in os.environ  # the trainer's own environment is left as it was
         assert "RAY_LD_PRELOAD_ON_WORKERS" not in os.environ
+
+        first.close()
+        assert ray.is_initialized(), "closing one Loader must not pull Ray from under the other"
+        assert len(list(second)) == 4
     finally:
-        loader.close()
-    assert not ray.is_initialized()
+        second.close()
+        first.close()  # (closed above unless an assertion failed first)
+    assert not ray.is_initialized(), "the last close releases the instance plait started"
+    first.close()
+    second.close()
+    assert not ray.is_initialized(), "a close never starts anything"
 
 
 def test_the_allocator_of_rays_processes_is_rays_jemalloc_unless_the_user_says_glibc(monkeypatch):

@@ -26,7 +26,8 @@ def spec(tmp_path):
 
 def test_the_planner_serves_the_job_endpoint_and_top_finds_it(ray_session, spec, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # rich's tables, one row a line
-    loader = plait.Loader(spec, 0, runtime="ray", job="tele", loaders=2, steps=3, read_ahead=0, metrics_port=0)
+    loader = plait.Loader(spec, 0, runtime="ray", job="tele", loaders=2, steps=3, read_ahead=0, metrics_port=0,
+                          planner_standby=False)  # no standby Planner: not the subject, a process fewer
     try:
         delivered = {"a": 0, "b": 0}
         for mb in loader:

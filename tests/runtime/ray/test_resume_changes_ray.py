@@ -28,7 +28,8 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved(data, ray_instance):
-    with plait.Loader(spec_before(data), 0, read_ahead=0, runtime="ray", job="resume-before", loaders=1) as loader:
+    with plait.Loader(spec_before(data), 0, read_ahead=0, runtime="ray", job="resume-before", loaders=1,
+                      planner_standby=False) as loader:  # no standby Planner: not the subject, a process fewer
         return boundary_state(loader)
 
 
@@ -40,6 +41,7 @@ def test_ray_boundary_state_resumes_under_a_spec_change(data, saved, change, dp)
         local = boundary_state(loader)
     assert saved["data"] == local["data"] and saved["next"] == local["next"]
     spec_b = spec_after(data, change, dp)
-    with plait.Loader(spec_b, 0, read_ahead=0, runtime="ray", job=f"resume-{change}-{dp}", loaders=1) as loader:
+    with plait.Loader(spec_b, 0, read_ahead=0, runtime="ray", job=f"resume-{change}-{dp}", loaders=1,
+                      planner_standby=False) as loader:
         tail = resume(loader, saved)
     check_tail(tail, local_tail(spec_b, saved), change)
