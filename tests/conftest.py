@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -130,6 +131,12 @@ def pytest_collection_modifyitems(config, items):
         return
     own = {item.path for item in items if item.path not in shared and item.get_closest_marker("ray") is not None}
     group_of = {**spread(items, shared, "ray-session", (workers + 1) // 2), **spread(items, own, "ray-own", workers // 2)}
+    # xdist hands out the scopes with the most tests first: a module of a few slow tests (torchrun examples,
+    # trainer subprocesses: 20-50 s) came last, one worker running it alone while the others had finished.
+    # Grouped (as many groups as workers), they are handed out early, among the large scopes.
+    few_slow = {path for path, n in Counter(item.path for item in items).items()
+                if path not in group_of and n <= FEW_TESTS} & {item.path for item in items if is_slow(item)}
+    group_of.update(spread(items, few_slow, "few-slow", workers, weigh=is_slow))
     for item in items:
         if item.path in group_of:
             item.add_marker(pytest.mark.xdist_group(group_of[item.path]))
@@ -142,13 +149,20 @@ def worker_count(config) -> int:
     return int(getattr(config.option, "numprocesses", 0) or 0)
 
 
-def spread(items, modules: set, name: str, groups: int) -> dict:
+FEW_TESTS = 12  # a module of more tests is handed out early anyway
+
+
+def is_slow(item) -> bool:
+    return any(item.get_closest_marker(mark) is not None for mark in ("slow", "subprocess"))
+
+
+def spread(items, modules: set, name: str, groups: int, weigh=lambda item: item.get_closest_marker("ray")) -> dict:
     """Whole modules (a module's Ray head or job is module-scoped) into `groups` groups of about equal weight,
-    the weight of a module being its Ray tests (they take ~90% of a Ray module's time); the same on every
-    worker, as xdist requires."""
+    the weight of a module being its tests that `weigh` (its Ray tests: they take ~90% of a Ray module's time);
+    the same on every worker, as xdist requires."""
     weight = {path: 0 for path in modules}
     for item in items:
-        if item.path in weight and item.get_closest_marker("ray") is not None:
+        if item.path in weight and weigh(item):
             weight[item.path] += 1
     load = [0] * groups
     group_of = {}
