@@ -143,7 +143,7 @@ def test_exactly_one_successor_however_many_notice(ray_session, spec):
     from plait.runtime.ray.standby_planner import successor
 
     job = "standby-many"
-    rt = RayRuntime(spec, job=job, loaders=2, address=ray_session)
+    rt = RayRuntime(spec, job=job, loaders=1, address=ray_session)  # one loader: the layout is not the subject
     try:
         plans = [rt.plan() for _ in range(2)]
         # The standby is a process of its own: it follows once started (before, a trainer recreates the
@@ -261,7 +261,7 @@ def test_the_planner_can_build_in_its_own_process(ray_session, spec):
     from plait.runtime.ray import RayRuntime
 
     job, steps = "planner-builds", 6
-    rt = RayRuntime(spec, job=job, loaders=2, constructors="planner", address=ray_session)
+    rt = RayRuntime(spec, job=job, loaders=1, constructors="planner", address=ray_session)
     try:
         ids = []
         for step in range(steps):
