@@ -104,7 +104,8 @@ out = {}
 for how, options in [("RAY_ADDRESS", {}), ("auto", {"address": "auto"}), ("explicit address", {"address": address})]:
     if how == "explicit address":
         os.environ.pop("RAY_ADDRESS")
-    with plait.Loader(spec, runtime="ray", loaders=1, steps=3, **options) as loader:
+    # the Planner builds (constructors="planner"): the join is the subject, not the Constructor (a process fewer)
+    with plait.Loader(spec, runtime="ray", loaders=1, steps=3, constructors="planner", **options) as loader:
         batches = [mb.sample_ids.tolist() for mb in loader]
         out[how] = {"batches": batches, "joined": ray.get_runtime_context().gcs_address}
     ray.shutdown()  # a cluster plait joined is left joined by close(): the next way joins anew
