@@ -30,7 +30,7 @@ def test_torchrun_gpt_example_learns(tmp_path, demo_spec_path):  # the session's
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "local", "--steps", "30",
+           str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "local", "--steps", "15",
            "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -38,7 +38,7 @@ def test_torchrun_gpt_example_learns(tmp_path, demo_spec_path):  # the session's
     result = json.loads(out.read_text())
     assert result["served_by"] == "NodeRuntime"  # 2 processes on this node: LOCAL_RANK 0 hosted the data plane
     losses = result["losses"]
-    assert len(losses) == 30
+    assert len(losses) == 15  # the mean of the last 5 is ~2.1 below the first 5 (7.88 -> 5.81)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
 
@@ -52,7 +52,7 @@ def test_torchrun_vlm_example_learns(tmp_path, demo_spec_path):
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "examples" / "vlm_torchrun.py"), "--runtime", "local", "--steps", "15",
+           str(ROOT / "examples" / "vlm_torchrun.py"), "--runtime", "local", "--steps", "10",
            "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -60,7 +60,7 @@ def test_torchrun_vlm_example_learns(tmp_path, demo_spec_path):
     result = json.loads(out.read_text())
     assert result["served_by"] == "NodeRuntime"  # image batches (pixels, grids) over the node's Flight server
     losses = result["losses"]
-    assert len(losses) == 15
+    assert len(losses) == 10  # the mean of the last 3 is ~1.8 below the first 3 (8.14 -> 6.37)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, (first, last)
 
