@@ -19,10 +19,16 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def spec(demo_spec_path):
-    return plait.load_spec(demo_spec_path).with_overrides(
-        topology={"dp": 2, "cp": 2}, packing={"seq_len": 512, "microbatches": 2}, steps=4,
-        context_parallel={"mode": "dynamic", "groups": "pow2", "max_degree": 4})
+def spec(tmp_path_factory):
+    """Pre-tokenized sources with documents up to 4 micro-batches long (the demo's text would be tokenized
+    again by every reader, local and Ray: seconds of CPU each, not the subject here)."""
+    from helpers import make_spec, token_parquet
+
+    root = tmp_path_factory.mktemp("dcp")
+    sources = [token_parquet(root / name, name=name, files=3, docs_per_file=40, row_group_size=10, lo=16, hi=hi,
+                             seed=seed) for seed, (name, hi) in enumerate((("web", 600), ("long", 2000)))]
+    return plait.load_spec(make_spec(sources, seq_len=512, microbatches=2, dp=2)).with_overrides(
+        topology={"dp": 2, "cp": 2}, steps=4, context_parallel={"mode": "dynamic", "groups": "pow2", "max_degree": 4})
 
 
 def test_dynamic_cp_ray_digest_equals_local(ray_session, spec):

@@ -23,6 +23,24 @@ def spec(demo_spec_path):
     )
 
 
+@pytest.fixture(scope="module")
+def tokens_spec(tmp_path_factory):
+    """Two pre-tokenized sources, 4 DP ranks: for the tests of how clients share and resume a job (the demo's
+    text would be tokenized again by each of their local reference Loaders: seconds of CPU each)."""
+    from helpers import make_spec, token_parquet
+
+    root = tmp_path_factory.mktemp("tokens")
+    sources = [token_parquet(root / name, name=name, files=3, docs_per_file=60, row_group_size=10, lo=16, hi=1500,
+                             seed=seed) for seed, name in enumerate(("web", "long"))]
+    return plait.load_spec(make_spec(sources, seq_len=1024, microbatches=2, dp=4)).with_overrides(steps=6)
+
+
+@pytest.fixture(scope="module")
+def local_digest(spec):
+    """The local runtime's digest of the module's spec, computed once for the Ray runs it is compared with."""
+    return _digest(spec, "local")
+
+
 def _digest(spec, runtime, **options):
     out = stream(spec, steps=spec.steps, runtime=runtime, progress=False, runtime_options=options)
     return combined_digest(out["digests"])
@@ -56,17 +74,18 @@ def test_partitions_follow_cpu_work_not_source_count(spec):
 
 
 @pytest.mark.parametrize("options", [{"loaders": 1}, {"loaders": 3, "partitions": {"web": 2, "long": 2}}])
-def test_ray_digest_equals_local(ray_session, spec, options):
-    assert _digest(spec, "ray", **options) == _digest(spec, "local")
+def test_ray_digest_equals_local(ray_session, spec, local_digest, options):
+    assert _digest(spec, "ray", **options) == local_digest
 
 
-def test_clients_share_one_planned_stream(ray_session, spec):
+def test_clients_share_one_planned_stream(ray_session, tokens_spec):
     """Trainer ranks attach to one job by name; each step is planned once; TP/CP ranks share builds
     (each CP rank gets its shard); a resumed client continues bit for bit."""
-    spec = spec.with_overrides(topology={"dp": 2, "tp": 2, "cp": 2})
+    spec = tokens_spec.with_overrides(topology={"dp": 2, "tp": 2, "cp": 2})
     local = {(r, c): list(plait.Loader(spec, dp_rank=r, cp_rank=c, read_ahead=0)) for r in range(2) for c in range(2)}
+    # the first creates the job, the others join it (no standby Planner: not the subject, one process fewer)
     loaders = [plait.Loader(spec, dp_rank=r, tp_rank=t, cp_rank=c, runtime="ray", job="test-job", loaders=2,
-                            attach=(r, t, c) != (0, 0, 0))  # the first creates the job, the others join it
+                            attach=(r, t, c) != (0, 0, 0), planner_standby=False)
                for r in range(2) for t in range(2) for c in range(2)]
     try:
         for ld in loaders:
@@ -126,11 +145,13 @@ def test_auto_layout_follows_measured_cost(ray_session, tmp_path):
     assert "ids0[" not in names and "ids1[" not in names  # cheap sources keep one partition
 
 
-def test_an_elastic_resume_is_replanned_by_the_jobs_planner(ray_session, spec, monkeypatch):
+def test_an_elastic_resume_is_replanned_by_the_jobs_planner(ray_session, tokens_spec, monkeypatch):
     """A boundary state saved on 4 ranks without the state after its step resumes on a 2-rank Ray job:
     the job's Planner actor re-plans the saved step (`replan_after`), never the trainer, and the client
     reads exactly what a local Loader resuming the same state reads (sample ids)."""
     from plait.job import elastic
+
+    spec = tokens_spec
 
     saved = boundary_state_without_next(spec)
     spec2 = spec.with_overrides(topology={"dp": 2})
@@ -140,7 +161,8 @@ def test_an_elastic_resume_is_replanned_by_the_jobs_planner(ray_session, spec, m
         raise AssertionError("the trainer re-planned a step")
 
     monkeypatch.setattr(elastic, "replan_after", in_trainer)  # this process only: the actor has its own
-    with plait.Loader(spec2, dp_rank=1, steps=4, read_ahead=0, runtime="ray", job="elastic-job", loaders=1) as ray_ld:
+    with plait.Loader(spec2, dp_rank=1, steps=4, read_ahead=0, runtime="ray", job="elastic-job", loaders=1,
+                      planner_standby=False) as ray_ld:
         ray_ld.load_state_dict(saved)
         got = [mb.sample_ids.tolist() for mb in ray_ld]
     assert got == want and len(got) > 0
