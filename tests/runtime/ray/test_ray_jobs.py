@@ -42,8 +42,9 @@ def free_port() -> int:
 
 
 # Most jobs here run without the Planner's standby (planner_standby=False: one actor process fewer, ~1 s of
-# CPU each, CI time). The jobs that `plait jobs stop` and a trainer's death end keep it, so those ends are seen
-# to end it too (every end of a job ends its standby first: plait.runtime.ray.planner_jobs); a job's last close
+# CPU each, CI time). The jobs that `plait jobs stop`, a trainer's death (and its restart under the job's name)
+# and a garbage-collected Loader end keep it, so those ends are seen to end it too (every end of a job ends its
+# standby first: plait.runtime.ray.planner_jobs), and nothing of the job comes back after; a job's last close
 # ends it in test_planner_standby.
 
 
@@ -219,8 +220,7 @@ import plait
 spec, address = json.loads(sys.argv[1]), sys.argv[2]
 
 def main():  # the Loader lives in a function that returns; nobody calls close()
-    loader = plait.Loader(spec, runtime="ray", job="jobs-gc", address=address, loaders=1, steps=50,
-                          planner_standby=False)
+    loader = plait.Loader(spec, runtime="ray", job="jobs-gc", address=address, loaders=1, steps=50)
     print(len(next(iter(loader)).sample_ids), flush=True)
 
 main()
@@ -246,9 +246,8 @@ def test_a_loader_garbage_collected_in_a_returning_function_leaves_its_job(head,
 KILLED = """
 import json, sys, time
 import plait
-spec, (address, job, beat, out, standby) = json.loads(sys.argv[1]), sys.argv[2:7]
-loader = plait.Loader(spec, runtime="ray", job=job, address=address, loaders=1, steps=50,
-                      heartbeat_interval=float(beat), planner_standby=standby == "standby")
+spec, address, job, beat, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
+loader = plait.Loader(spec, runtime="ray", job=job, address=address, loaders=1, steps=50, heartbeat_interval=beat)
 it = iter(loader)
 for _ in range(3):
     next(it)
@@ -259,12 +258,12 @@ time.sleep(600)  # killed here (SIGKILL: no exit hook, no close)
 """
 
 
-def start_and_kill(head, spec, tmp_path, job: str, beat: float, standby: bool = True) -> dict:
+def start_and_kill(head, spec, tmp_path, job: str, beat: float) -> dict:
     """A trainer process of job `job` reads 3 batches, saves its state, and is SIGKILLed; its saved state."""
     out = tmp_path / f"{job}.json"
     proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(spec.model_dump(mode="json")), head["address"],
-                             job, str(beat), str(out), "standby" if standby else "no standby"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=head["env"])
+                             job, str(beat), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=head["env"])
     try:
         line = proc.stdout.readline()
         assert line.strip() == "ready", line + proc.stderr.read()[-3000:]
@@ -288,10 +287,9 @@ def test_a_killed_trainers_job_ends_within_two_heartbeat_intervals(head, spec, t
 def test_a_restart_under_the_same_name_resumes_from_its_state(head, spec, tmp_path):
     """A crashed trainer's job still holds its name; the restarted trainer (same name, no attach) waits for
     it to end and starts it again from the saved state: the stream continues where the state says."""
-    state = start_and_kill(head, spec, tmp_path, "jobs-restart", 1.0, standby=False)
+    state = start_and_kill(head, spec, tmp_path, "jobs-restart", 1.0)
     assert job_actors("jobs-restart")  # the old job, not yet ended
-    restarted = plait.Loader(spec, runtime="ray", job="jobs-restart", loaders=1, steps=50, heartbeat_interval=1.0,
-                             planner_standby=False)
+    restarted = plait.Loader(spec, runtime="ray", job="jobs-restart", loaders=1, steps=50, heartbeat_interval=1.0)
     try:
         restarted.load_state_dict(state)
         got = [mb.sample_ids.tolist() for mb in itertools.islice(restarted, 3)]
