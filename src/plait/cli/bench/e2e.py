@@ -113,12 +113,6 @@ def parse_job(args) -> list[int]:
     return dps
 
 
-def parse(args) -> list[int]:
-    dps = parse_job(args)
-    args.workload_list = names("workloads", args.workloads, WORKLOADS)
-    return dps
-
-
 def plait_rows(args, specs: dict, workloads: list[str], err, failures: list[dict], runners=None) -> list[dict]:
     """plait's rows of every (workload, runtime, DP size), each run by runners[runtime](spec, args, clock)
     (default: the local runtime); a row that fails is reported in `failures`, the others still run."""
@@ -143,11 +137,12 @@ def plait_rows(args, specs: dict, workloads: list[str], err, failures: list[dict
 def run(args) -> int:
     from plait.cli.common import console as err
 
-    dps, load_before = parse(args), os.getloadavg()
+    dps, load_before = parse_job(args), os.getloadavg()
+    workloads = names("workloads", args.workloads, WORKLOADS)
     demo, image_dir = prepare_data(Path(args.cache) if args.cache else None, args.images)
     specs = {dp: e2e_spec(demo, image_dir, dp, args) for dp in dps}
     failures: list[dict] = []
-    rows = plait_rows(args, specs, args.workload_list, err, failures)
+    rows = plait_rows(args, specs, workloads, err, failures)
     result = {"cpus": args.cpus, "machine_cores": os.cpu_count(), "gpu_tflops": args.gpu_tflops,
               "data_bound_tflops": args.data_bound_tflops, "rows": rows, "failures": failures,
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
