@@ -6,7 +6,8 @@
 Each strategy runs alone, once per length, in a fresh process of its own (the same code as `plait bench e2e`)
 while a thread samples, every 0.3 s, the CPU times (user + system) of that process, each of its threads and
 every descendant process (DataLoader workers; Ray's raylet, GCS, agents and actors, named by their process
-title), their nice value and CPU affinity; a process that ends keeps its last sample. Two lengths give the
+title), their nice value and CPU affinity; a process that ends keeps its last sample. The sampling thread's own
+CPU is left out (`sampler_cpu_s` in the JSON). Two lengths give the
 CPU per delivered image with the fixed costs (start-up, imports, Ray's start) cancelled:
 
     marginal_cpu_ms_per_image = 1000 * (cpu_long - cpu_short) / (images_long - images_short)
@@ -57,7 +58,15 @@ def role(p: psutil.Process, me: int) -> str:
     return "ray-worker-starting" if name == "default_worker.py" else name.removesuffix(".py")
 
 
+SAMPLER_THREAD = "cpu-sampler"
+
+
 class Sampler:
+    """CPU times of this process, its threads and its descendants, every 0.3 s. Its own thread's CPU is
+    kept apart (`own_cpu_s`) and left out of the driver's: scanning every thread of every process costs
+    more the more processes a strategy runs (Ray's ~15 against the local runtime's one) and the longer
+    it runs, so counted in it would charge the measurement to the strategy (0.1-0.2 ms per image)."""
+
     def __init__(self):
         self.me = psutil.Process()
         self.procs: dict[int, tuple[str, float]] = {}
@@ -65,7 +74,8 @@ class Sampler:
         self.affinity: dict[int, tuple] = {}
         self.threads: dict[tuple[int, str], float] = {}
         self.stop = False
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.own_cpu_s = 0.0  # the sampling thread's own CPU: the measurement's, not the strategy's
+        self.thread = threading.Thread(target=self.run, name=SAMPLER_THREAD, daemon=True)
 
     def sample(self) -> None:
         for p in [self.me, *self.me.children(recursive=True)]:
@@ -88,6 +98,7 @@ class Sampler:
     def run(self) -> None:
         while not self.stop:
             self.sample()
+            self.own_cpu_s = time.thread_time()
             time.sleep(0.3)
 
     def __enter__(self):
@@ -144,9 +155,11 @@ def measure(which: str, e2e_argv: list[str]) -> dict:
         name = untruncated(name, full)
         by[name] += cpu
         count[name] += 1
+    by["driver"] -= s.own_cpu_s
     threads = collections.defaultdict(float)
     for (_, name), cpu in s.threads.items():
-        threads[name] += cpu
+        if name != SAMPLER_THREAD:
+            threads[name] += cpu
     cores = collections.defaultdict(float)
     for pid, (name, cpu) in s.procs.items():
         cores[f"{name}@{s.affinity.get(pid)}"] += cpu
@@ -154,6 +167,7 @@ def measure(which: str, e2e_argv: list[str]) -> dict:
         "strategy": which, "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1), "load_average": load,
         "steps_per_s": row["steps_per_s"], "startup_s": row["startup_s"], "images_delivered": row.get("images_delivered"),
         "images_decoded": row.get("images_decoded"), "total_cpu_s": round(sum(by.values()), 3),
+        "sampler_cpu_s": round(s.own_cpu_s, 3),
         "roles": {k: {"cpu_s": round(v, 3), "processes": count[k]} for k, v in sorted(by.items(), key=lambda x: -x[1])},
         "nice": dict(collections.Counter(f"{s.procs[p][0]}@{n}" for p, n in s.nice.items() if p in s.procs)),
         "driver_threads": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda x: -x[1]) if v >= 0.01},

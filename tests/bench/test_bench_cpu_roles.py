@@ -76,3 +76,17 @@ def test_ray_process_names_from_titles_programs_and_short_names():
     assert ray_process_name(Titled(["/venv/bin/python", "/x/ray/_private/log_monitor.py", "--x"], "python")) == \
         "log_monitor.py"
     assert ray_process_name(Titled([""], "ray::PlannerAct")) == "ray::PlannerAct"  # arguments read empty
+
+
+def test_the_samplers_own_cpu_is_kept_apart_from_the_drivers():
+    """The sampling thread scans every thread of every process: more for Ray's ~15 processes than for the
+    local runtime's one. Its CPU is the measurement's: `own_cpu_s`, and no driver thread of that name."""
+    import time
+
+    from benchmarks.e2e_cpu_roles import SAMPLER_THREAD, Sampler
+
+    with Sampler() as s:
+        time.sleep(0.7)  # two or three samples
+    sampled = [cpu for (_, name), cpu in s.threads.items() if name == SAMPLER_THREAD]
+    assert len(sampled) == 1 and s.own_cpu_s > 0
+    assert s.own_cpu_s == pytest.approx(sampled[0], abs=0.05)  # what the driver's total leaves out
