@@ -133,7 +133,8 @@ RANK = """
 import json, os, sys, time
 import plait
 spec, out = json.loads(sys.argv[1]), sys.argv[2]
-loader = plait.Loader.from_torchrun(spec, runtime="ray", loaders=1, steps=40, heartbeat_interval=6.0)
+loader = plait.Loader.from_torchrun(spec, runtime="ray", loaders=1, steps=40, heartbeat_interval=6.0,
+                                    planner_standby=os.environ["STANDBY"] == "1")
 it = iter(loader)
 batches = [next(it).sample_ids.tolist() for _ in range(4)]
 if out:
@@ -223,10 +224,13 @@ def test_a_killed_ray_launch_relaunched_at_once_under_its_name_runs(request, san
     (its instance gone with it) is ignored (it sent rank 1 to a dead address). On a cluster: the killed
     launch's job is still alive for two heartbeat intervals; the relaunch's rank 1 does not join it (and
     keep it alive: its rank 0 was refused "a job named ... is running") but waits for its own."""
-    env = dict(sandbox["env"])
+    # On rank 0's instance the job's standby Planner dies with it (a process fewer per launch, not the subject);
+    # on a cluster the crashed launch's job, standby included, must end by itself.
+    env = {**sandbox["env"], "STANDBY": "0"}
     run_id = f"crash-{len(on)}"
     if on == "cluster":
-        env = {**request.getfixturevalue("head")["env"], "RAY_ADDRESS": request.getfixturevalue("head")["address"]}
+        head = request.getfixturevalue("head")
+        env = {**head["env"], "RAY_ADDRESS": head["address"], "STANDBY": "1"}
     first = tmp_path / "first"
     first.mkdir()
     launch_and_crash(spec, env, run_id, first)
