@@ -48,6 +48,7 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
 # compile them itself, ~25 s of CPU each. Under xdist the controller compiles them in a process of its own
 # while the workers start and collect (~12 s of CPU each, on the other core), and each worker's first test
 # waits for it (numba_compiled); without xdist the session compiles them before its first test.
+DEMO_DIR = "PLAIT_TEST_DEMO_DIR"  # under xdist: the session's demo corpus folder, shared by the workers
 NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file that process writes when done ("ok" or why not)
 COMPILING: list[subprocess.Popen] = []  # that process, held until the session ends
 COMPILE = """import sys
@@ -71,12 +72,21 @@ def pytest_sessionstart(session):
         ready = os.path.join(tempfile.mkdtemp(prefix="plait-numba-"), "ready")
         COMPILING.append(subprocess.Popen([sys.executable, "-c", COMPILE, ready]))
         os.environ[NUMBA_READY] = ready
+        os.environ[DEMO_DIR] = tempfile.mkdtemp(prefix="plait-demo-")
         return
     from plait.balance.warmup import warmup
     from plait.kernels import warm_up
 
     warmup()
     warm_up()
+
+
+def pytest_sessionfinish(session):
+    """The controller removes the workers' shared demo corpus (a few MiB under /tmp) once they are done."""
+    if not hasattr(session.config, "workerinput") and os.environ.get(DEMO_DIR):
+        import shutil
+
+        shutil.rmtree(os.environ.pop(DEMO_DIR), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -105,9 +115,16 @@ def ray_session():
 def demo_spec_path(tmp_path_factory):
     """The demo corpus (`plait demo`'s text sources, ~8 s of CPU to write), generated once per session and only
     read by the tests that take it."""
+    import fcntl
+
     from plait.cli.demo_data import generate
 
-    return generate(tmp_path_factory.mktemp("demo"))
+    shared = os.environ.get(DEMO_DIR)  # under xdist: one folder for every worker, written by the first
+    if not shared:
+        return generate(tmp_path_factory.mktemp("demo"))
+    with open(os.path.join(shared, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait for the first writer, then find it written
+        return generate(shared)
 
 
 @pytest.hookimpl(tryfirst=True)  # the ray mark is added before `-m ray` / `-m "not ray"` selects on it
