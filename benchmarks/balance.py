@@ -84,18 +84,18 @@ def run(args) -> int:
         draws[f"file:{Path(args.lengths).name}"] = product.file_draw(product.load_lengths(args.lengths))
     strategies = {"naive": product.place_naive, "sorted": place_sorted, "plait": product.place_plait,
                   "plait-var": partial(product.place_plait, mode="variable")}
-    cfg = product.sweep_of(args, draws, strategies)
+    dps, seq_lens = product.sizes(args)
     keep: dict = {}
     if args.plot:
         d = "mix" if "mix" in draws else next(iter(draws))
-        keep["config"] = (d, 64 if 64 in cfg.dps else min(cfg.dps), 32768 if 32768 in cfg.seq_lens else cfg.seq_lens[0])
+        keep["config"] = (d, 64 if 64 in dps else min(dps), 32768 if 32768 in seq_lens else seq_lens[0])
 
     def on_step(config, step, figures):
         if step == 0 and config == keep.get("config"):
             keep["rank_cost"] = {n: m["_rank_cost"] for n, m in figures.items()}
             keep["lb"] = {n: m["_lb"] for n, m in figures.items()}
 
-    rows, warm, elapsed = product.run_sweep(args, cfg, on_step)
+    rows, warm, elapsed = product.run_sweep(args, draws, strategies, on_step)
     if not args.quiet:
         table(rows, warm, elapsed, args)
     if "rank_cost" in keep:

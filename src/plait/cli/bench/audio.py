@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench.media_bench import Media
+from plait.cli.bench.media_bench import Media, fmt
 from plait.cli.common import positive_int
 from plait.errors import PlaitError
 from plait.media.audio import AUDIO_EXTENSIONS
@@ -145,17 +145,14 @@ def measure(args, paths: list[Path], folder: Path) -> dict:
 
 
 def rows(r: dict) -> list[tuple[str, str]]:
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     return [("windows / placeholder tokens", f"{r['windows']:,} / {r['tokens']:,}"),
             ("plait / plain: seconds of audio per wall second",
-             f"{r['plait_audio_s_per_s']:,.1f} / {num(r['plain_audio_s_per_s'], ',.1f')}"),
-            ("ratio_wall (plain wall / plait wall; target >= 1.0)", num(r["ratio_wall"], ".2f")),
+             f"{r['plait_audio_s_per_s']:,.1f} / {fmt(r['plain_audio_s_per_s'], ',.1f')}"),
+            ("ratio_wall (plain wall / plait wall; target >= 1.0)", fmt(r["ratio_wall"], ".2f")),
             ("decode passes per clip (target 1)", f"{r['decodes_per_clip']:.3f}"),
             ("decodes while planning (target 0)", str(r["planning_decodes"])),
-            ("max |features - extractor's| (target <= 1e-4)", num(r["max_feature_diff"], ".2e")),
-            ("plait / extractor vs float64", f"{num(r['plait_vs_float64'], '.2e')} / {num(r['extractor_vs_float64'], '.2e')}"),
+            ("max |features - extractor's| (target <= 1e-4)", fmt(r["max_feature_diff"], ".2e")),
+            ("plait / extractor vs float64", f"{fmt(r['plait_vs_float64'], '.2e')} / {fmt(r['extractor_vs_float64'], '.2e')}"),
             ("torch threads / cpus", f"{r['torch_threads']} / {r['cpus']}")]
 
 

@@ -9,10 +9,9 @@ step time's speedup over naive per unit of work, and plait's planning CPU time (
 
 from __future__ import annotations
 
-import json
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -155,51 +154,53 @@ def measure(p: Placement, lengths, costs, R, M, C, pp, bounds: dict) -> dict:
 
 
 # ----- the sweep ---------------------------------------------------------------------------------
-@dataclass
-class Sweep:
-    """What one run covers: every (distribution, dp, seq_len) over `steps` random steps, each distribution
-    a name -> draw(n, rng), each strategy a name -> place(lengths, cost_model, R, M, C, repeats)."""
-
-    draws: dict
-    dps: list[int]
-    seq_lens: list[int]
-    microbatches: int = 4
-    pp: int = 1
-    steps: int = 1
-    seed: int = 0
-    repeats: int = 1
-    strategies: dict = field(default_factory=lambda: {"naive": place_naive, "plait": place_plait})
+STRATEGIES = {"naive": place_naive, "plait": place_plait}
 
 
-def sweep(cfg: Sweep, progress=None, on_step=None) -> list[dict]:
-    """One row per (dist, dp, seq_len, strategy); `on_step(config, step, figures by strategy)`."""
+def sizes(args) -> tuple[list[int], list[int]]:
+    """(--dp, --seq-len) as lists, every size of the options checked."""
+    from plait.errors import PlaitError
+
+    try:
+        dps, seq_lens = ([int(float(x)) for x in str(v).split(",") if x.strip()] for v in (args.dp, args.seq_len))
+    except ValueError:
+        raise PlaitError(f"--dp {args.dp} / --seq-len {args.seq_len}: expected comma-separated integers") from None
+    if min(dps + seq_lens + [args.microbatches, args.pp, args.steps, args.repeats]) < 1:
+        raise PlaitError("dp, seq_len, microbatches, pp, steps and repeats must be >= 1")
+    return dps, seq_lens
+
+
+def sweep(args, draws: dict, strategies: dict, progress=None, on_step=None) -> list[dict]:
+    """One row per (dist, dp, seq_len, strategy) of the options' sizes over --steps random steps, each
+    distribution a name -> draw(n, rng), each strategy a name -> place(lengths, cost_model, R, M, C, repeats);
+    `on_step(config, step, figures by strategy)`."""
     from plait.cost import CostModel
 
     cost_model = CostModel.from_dims(4096, 32, 11008, 32)  # a 7B Llama-like model
-    M, rows = cfg.microbatches, []
-    for dist, draw in cfg.draws.items():
-        for dp in cfg.dps:
-            for S in cfg.seq_lens:
-                acc: dict[str, list[dict]] = {s: [] for s in cfg.strategies}
+    (dps, seq_lens), M, rows = sizes(args), args.microbatches, []
+    for dist, draw in draws.items():
+        for dp in dps:
+            for S in seq_lens:
+                acc: dict[str, list[dict]] = {s: [] for s in strategies}
                 docs_total = items_total = 0
-                for step in range(cfg.steps):
-                    rng = np.random.default_rng(zlib.crc32(f"{dist}/{dp}/{S}/{step}/{cfg.seed}".encode()))
+                for step in range(args.steps):
+                    rng = np.random.default_rng(zlib.crc32(f"{dist}/{dp}/{S}/{step}/{args.seed}".encode()))
                     lengths, ndocs = step_items(draw, dp * M * S, S, rng)
                     costs = cost_model(lengths)
                     docs_total, items_total = docs_total + ndocs, items_total + len(lengths)
                     bounds: dict = {}
-                    for name, place in cfg.strategies.items():
-                        pl = place(lengths, cost_model, dp, M, S, cfg.repeats)
-                        acc[name].append(measure(pl, lengths, costs, dp, M, S, cfg.pp, bounds))
+                    for name, place in strategies.items():
+                        pl = place(lengths, cost_model, dp, M, S, args.repeats)
+                        acc[name].append(measure(pl, lengths, costs, dp, M, S, args.pp, bounds))
                     if on_step:
                         on_step((dist, dp, S), step, {n: m[-1] for n, m in acc.items()})
                     if progress:
                         progress()
                 base = float(np.mean([m["time_per_work"] for m in acc["naive"]]))
                 for name, ms in acc.items():
-                    row = {"dist": dist, "dp": dp, "seq_len": S, "microbatches": M, "pp": cfg.pp, "strategy": name,
-                           "steps": cfg.steps, "docs": docs_total // cfg.steps, "items": items_total // cfg.steps,
-                           "docs_per_rank": docs_total / cfg.steps / dp}
+                    row = {"dist": dist, "dp": dp, "seq_len": S, "microbatches": M, "pp": args.pp, "strategy": name,
+                           "steps": args.steps, "docs": docs_total // args.steps, "items": items_total // args.steps,
+                           "docs_per_rank": docs_total / args.steps / dp}
                     for k in (k for k in ms[0] if not k.startswith("_")):
                         row[k] = float((np.median if k.startswith("plan_") else np.mean)([m[k] for m in ms]))
                     row["speedup_vs_naive"] = base / row["time_per_work"] if row["time_per_work"] > 0 else 1.0
@@ -207,43 +208,28 @@ def sweep(cfg: Sweep, progress=None, on_step=None) -> list[dict]:
     return rows
 
 
-def sweep_of(args, draws: dict, strategies: dict | None = None) -> Sweep:
-    """The Sweep of the common options, checked."""
-    from plait.errors import PlaitError
-
-    try:
-        dps, seq_lens = ([int(float(x)) for x in str(v).split(",") if x.strip()] for v in (args.dp, args.seq_len))
-    except ValueError:
-        raise PlaitError(f"--dp {args.dp} / --seq-len {args.seq_len}: expected comma-separated integers") from None
-    cfg = Sweep(draws, dps, seq_lens, args.microbatches, args.pp, args.steps, args.seed, args.repeats,
-                **({"strategies": strategies} if strategies else {}))
-    if min(cfg.dps + cfg.seq_lens + [cfg.microbatches, cfg.pp, cfg.steps, cfg.repeats]) < 1:
-        raise PlaitError("dp, seq_len, microbatches, pp, steps and repeats must be >= 1")
-    return cfg
-
-
-def run_sweep(args, cfg: Sweep, on_step=None) -> tuple[list[dict], float, float]:
+def run_sweep(args, draws: dict, strategies: dict = STRATEGIES, on_step=None) -> tuple[list[dict], float, float]:
     """(rows, seconds the numba kernels took to be ready, seconds of the sweep), with a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from plait import balance
+    from plait.cli.bench.media_bench import write_json
     from plait.cli.common import console
 
+    dps, seq_lens = sizes(args)  # checked before the kernels compile
     warm = balance.warmup()
     first_fit(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), 1, 1)
-    total, t0 = len(cfg.draws) * len(cfg.dps) * len(cfg.seq_lens) * cfg.steps, time.perf_counter()
+    total, t0 = len(draws) * len(dps) * len(seq_lens) * args.steps, time.perf_counter()
     with Progress(TextColumn("[bold]balance[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
         task = bar.add_task("sweep", total=total)
-        rows = sweep(cfg, progress=lambda: bar.advance(task), on_step=on_step)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        rows = sweep(args, draws, strategies, progress=lambda: bar.advance(task), on_step=on_step)
+    write_json(args.json, rows)
     return rows, warm, time.perf_counter() - t0
 
 
 def run(args) -> int:
-    cfg = sweep_of(args, {f"file:{Path(args.lengths).name}": file_draw(load_lengths(args.lengths))})
-    rows, warm, elapsed = run_sweep(args, cfg)
+    rows, warm, elapsed = run_sweep(args, {f"file:{Path(args.lengths).name}": file_draw(load_lengths(args.lengths))})
     if not args.quiet:
         print_table(rows, warm, elapsed, args)
     return 0

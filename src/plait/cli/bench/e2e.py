@@ -12,11 +12,11 @@ on Ray: `python -m benchmarks.e2e`.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from plait.cli.bench.e2e_run import GpuClock, run_plait_local
+from plait.cli.bench.media_bench import fmt, write_json
 from plait.cli.common import positive_int
 from plait.errors import PlaitError
 
@@ -148,16 +148,12 @@ def run(args) -> int:
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
     if not args.quiet:
         table(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 1 if failures else 0
 
 
 def table(result: dict) -> None:
     from plait.cli.bench.media_bench import print_table
-
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
 
     rows = []
     for r in result["rows"]:

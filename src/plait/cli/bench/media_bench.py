@@ -1,7 +1,8 @@
 """The skeleton `plait bench images`, `video` and `audio` share: generated files or the user's own (`--path`,
 a folder searched recursively or a glob; a file that fails is skipped, counted and named), plait against a
 plain reference loop over the same files in the same run, one table and `--json`. Each command is a `Media`:
-what differs (its files, its two sides, its table rows). `print_table` draws every bench's table."""
+what differs (its files, its two sides, its table rows). `print_table`, `fmt` and `write_json` serve every
+bench's table and JSON."""
 
 from __future__ import annotations
 
@@ -60,8 +61,7 @@ class Media:
                 ("load average (start, end)", f"{load[0]:.1f}, {result['loadavg'][3]:.1f}")])
         for line in result["errors"][:10]:
             console.print(f"  left out: {line}", highlight=False, soft_wrap=True, markup=False)
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
         return 0
 
 
@@ -103,6 +103,17 @@ def print_table(title: str, rows: list[tuple[str, ...]], columns=("measure", "va
     out = table_console()
     out.print(t)
     return out
+
+
+def write_json(path: str | None, result) -> None:
+    """What every bench's --json PATH writes (nothing without one)."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def fmt(value, spec: str) -> str:
+    """A table's figure, "-" where a row has none."""
+    return "-" if value is None else format(value, spec)
 
 
 def build_steps(spec, steps: int, counters: tuple, on_batch) -> dict:

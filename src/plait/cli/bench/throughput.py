@@ -9,9 +9,7 @@ tokenizing, shuffling, mixing, balancing and packing. On a generated dataset: `p
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 HELP = "tokens/s to packed batches of your SPEC (one rank, one core) vs a raw pyarrow read of its token columns"
 DESCRIPTION = __doc__
@@ -88,15 +86,14 @@ def measure(spec, tokens: float, repeats: int) -> dict:
 
 
 def report(result: dict, title: str, json_path: str | None) -> None:
-    from plait.cli.bench.media_bench import print_table
+    from plait.cli.bench.media_bench import print_table, write_json
 
     raw = result["raw_tokens_per_s"]
     print_table(title, ([("raw pyarrow read of the token columns (baseline)", f"{raw:,.0f}")] if raw else []) + [
         ("plait: read + shuffle + mix + balance + pack", f"{result['tokens_per_s']:,.0f}"),
         ("ratio plait / raw", f"{result['ratio']:.2f}") if raw else
         ("baseline", "none: not every source is local, pre-tokenized Parquet")], columns=("measure", "tokens/s"))
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+    write_json(json_path, result)
 
 
 def run(args) -> int:
