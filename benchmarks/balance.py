@@ -74,8 +74,8 @@ def run(args) -> int:
 
     q = args.quick
     dists = [d.strip() for d in (args.dists or ("web,mix" if q else ",".join(DISTS))).split(",") if d.strip()]
-    args.dp = args.dp or ("8,64" if q else ",".join(map(str, DPS)))
-    args.seq_len = args.seq_len or ("8192,32768" if q else ",".join(map(str, SEQ_LENS)))
+    args.dp = args.dp or ([8, 64] if q else list(DPS))
+    args.seq_len = args.seq_len or ([8192, 32768] if q else list(SEQ_LENS))
     unknown = [d for d in dists if d not in DISTS]
     if unknown:
         raise PlaitError(f"unknown distribution(s) {unknown}; choose from {', '.join(DISTS)} or give --lengths FILE")
@@ -84,11 +84,10 @@ def run(args) -> int:
         draws[f"file:{Path(args.lengths).name}"] = product.file_draw(product.load_lengths(args.lengths))
     strategies = {"naive": product.place_naive, "sorted": place_sorted, "plait": product.place_plait,
                   "plait-var": partial(product.place_plait, mode="variable")}
-    dps, seq_lens = product.sizes(args)
     keep: dict = {}
     if args.plot:
         d = "mix" if "mix" in draws else next(iter(draws))
-        keep["config"] = (d, 64 if 64 in dps else min(dps), 32768 if 32768 in seq_lens else seq_lens[0])
+        keep["config"] = (d, 64 if 64 in args.dp else min(args.dp), 32768 if 32768 in args.seq_len else args.seq_len[0])
 
     def on_step(config, step, figures):
         if step == 0 and config == keep.get("config"):

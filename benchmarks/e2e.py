@@ -26,7 +26,7 @@ from plait.cli.bench.e2e import e2e_spec, prepare_data
 HELP = "end to end: the simulated synchronous DP job fed by per-rank torch DataLoaders vs plait (steps/s ratio)"
 DESCRIPTION = __doc__
 TARGETS = {"gpu-bound": 1.05, "data-bound": 1.0}  # plait / per-rank, the project's goals per workload
-QUICK = {"dp": "2", "steps": 5, "warmup": 2, "cpus": 4, "images": 160}
+QUICK = {"dp": [2], "steps": 5, "warmup": 2, "cpus": 4, "images": 160}
 
 
 def add_arguments(p) -> None:

@@ -30,6 +30,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (`--dp 8,64`)."""
+    try:
+        values = [positive_int(x.strip()) for x in str(text).split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
 def loaders_arg(text: str) -> int | str:
     if text == "auto":
         return text

@@ -23,15 +23,19 @@ SEQ_LENS = (8192, 32768)
 
 
 def add_arguments(p, lengths_required: bool = True) -> None:
+    from plait.cli.common import positive_int, positive_ints
+
     p.add_argument("--lengths", metavar="FILE", required=lengths_required,
                    help="your document lengths in tokens (.npy, or text: one number per line)")
-    p.add_argument("--dp", default=",".join(map(str, DPS)), help="DP sizes (comma-separated)")
-    p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="contexts: micro-batch token capacity")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank per step")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages: adds (pp-1) x heaviest micro-batch to a rank's time")
-    p.add_argument("--steps", type=int, default=1, help="steps per configuration (metrics averaged)")
+    p.add_argument("--dp", type=positive_ints, default=",".join(map(str, DPS)), help="DP sizes (comma-separated)")
+    p.add_argument("--seq-len", type=positive_ints, default=",".join(map(str, SEQ_LENS)),
+                   help="contexts: micro-batch token capacity")
+    p.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per rank per step")
+    p.add_argument("--pp", type=positive_int, default=1,
+                   help="pipeline stages: adds (pp-1) x heaviest micro-batch to a rank's time")
+    p.add_argument("--steps", type=positive_int, default=1, help="steps per configuration (metrics averaged)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="plan_ms is the best of this many plannings of the step")
+    p.add_argument("--repeats", type=positive_int, default=3, help="plan_ms is the best of this many plannings of the step")
     p.add_argument("--json", metavar="PATH", help="write one row per (dist, dp, seq_len, strategy)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
@@ -157,30 +161,17 @@ def measure(p: Placement, lengths, costs, R, M, C, pp, bounds: dict) -> dict:
 STRATEGIES = {"naive": place_naive, "plait": place_plait}
 
 
-def sizes(args) -> tuple[list[int], list[int]]:
-    """(--dp, --seq-len) as lists, every size of the options checked."""
-    from plait.errors import PlaitError
-
-    try:
-        dps, seq_lens = ([int(float(x)) for x in str(v).split(",") if x.strip()] for v in (args.dp, args.seq_len))
-    except ValueError:
-        raise PlaitError(f"--dp {args.dp} / --seq-len {args.seq_len}: expected comma-separated integers") from None
-    if min(dps + seq_lens + [args.microbatches, args.pp, args.steps, args.repeats]) < 1:
-        raise PlaitError("dp, seq_len, microbatches, pp, steps and repeats must be >= 1")
-    return dps, seq_lens
-
-
 def sweep(args, draws: dict, strategies: dict, progress=None, on_step=None) -> list[dict]:
-    """One row per (dist, dp, seq_len, strategy) of the options' sizes over --steps random steps, each
+    """One row per (dist, --dp, --seq-len, strategy) over --steps random steps, each
     distribution a name -> draw(n, rng), each strategy a name -> place(lengths, cost_model, R, M, C, repeats);
     `on_step(config, step, figures by strategy)`."""
     from plait.cost import CostModel
 
     cost_model = CostModel.from_dims(4096, 32, 11008, 32)  # a 7B Llama-like model
-    (dps, seq_lens), M, rows = sizes(args), args.microbatches, []
+    M, rows = args.microbatches, []
     for dist, draw in draws.items():
-        for dp in dps:
-            for S in seq_lens:
+        for dp in args.dp:
+            for S in args.seq_len:
                 acc: dict[str, list[dict]] = {s: [] for s in strategies}
                 docs_total = items_total = 0
                 for step in range(args.steps):
@@ -216,10 +207,9 @@ def run_sweep(args, draws: dict, strategies: dict = STRATEGIES, on_step=None) ->
     from plait.cli.bench.media_bench import write_json
     from plait.cli.common import console
 
-    dps, seq_lens = sizes(args)  # checked before the kernels compile
     warm = balance.warmup()
     first_fit(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), 1, 1)
-    total, t0 = len(draws) * len(dps) * len(seq_lens) * args.steps, time.perf_counter()
+    total, t0 = len(draws) * len(args.dp) * len(args.seq_len) * args.steps, time.perf_counter()
     with Progress(TextColumn("[bold]balance[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
         task = bar.add_task("sweep", total=total)

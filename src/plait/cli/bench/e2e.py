@@ -17,7 +17,7 @@ from pathlib import Path
 
 from plait.cli.bench.e2e_run import GpuClock, run_plait_local
 from plait.cli.bench.media_bench import fmt, write_json
-from plait.cli.common import positive_int
+from plait.cli.common import positive_int, positive_ints
 from plait.errors import PlaitError
 
 HELP = "end to end: a simulated synchronous DP job fed by plait (steps/s, and the share the GPUs alone allow)"
@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 
 def add_job_arguments(p) -> None:
     """The simulated job's options (benchmarks.e2e and benchmarks.e2e_workloads share them)."""
-    p.add_argument("--dp", default="8", help="DP sizes (default 8)")
+    p.add_argument("--dp", type=positive_ints, default="8", help="DP sizes, comma-separated (default 8)")
     p.add_argument("--steps", type=positive_int, default=14, help="steps per row, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates (start-up)")
     p.add_argument("--cpus", type=positive_int, default=8, help="CPU budget: the local runtime's loading threads, Ray's CPUs")
@@ -98,19 +98,13 @@ def names(option: str, text: str, known) -> list[str]:
 
 def parse_job(args) -> list[int]:
     """The job's options checked; the DP sizes."""
-    try:
-        dps = [int(x) for x in str(args.dp).split(",") if x.strip()]
-    except ValueError:
-        raise PlaitError(f"--dp: expected comma-separated integers, got {args.dp!r}") from None
-    if min(dps, default=0) < 1:
-        raise PlaitError(f"--dp: every DP size must be >= 1, got {args.dp!r}")
     if args.warmup < 0 or args.warmup >= args.steps:
         raise PlaitError(f"--warmup must be in 0..steps-1 ({args.steps - 1}), got {args.warmup}")
     if not (args.gpu_tflops > 0 and args.data_bound_tflops > 0):
         raise PlaitError(f"--gpu-tflops and --data-bound-tflops must be > 0, got {args.gpu_tflops}, {args.data_bound_tflops}")
     if not 0 < args.image_weight < 1:
         raise PlaitError(f"--image-weight must be between 0 and 1 (exclusive), got {args.image_weight}")
-    return dps
+    return args.dp
 
 
 def plait_rows(args, specs: dict, workloads: list[str], err, failures: list[dict], runners=None) -> list[dict]:
