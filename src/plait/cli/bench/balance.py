@@ -35,7 +35,8 @@ def add_arguments(p, lengths_required: bool = True) -> None:
                    help="pipeline stages: adds (pp-1) x heaviest micro-batch to a rank's time")
     p.add_argument("--steps", type=positive_int, default=1, help="steps per configuration (metrics averaged)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=positive_int, default=3, help="plan_ms is the best of this many plannings of the step")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="plan_ms is the best of this many plannings of the step")
     p.add_argument("--json", metavar="PATH", help="write one row per (dist, dp, seq_len, strategy)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
 

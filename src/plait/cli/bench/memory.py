@@ -116,13 +116,18 @@ def start_trainers(module: str, cfgs: list[dict], env: dict) -> tuple[list, list
     once ready (it then waits for `finish`, so every process is measured while all are alive)."""
     procs = [subprocess.Popen([sys.executable, "-m", module, "--trainer", json.dumps(cfg)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for cfg in cfgs]
+    return procs, read_reports(procs, cfgs)
+
+
+def read_reports(procs, cfgs: list[dict]) -> list[dict]:
+    """The JSON line each trainer prints next; a RuntimeError naming the kind of one that exited instead."""
     reports = []
     for cfg, p in zip(cfgs, procs):
         line = p.stdout.readline()
         if not line:
             raise RuntimeError(f"a {cfg.get('mode') or cfg.get('runtime')} trainer failed (exit {p.wait()})")
         reports.append(json.loads(line))
-    return procs, reports
+    return reports
 
 
 def go(procs) -> None:
@@ -205,18 +210,14 @@ def run_trainers(module: str, cfgs: list[dict]) -> tuple[list, list]:
     procs, ready = start_trainers(module, cfgs, {**os.environ, "OMP_NUM_THREADS": "1"})
     bases = [mem(r["pid"]) for r in ready]
     first_maps = pss_by_mapping(ready[0]["pid"])  # the node's host (LOCAL_RANK 0) where there is one
-    reports = []
     try:
         go(procs)
-        for cfg, p, (base_rss, base_pss) in zip(cfgs, procs, bases):
-            line = p.stdout.readline()
-            if not line:
-                raise RuntimeError(f"a {cfg['mode']} trainer failed (exit {p.wait()})")
-            reports.append({**json.loads(line), "base_rss": base_rss, "base_pss": base_pss,
-                            **({"base_maps": first_maps} if not reports else {})})
+        loaded = read_reports(procs, cfgs)
+        reports = [{**rep, "base_rss": rss, "base_pss": pss} for rep, (rss, pss) in zip(loaded, bases)]
     except BaseException:
         finish(procs)
         raise
+    reports[0]["base_maps"] = first_maps
     return procs, reports
 
 
