@@ -175,20 +175,23 @@ def run(args) -> int:
                      f"PSS ({a['worker_rss_mean'] / MIB:.0f} RSS) each"))
     if "plait" in result:
         b = result["plait"]
-        rows += [product.plait_row(result), ("Ray daemons (separate)", f"{b['daemons_pss'] / MIB:,.0f}",
-                 f"{b['daemons_rss'] / MIB:,.0f}", ", ".join(f"{v['count']} {k}" for k, v in b["daemons"].items()))]
+        rows.append(product.plait_row(result))
+        if "daemons" in b:  # the Ray and Flight layouts: Ray's own processes (the node layout runs none)
+            rows.append(("Ray daemons (separate)", f"{b['daemons_pss'] / MIB:,.0f}", f"{b['daemons_rss'] / MIB:,.0f}",
+                         ", ".join(f"{v['count']} {k}" for k, v in b["daemons"].items())))
     if "per_rank" in result and "plait" in result:
         a, b = result["per_rank"], result["plait"]
         assert a["batches"] == b["batches"], (a["batches"], b["batches"])
-        result.update(ratio=a["total_rss"] / max(1, b["total_rss"]),
-                      ratio_with_daemons=a["total_rss"] / max(1, b["total_rss"] + b["daemons_rss"]),
-                      ratio_pss=a["total_pss"] / max(1, b["total_pss"]),
-                      ratio_pss_with_daemons=a["total_pss"] / max(1, b["total_pss"] + b["daemons_pss"]))
+        result.update(ratio=a["total_rss"] / max(1, b["total_rss"]), ratio_pss=a["total_pss"] / max(1, b["total_pss"]))
+        if "daemons" in b:
+            result.update(ratio_with_daemons=a["total_rss"] / max(1, b["total_rss"] + b["daemons_rss"]),
+                          ratio_pss_with_daemons=a["total_pss"] / max(1, b["total_pss"] + b["daemons_pss"]))
     product.report(result, rows, args.json)
     if "ratio" in result:
-        Console().print(f"plait / per-rank: {1 / result['ratio_pss']:.2f} by PSS ({1 / result['ratio']:.2f} by RSS) "
-                        f"without Ray's daemons, {1 / result['ratio_pss_with_daemons']:.2f} by PSS "
-                        f"({1 / result['ratio_with_daemons']:.2f} by RSS) with them")
+        daemons = (f"; {1 / result['ratio_pss_with_daemons']:.2f} by PSS ({1 / result['ratio_with_daemons']:.2f} by "
+                   "RSS) with Ray's daemons" if "ratio_with_daemons" in result else "")
+        Console().print(f"plait / per-rank: {1 / result['ratio_pss']:.2f} by PSS ({1 / result['ratio']:.2f} by RSS)"
+                        + daemons)
     return 0
 
 

@@ -251,7 +251,7 @@ def measure_node(spec_path: Path, args) -> dict:
                 "actors": {"host trainer (LOCAL_RANK 0)": host}, "roles": {"host": host, "rank": clients},
                 "client_rss": clients["rss"], "client_rss_per_rank": clients["rss"] / max(1, args.ranks - 1),
                 "client_pss_per_rank": clients["pss"] / max(1, args.ranks - 1),
-                "daemons_rss": 0, "daemons_pss": 0, "daemons": {}, "batches": sum(r["batches"] for r in reports)}
+                "batches": sum(r["batches"] for r in reports)}
     finally:
         finish(procs)
 
@@ -272,7 +272,6 @@ def measure(args, setups: dict) -> dict:
             result[name] = measure_setup(spec_path, args)
     b = result.get("plait")
     if b is not None:
-        result.update(plait_total_bytes=b["total_rss"], ray_daemons_bytes=b["daemons_rss"])
         if "host" in b["roles"]:
             host = b["roles"]["host"]
             result.update(host_pss_mib=host["pss"] / MIB, host_rss_mib=host["rss"] / MIB,
