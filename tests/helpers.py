@@ -519,3 +519,25 @@ def run_spawned_ranks(target, spec, tmp_path, ranks: int = 2, timeout: float = 1
         p.join(timeout)
         assert p.exitcode == 0
     return [json.loads(Path(o).read_text()) for o in outs]
+
+
+def stop_ray_head(proc, grace: float = 5.0) -> int | None:
+    """End a `ray start --head --block` started in a session of its own (start_new_session): SIGINT (it then
+    stops what it started), and after `grace` seconds SIGKILL of its whole session. An idle head ends in
+    ~1.3 s; one that served a test's jobs often did not within 30 s (measured in CI: 30 s of three modules'
+    teardowns each), and its session is killed either way."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+        return None

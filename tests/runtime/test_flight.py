@@ -32,7 +32,7 @@ from plait.metrics import batch_digest_update, combined_digest  # noqa: E402
 from plait.runtime import RankStream, make_driver, runtime_class  # noqa: E402
 from plait.runtime.flight import Channel, decode_batch, dumps, step_schema  # noqa: E402
 from plait.runtime.ray.flight_server import ConstructorFlight  # noqa: E402
-from helpers import make_spec, token_parquet  # noqa: E402
+from helpers import make_spec, stop_ray_head, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 BIN = Path(sys.executable).parent
@@ -134,7 +134,7 @@ def served(spec, tmp_path_factory):
     finally:
         if server is not None:
             stop(server)
-        stop(head)
+        stop_ray_head(head)
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("ray")
 
 import plait  # noqa: E402
-from helpers import make_spec, token_parquet  # noqa: E402
+from helpers import make_spec, stop_ray_head, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(400)]
 BIN = Path(sys.executable).parent
@@ -74,12 +74,7 @@ def head(sandbox):
             time.sleep(0.2)
         yield {"address": f"127.0.0.1:{port}", "env": env}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_ray_head(proc)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ ray = pytest.importorskip("ray")
 import plait  # noqa: E402
 from plait.cli import main  # noqa: E402
 from plait.runtime.ray.jobs import find_planner, list_jobs  # noqa: E402
-from helpers import make_spec, token_parquet  # noqa: E402
+from helpers import make_spec, stop_ray_head, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[3]
@@ -87,11 +87,7 @@ def head():
         yield {"address": address, "env": env}
     finally:
         ray.shutdown()
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_ray_head(proc)
         shutil.rmtree(temp, ignore_errors=True)
 
 
