@@ -361,4 +361,4 @@ def test_a_thin_trainer_is_served_by_a_constructor_on_its_own_node(served, spec)
     finally:
         if trainer is not None:
             trainer.communicate(input="\n", timeout=60)
-        stop(node)
+        stop_ray_head(node)
