@@ -28,8 +28,9 @@ ROWS, ROW_BYTES = 768, 14 * 14 * 3
 
 def one(event_stats: bool, seconds: float) -> dict:
     import numpy as np
-    import psutil
     import ray
+
+    from benchmarks.ray_inline_returns import timed_calls
 
     from plait.runtime.ray.common import actor_options, long_run_settings
 
@@ -42,26 +43,7 @@ def one(event_stats: bool, seconds: float) -> dict:
             return {"tokens": np.arange(2000, dtype=np.int32), "pixels": np.ones((ROWS, ROW_BYTES), np.uint8)}
 
     loaders = [ray.remote(Loader).options(**actor_options(num_cpus=0, max_concurrency=4)).remote() for _ in range(8)]
-    ray.get([ld.gather.remote(None) for ld in loaders])
-    time.sleep(2)
-    procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
-
-    def cpu() -> float:
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    request = (np.arange(30), [(0, 1, 2)] * 20, np.arange(30), np.arange(30), np.zeros(30), np.ones(30))
-    before, t0, calls = cpu(), time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds:
-        ray.get([ld.gather.remote(request) for ld in loaders])
-        calls += len(loaders)
-    busy = cpu() - before
+    calls, busy, cpu = timed_calls(loaders, seconds)
     before, t0 = cpu(), time.perf_counter()
     time.sleep(seconds)
     idle, idle_s = cpu() - before, time.perf_counter() - t0

@@ -27,20 +27,14 @@ import time
 ROW_BYTES = 14 * 14 * 3
 
 
-def one(rows: int, inline: int, seconds: float) -> dict:
+def timed_calls(loaders: list, seconds: float) -> tuple[int, float, object]:
+    """Every loader's `gather` of a gather-like request at once, round after round, for `seconds` (after one
+    warm-up round and 2 s of settling): (calls, CPU seconds every process of the run spent, the CPU clock:
+    driver, actors and Ray's processes, user + system, from psutil)."""
     import numpy as np
     import psutil
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             _system_config={"enable_metrics_collection": False, "max_direct_call_object_size": inline})
-
-    @ray.remote(num_cpus=0)
-    class Loader:
-        def gather(self, request):
-            return {"tokens": np.arange(2000, dtype=np.int32), "pixels": np.ones((rows, ROW_BYTES), np.uint8)}
-
-    loaders = [Loader.options(enable_task_events=False, max_concurrency=4).remote() for _ in range(8)]
     ray.get([ld.gather.remote(None) for ld in loaders])
     time.sleep(2)
     procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
@@ -60,7 +54,23 @@ def one(rows: int, inline: int, seconds: float) -> dict:
     while time.perf_counter() - t0 < seconds:
         ray.get([ld.gather.remote(request) for ld in loaders])
         calls += len(loaders)
-    spent = cpu() - before
+    return calls, cpu() - before, cpu
+
+
+def one(rows: int, inline: int, seconds: float) -> dict:
+    import numpy as np
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             _system_config={"enable_metrics_collection": False, "max_direct_call_object_size": inline})
+
+    @ray.remote(num_cpus=0)
+    class Loader:
+        def gather(self, request):
+            return {"tokens": np.arange(2000, dtype=np.int32), "pixels": np.ones((rows, ROW_BYTES), np.uint8)}
+
+    loaders = [Loader.options(enable_task_events=False, max_concurrency=4).remote() for _ in range(8)]
+    calls, spent, _ = timed_calls(loaders, seconds)
     ray.shutdown()
     return {"rows": rows, "return_mib": round(rows * ROW_BYTES / 2**20, 2), "inline_limit": inline, "calls": calls,
             "cpu_ms_per_call": round(1000 * spent / calls, 3), "load_average": os.getloadavg()[0]}
