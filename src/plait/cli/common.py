@@ -1,9 +1,11 @@
-"""What every command shares: the error console and argument types."""
+"""What every command shares: the error console, argument types, tables and --json output."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -48,3 +50,29 @@ def loaders_arg(text: str) -> int | str:
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected `auto` or a positive integer, got {text!r}") from None
+
+
+def print_table(title: str, rows: list[tuple[str, ...]], columns=("measure", "value"), left=("measure",)):
+    """A table on stdout: `columns` (those in `left` left-justified, figures right); returns
+    the console, for the lines that follow it."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    for row in rows:
+        t.add_row(*row)
+    out = table_console()
+    out.print(t)
+    return out
+
+
+def write_json(path: str | None, result) -> None:
+    """What a command's --json PATH writes (nothing without one)."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def fmt(value, spec: str) -> str:
+    """A table's figure, "-" where a row has none."""
+    return "-" if value is None else format(value, spec)

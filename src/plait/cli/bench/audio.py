@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.cli.bench.media_bench import Media, fmt
-from plait.cli.common import positive_int
+from plait.cli.bench.media_bench import Media
+from plait.cli.common import fmt, positive_int
 from plait.errors import PlaitError
 from plait.media.audio import AUDIO_EXTENSIONS
 

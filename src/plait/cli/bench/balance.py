@@ -205,8 +205,7 @@ def run_sweep(args, draws: dict, strategies: dict = STRATEGIES, on_step=None) ->
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from plait import balance
-    from plait.cli.bench.media_bench import write_json
-    from plait.cli.common import console
+    from plait.cli.common import console, write_json
 
     warm = balance.warmup()
     first_fit(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), 1, 1)
@@ -227,7 +226,7 @@ def run(args) -> int:
 
 
 def print_table(rows: list[dict], warm: float, elapsed: float, args) -> None:
-    from plait.cli.bench.media_bench import print_table as table
+    from plait.cli.common import print_table as table
 
     by = {(r["dist"], r["dp"], r["seq_len"], r["strategy"]): r for r in rows}
     lines, speedups = [], []

@@ -16,8 +16,7 @@ import os
 from pathlib import Path
 
 from plait.cli.bench.e2e_run import GpuClock, run_plait_local
-from plait.cli.bench.media_bench import fmt, write_json
-from plait.cli.common import positive_int, positive_ints
+from plait.cli.common import fmt, positive_int, positive_ints, print_table, write_json
 from plait.errors import PlaitError
 
 HELP = "end to end: a simulated synchronous DP job fed by plait (steps/s, and the share the GPUs alone allow)"
@@ -147,8 +146,6 @@ def run(args) -> int:
 
 
 def table(result: dict) -> None:
-    from plait.cli.bench.media_bench import print_table
-
     rows = []
     for r in result["rows"]:
         who = (f"{r['processes']} proc" if "processes" in r else f"{r['loaders_at_start']}->{r['loaders_at_end']} "

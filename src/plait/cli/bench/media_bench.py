@@ -1,13 +1,11 @@
 """The skeleton `plait bench images`, `video` and `audio` share: generated files or the user's own (`--path`,
 a folder searched recursively or a glob; a file that fails is skipped, counted and named), plait against a
 plain reference loop over the same files in the same run, one table and `--json`. Each command is a `Media`:
-what differs (its files, its two sides, its table rows). `print_table`, `fmt` and `write_json` serve every
-bench's table and JSON."""
+what differs (its files, its two sides, its table rows)."""
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import tempfile
 import time
@@ -15,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.cli.common import console, positive_int
+from plait.cli.common import console, positive_int, print_table, write_json
 from plait.errors import PlaitError
 
 
@@ -40,8 +38,8 @@ class Media:
         p.add_argument("--json", metavar="PATH", help="write the results as JSON")
         p.add_argument("--quiet", action="store_true", help="no table")
         if steps is not None:
-            p.add_argument("--steps", type=int, default=steps, help="global steps the loader plans and builds")
-            p.add_argument("--dp", type=int, default=dp, help="data-parallel ranks (all built in this process)")
+            p.add_argument("--steps", type=positive_int, default=steps, help="global steps the loader plans and builds")
+            p.add_argument("--dp", type=positive_int, default=dp, help="data-parallel ranks (all built in this process)")
 
     def run(self, args) -> int:
         load = os.getloadavg()
@@ -86,34 +84,6 @@ def loader_spec(args, source: dict, **sections):
                       "packing": {"seq_len": args.seq_len, "microbatches": 1, "max_patches": 4 * args.seq_len},
                       "cost": {"linear": 1.0, "quadratic": 0.0001, "encoder": {"linear": 2.0, "quadratic": 0.001}},
                       **sections})
-
-
-def print_table(title: str, rows: list[tuple[str, ...]], columns=("measure", "value"), left=("measure",)):
-    """A table of every bench on stdout: `columns` (those in `left` left-justified, figures right); returns
-    the console, for the lines that follow it."""
-    from rich.table import Table
-
-    from plait.cli.common import table_console
-
-    t = Table(title=title)
-    for col in columns:
-        t.add_column(col, justify="left" if col in left else "right")
-    for row in rows:
-        t.add_row(*row)
-    out = table_console()
-    out.print(t)
-    return out
-
-
-def write_json(path: str | None, result) -> None:
-    """What every bench's --json PATH writes (nothing without one)."""
-    if path:
-        Path(path).write_text(json.dumps(result, indent=2) + "\n")
-
-
-def fmt(value, spec: str) -> str:
-    """A table's figure, "-" where a row has none."""
-    return "-" if value is None else format(value, spec)
 
 
 def build_steps(spec, steps: int, counters: tuple, on_batch) -> dict:

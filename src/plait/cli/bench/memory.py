@@ -290,7 +290,7 @@ def plait_row(result: dict) -> tuple[str, ...]:
 
 def report(result: dict, rows: list[tuple[str, ...]], json_path: str | None) -> None:
     """The table of `rows` (what, PSS MiB, RSS MiB, note) and the JSON."""
-    from plait.cli.bench.media_bench import print_table, write_json
+    from plait.cli.common import print_table, write_json
 
     print_table(f"data-loading memory, {result['sources']} sources x {result['ranks']} ranks", rows,
                 columns=("what", "PSS MiB", "RSS MiB", "note"), left=("what", "note"))

@@ -86,7 +86,7 @@ def measure(spec, tokens: float, repeats: int) -> dict:
 
 
 def report(result: dict, title: str, json_path: str | None) -> None:
-    from plait.cli.bench.media_bench import print_table, write_json
+    from plait.cli.common import print_table, write_json
 
     raw = result["raw_tokens_per_s"]
     print_table(title, ([("raw pyarrow read of the token columns (baseline)", f"{raw:,.0f}")] if raw else []) + [
