@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks.common import main
 from benchmarks.processes import start_serve, stop_serve
 from benchmarks.soak_sampler import Sampler, ray_process_table, role_table
-from plait.cli.bench.memory import make_spec_dict, torchrun_env
+from plait.cli.bench.memory import make_sources, spec_dict_of, torchrun_env
 from plait.errors import PlaitError
 
 HELP = "memory over a long run: RSS/PSS of every process by role, slope per hour after a warm-up"
@@ -99,7 +99,7 @@ def soak(runtime: str, seconds: float, warmup: float, interval: float, *, source
     # A short temp dir of the run's own: Ray's session (its sockets have a length limit) and the node share.
     root = Path(tempfile.mkdtemp(prefix="soak-", dir=os.environ.get("TMPDIR") or "/tmp"))
     try:
-        spec = make_spec_dict(root / "data", sources, dp, seq_len=seq_len, files=2, block_mb=1.0)
+        spec = spec_dict_of(make_sources(root / "data", sources, files=2, block_mb=1.0), dp, seq_len)
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(root / "ray"),

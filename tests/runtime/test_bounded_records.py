@@ -130,10 +130,10 @@ def test_plait_run_driver_does_not_grow_per_step(tmp_path, monkeypatch):
     is left is warm-up (metric label sets, the balancer's buffers, rich's speed samples filling to their
     bounds), ~0.22 KiB per step here (~0.09 from step 300 to 500, ~0.3 from step 100). Traced from step 0:
     tracing from a later step counts a bounded buffer's turnover as growth (~3.5 KiB per step)."""
-    from plait.cli.bench.memory import make_spec_dict
+    from plait.cli.bench.memory import make_sources, spec_dict_of
     from plait.spec import load_spec
 
-    spec = load_spec(make_spec_dict(tmp_path, 64, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
+    spec = load_spec(spec_dict_of(make_sources(tmp_path, 64, files=1, block_mb=0.05, doc_len=64), 2, seq_len=256))
     grown = _stream_growth(spec, monkeypatch, 200, 300)
     assert grown < 100 * 800, f"the driver held {grown / 1024:.0f} KiB more after 100 more steps"
 
@@ -171,11 +171,11 @@ def test_plait_run_steps_log_writes_every_step_to_disk(tmp_path):
     import json
 
     from plait.cli import main
-    from plait.cli.bench.memory import make_spec_dict
+    from plait.cli.bench.memory import make_sources, spec_dict_of
 
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(make_spec_dict(tmp_path / "data", 3, 2, seq_len=256, files=1, block_mb=0.05,
-                                              doc_len=64)))
+    spec.write_text(json.dumps(spec_dict_of(make_sources(tmp_path / "data", 3, files=1, block_mb=0.05, doc_len=64),
+                                            2, seq_len=256)))
     log = tmp_path / "steps.jsonl"
     assert main(["run", str(spec), "--steps", "7", "--quiet", "--steps-log", str(log)]) == 0
     rows = [json.loads(line) for line in log.read_text().splitlines()]
@@ -188,12 +188,12 @@ def test_plot_and_report_draw_from_the_bounded_windows(tmp_path, monkeypatch):
     """The plot and the mixing report work from what is kept: the last steps, and the windows."""
     import json
 
-    from plait.cli.bench.memory import make_spec_dict
+    from plait.cli.bench.memory import make_sources, spec_dict_of
     from plait.spec import load_spec
 
     monkeypatch.setattr(metrics, "RECENT_STEPS", 10)
     monkeypatch.setattr(stream_mod, "RECENT_STEPS", 10)
-    spec = load_spec(make_spec_dict(tmp_path / "data", 3, 2, seq_len=256, files=1, block_mb=0.05, doc_len=64))
+    spec = load_spec(spec_dict_of(make_sources(tmp_path / "data", 3, files=1, block_mb=0.05, doc_len=64), 2, seq_len=256))
     png, report = tmp_path / "plot.png", tmp_path / "mix.json"
     summary = stream_mod.stream(spec, steps=30, progress=False, outputs={"plot": str(png), "report": str(report)})
     assert png.stat().st_size > 0 and (tmp_path / "mix.png").stat().st_size > 0

@@ -1,13 +1,12 @@
 """`plait bench e2e`: a simulated synchronous data-parallel training job fed by plait on this machine.
 
 DP ranks (threads) take micro-batches one by one (a blocked call is the rank's wait for data) and "compute"
-each for the cost model's time (a 7B Llama-like LLM plus a ViT-L-like encoder, training FLOPs) over a stated
-GPU speed; a step ends when every rank has finished it (the all-reduce). The data: the demo's text sources
-and an image source (LLaVA-style captions + JPEG/PNG). Workloads: gpu-bound (--gpu-tflops) and data-bound
-(--data-bound-tflops: delivery sets the pace), each on the local runtime (loading.workers = --cpus threads
-in this process). Per row: steps/s; gpu_busy = steps/s over what the GPUs alone allow with that balance
-(1.0: they never wait); wait_fraction, balance_loss, tokens/s. Against per-rank torch DataLoaders and plait
-on Ray: `python -m benchmarks.e2e`.
+each for the cost model's time (a 7B Llama-like LLM plus a ViT-L-like encoder) over a stated GPU speed; a
+step ends when every rank has finished it (the all-reduce). The data: the demo's text sources and LLaVA-style
+captioned images. Workloads: gpu-bound (--gpu-tflops) and data-bound (--data-bound-tflops: delivery sets the
+pace), on the local runtime (loading.workers = --cpus threads). Per row: steps/s; gpu_busy = steps/s over
+what the GPUs alone allow with that balance (1.0: they never wait); wait_fraction, balance_loss, tokens/s.
+Against per-rank torch DataLoaders and plait on Ray: `python -m benchmarks.e2e`.
 """
 
 from __future__ import annotations

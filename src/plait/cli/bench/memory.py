@@ -1,17 +1,16 @@
 """`plait bench memory`: the memory plait's node data plane adds to R trainer processes, by PSS and RSS.
 
-R data-parallel ranks, each a real trainer process with torch imported, started as torchrun starts them
-(LOCAL_RANK 0's trainer hosts the node's data plane, the others read their micro-batches from it), stream
-your spec (--spec, its topology set to R ranks) or S generated pre-tokenized Parquet sources (equal weights).
-Every trainer first imports torch and waits until all have; the harness then takes each one's baseline (so
-shared library pages are split the same way at baseline and at measurement), and after every rank has
-consumed --steps steps (all processes alive, holding their buffers) it reports what each one added: the
-host and the reading ranks, by PSS (a page shared by n processes counts 1/n in each) and by RSS.
+R trainer processes, started as torchrun starts them (LOCAL_RANK 0's hosts the node's data plane, the others
+read from it), stream your spec (--spec, set to R DP ranks) or S generated pre-tokenized Parquet sources.
+Once all have imported torch, each one's baseline is taken (shared library pages split alike then and at
+measurement); after every rank consumed --steps steps (all alive, holding their buffers) it reports what
+each added, host and reading ranks, by PSS (a page shared by n processes counts 1/n in each) and by RSS.
 Against per-rank DataLoaders, and the Ray and Flight layouts: `python -m benchmarks.memory`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -76,10 +75,6 @@ def spec_dict_of(entries: list[dict], ranks: int, seq_len: int = 2048) -> dict:
             "cost": {"hidden": 1024, "layers": 8, "ffn": 4096, "heads": 8}, "seed": 0}
 
 
-def make_spec_dict(root: Path, sources: int, ranks: int, *, seq_len: int = 2048, **data) -> dict:
-    return spec_dict_of(make_sources(root, sources, **data), ranks, seq_len)
-
-
 def spec_file(args, folder: Path) -> tuple[Path, int]:
     """(the spec the trainers read, its number of sources): yours with R ranks, or generated sources in
     `folder`, written there unless a run with the same data wrote them."""
@@ -132,11 +127,9 @@ def read_reports(procs, cfgs: list[dict]) -> list[dict]:
 
 def go(procs) -> None:
     for p in procs:
-        try:
+        with contextlib.suppress(BrokenPipeError):  # one that exited is reported by read_reports
             p.stdin.write("go\n")
             p.stdin.flush()
-        except BrokenPipeError:
-            pass
 
 
 def finish(procs) -> None:
@@ -270,12 +263,10 @@ def measure(args, setups: dict) -> dict:
                         "block_mb": args.block_mb, "client": args.client}
         for name, measure_setup in setups.items():
             result[name] = measure_setup(spec_path, args)
-    b = result.get("plait")
-    if b is not None:
-        if "host" in b["roles"]:
-            host = b["roles"]["host"]
-            result.update(host_pss_mib=host["pss"] / MIB, host_rss_mib=host["rss"] / MIB,
-                          host_pss_by_mapping_mib={k: v / MIB for k, v in host["pss_by_mapping"].items()})
+    host = result.get("plait", {}).get("roles", {}).get("host")  # the node layout's (a Ray layout has none)
+    if host is not None:
+        result.update(host_pss_mib=host["pss"] / MIB, host_rss_mib=host["rss"] / MIB,
+                      host_pss_by_mapping_mib={k: v / MIB for k, v in host["pss_by_mapping"].items()})
     return result
 
 
