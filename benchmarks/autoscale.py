@@ -222,7 +222,7 @@ def build_waits(rt) -> tuple[int, float]:
     """(requests that found their build unfinished, seconds they waited) summed over the Constructors."""
     from plait.runtime.ray.common import get
 
-    stats = get([c.stats.remote() for c in rt.constructor_handles()])
+    stats = get([c.stats.remote() for c in rt.builders().values()])
     return (sum(int(st.get("waits", 0)) for st in stats),
             sum(float(w) for st in stats for w in st.get("wait_s", {}).values()))
 

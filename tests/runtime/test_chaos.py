@@ -2,8 +2,8 @@
 
 SourceLoaders are killed (`ray.kill(actor, no_restart=True)`) at seeded random steps, several times;
 with shadows a standby takes over, without them a fresh loader restarts cold. Either way the stream of
-sample ids equals that of a run without failures: none lost, none duplicated, same order. A second
-test kills the Constructor, a third the Planner. One local Ray instance serves the whole module.
+sample ids equals that of a run without failures: none lost, none duplicated, same order. The run without
+shadows kills the Constructor too; another test kills the Planner. One local Ray instance serves the whole module.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
                    kill_planner_at: int | None = None):
     from plait.runtime.ray import RayRuntime
 
-    rt = RayRuntime(spec, loaders=LOADERS)
+    rt = RayRuntime(spec, loaders=LOADERS, constructors="node")  # the Constructor is an actor of its own
     ids = []
     try:
         for step in range(STEPS):
@@ -54,7 +54,7 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
                 loaders = ray.get(rt.planner.get_loaders.remote())
                 ray.kill(loaders[kills[step]], no_restart=True)
             if step == kill_constructor_at:
-                for handle in rt.constructor_handles():
+                for handle in rt.builders().values():
                     ray.kill(handle, no_restart=True)
             if step == kill_planner_at:
                 ray.kill(rt.planner, no_restart=True)
@@ -66,12 +66,14 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
     return ids, events
 
 
-@pytest.mark.parametrize("shadows", [1, 0])
-def test_killing_source_loaders_changes_nothing(ray_session, data, reference, shadows, caplog):
+@pytest.mark.parametrize("shadows,constructor_at", [(1, None), (0, 5)], ids=["shadows", "cold+constructor"])
+def test_killing_source_loaders_changes_nothing(ray_session, data, reference, shadows, constructor_at, caplog):
+    """Loaders killed 3 times: shadows take over, or (no shadows) fresh loaders restart cold; in that run the
+    Constructor is killed too (a Constructor's death beside shadows is the training client's test below)."""
     caplog.set_level(logging.WARNING, logger="plait.recovery")
     spec = make_spec(data, dp=4, shadows=shadows)
     kills = kill_points(STEPS, 3, seed=11, num_loaders=LOADERS)
-    ids, events = run_with_kills(spec, kills)
+    ids, events = run_with_kills(spec, kills, kill_constructor_at=constructor_at)
     assert compare_streams(reference, ids) == {"delivered": sum(map(len, reference)), "lost": 0, "duplicated": 0,
                                                "same_order": True}
     loaders = [e for e in events if e["role"] == "loader"]
@@ -79,17 +81,12 @@ def test_killing_source_loaders_changes_nothing(ray_session, data, reference, sh
     expected = "shadow promoted" if shadows else "restarted cold"
     assert all(e["how"].startswith(expected) for e in loaders), loaders
     assert all(e["recovery_s"] < 30 for e in loaders)
-
-
-def test_killing_the_constructor_changes_nothing(ray_session, data, reference, caplog):
-    # without shadows (3 processes fewer): a Constructor's death beside shadows is the training client's below
-    caplog.set_level(logging.WARNING, logger="plait.recovery")
-    ids, events = run_with_kills(make_spec(data, dp=4), {}, kill_constructor_at=5)
-    assert compare_streams(reference, ids)["same_order"]
-    assert [e["role"] for e in events] == ["constructor"]
-    messages = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("failure: Constructor") for m in messages)
-    assert any(m.startswith("recovery: Constructor") for m in messages)
+    others = [e["role"] for e in events if e["role"] in ("constructor", "planner")]
+    assert others == ([] if constructor_at is None else ["constructor"])
+    if constructor_at is not None:
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith("failure: Constructor") for m in messages)
+        assert any(m.startswith("recovery: Constructor") for m in messages)
 
 
 def test_killing_the_planner_changes_nothing(ray_session, data, reference, caplog):
@@ -113,7 +110,8 @@ def test_a_training_client_survives_loader_and_constructor_deaths(ray_session, d
 
     spec = make_spec(data, dp=2, shadows=1)
     expected = [mb.sample_ids for mb in plait.Loader(spec, dp_rank=1, steps=8, read_ahead=0)]
-    loader = plait.Loader(spec, dp_rank=1, steps=8, read_ahead=0, runtime="ray", loaders=LOADERS)
+    loader = plait.Loader(spec, dp_rank=1, steps=8, read_ahead=0, runtime="ray", loaders=LOADERS,
+                          constructors="node")
     got = []
     try:
         for i, mb in enumerate(loader):
@@ -122,7 +120,7 @@ def test_a_training_client_survives_loader_and_constructor_deaths(ray_session, d
             if i == 3:
                 ray.kill(ray.get(rt.planner.get_loaders.remote())[1], no_restart=True)
             if i == 7:
-                for handle in rt.constructor_handles():
+                for handle in rt.builders().values():
                     ray.kill(handle, no_restart=True)
         roles = sorted(e["role"] for e in loader.runtime.recovery_events())
     finally:

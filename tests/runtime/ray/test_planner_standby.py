@@ -255,13 +255,14 @@ def test_a_successor_plans_each_logged_step_from_the_state_it_was_planned_from(s
 
 
 def test_the_planner_can_build_in_its_own_process(ray_session, spec):
-    """constructors="planner" (a one-node job): no Constructor actor, the Planner's process builds every
-    rank's micro-batches, the stream is unchanged, a trainer that attaches is served by it too, and its
-    successor (after a death) builds as well."""
+    """The default on a one-node cluster (constructors="auto" -> "planner"): no Constructor actor, the
+    Planner's process builds every rank's micro-batches, the stream is unchanged, a trainer that attaches
+    is served by it too, and its successor (after a death) builds as well."""
     from plait.runtime.ray import RayRuntime
 
     job, steps = "planner-builds", 6
-    rt = RayRuntime(spec, job=job, loaders=1, constructors="planner", address=ray_session)
+    rt = RayRuntime(spec, job=job, loaders=1, address=ray_session)
+    assert rt.constructors_mode == "planner" and list(rt.builders()) == ["planner"]
     try:
         ids = []
         for step in range(steps):

@@ -114,7 +114,7 @@ def test_the_constructor_places_pixels_it_never_reads_and_they_outlive_the_loade
     try:
         plan = rt.plan()
         gen = ray.get(rt.planner.base.remote())[0]
-        (constructor,) = rt.constructor_handles()
+        (constructor,) = rt.builders().values()
         _, raw = ray.get(constructor.get.remote(gen, plan.step, 0))
         imaged = [mb for mb in raw if mb.num_patches]
         assert imaged

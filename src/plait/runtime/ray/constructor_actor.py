@@ -242,6 +242,10 @@ class ConstructorPool:
     def items(self) -> list[tuple[str, object]]:
         return list(self.handles.items())
 
+    def builders(self, planner) -> dict[str, object]:
+        """The actors that build: these Constructors by key, or {"planner": `planner`} where it builds."""
+        return {"planner": planner} if self.mode == "planner" else dict(self.handles)
+
     def names(self) -> list[str]:
         return [self.name(k) for k in self.handles]
 

@@ -105,11 +105,11 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
         self.stream.rewind = lambda step, state=None: self.standby.rewind(self, step, state)
         self.presence = JobPresence(job, options)
         # The job's /metrics (plait.runtime.ray.job_metrics): served here when the spec sets metrics.port.
-        self.metrics = JobMetrics(self.spec, lambda: self.loaders.handles, lambda: list(self.presence.constructors))
+        self.metrics = JobMetrics(self.spec, lambda: self.loaders.handles, self.builder_names)
         self.loaders.on_event = self._observe_event
         self.layouts.record(self.metrics.telemetry.registry)
         if options.get("autoscale"):
-            self.layouts.start_autoscaling(self.planner.ranks, lambda: list(self.presence.constructors),
+            self.layouts.start_autoscaling(self.planner.ranks, self.builder_names,
                                            ray_module().get_runtime_context().current_actor)
         # A shared job's standby follows this Planner's per-step state and makes its successor, should it
         # die; a successor continues the dead one's stream (plait.runtime.ray.standby_planner).
@@ -130,6 +130,11 @@ class PlannerActor(LayoutRequests, LifetimeRequests, ReportRequests):
     base_state = property(lambda self: self.stream.base_state,
                           lambda self, state: setattr(self.stream, "base_state", state))
     built = property(lambda self: self.stream.made, lambda self, made: setattr(self.stream, "made", made))
+
+    def builder_names(self) -> list[str]:
+        """The actors that build the job's batches (the Constructors that registered), whose figures /metrics
+        and the autoscaler read; a Planner that builds is one of them (planner_host)."""
+        return list(self.presence.constructors)
 
     # ----- requests ------------------------------------------------------------------------------------
     @planner_call()

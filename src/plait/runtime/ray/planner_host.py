@@ -31,9 +31,10 @@ class PlannerHostActor(PlannerActor):
         prefetch = int(options.get("prefetch", 2))
         # the build half asks this object's plan half by plain calls (each takes the Planner's lock)
         self.builder = ConstructorActor(job, prefetch, build_threads(self.planner.ranks), host=self)
-        # The job's /metrics asks the Constructors for what they built: this actor is the one.
-        names = self.metrics.constructor_names
-        self.metrics.constructor_names = lambda: list(names()) + [planner_name(job)]
+
+    def builder_names(self) -> list[str]:
+        """This actor builds: the job's /metrics and the autoscaler read its figures as a Constructor's."""
+        return super().builder_names() + [planner_name(self.job)]
 
     # ----- the Constructor's side (not a Planner request: a build waits for the Planner's side) ----------
     def get(self, gen: int, step: int, dp_rank: int, limit: int | None = None, cp: tuple[int, int] = (1, 0),

@@ -39,8 +39,8 @@ class JobServer(ServedJob):
     `self.address` is where it listens).
 
     `token`: the job's token (default: a fresh random one, `self.token`). `constructor_host`: where the
-    Constructors' Flight servers bind (default: the rendezvous host; they run on this node with
-    `constructors="node"`). Other keyword options are RayRuntime's (loaders,
+    Constructors' Flight servers bind (default: the rendezvous host; they run on this node, or in
+    the Planner's process with `constructors="planner"`, the default on one node). Other keyword options are RayRuntime's (loaders,
     prefetch, constructors, ...; `address` is the Ray cluster's). `close()` ends the job.
     """
 
@@ -59,7 +59,7 @@ class JobServer(ServedJob):
         self.lock = threading.Lock()
         self.recoveries: list[dict] = []  # Constructors replaced for thin clients that lost theirs
         rt = self.runtime
-        self.pool = ConstructorPool(rt.job, ray_options.get("constructors", "node"), rt.prefetch, rt.dp, "detached")
+        self.pool = ConstructorPool(rt.job, rt.constructors_mode, rt.prefetch, rt.dp, "detached")
         self.constructor_host = constructor_host or host
         self.here = ray_module().get_runtime_context().get_node_id()  # the serving node
         try:
