@@ -112,6 +112,44 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def ray_head():
+    """One `ray start --head` cluster for the modules that join a cluster by its address (test_ray_jobs,
+    test_flight; one xdist group, so one head for both instead of one each: ~15 s of a worker's wall):
+    the session's token auth, 2 CPUs, no dashboard, a free port, its own temp dir and session; stopped at
+    the session's end (SIGINT: `--block` then ends what it started). Yields {address, env, pid}: `env`
+    is the environment of the head, for the processes a test starts beside it."""
+    import shutil
+    import socket
+    import subprocess
+
+    from helpers import stop_ray_head
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PLAIT_TOKEN", None)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    proc = subprocess.Popen([ray_bin, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "ray start --head failed"
+                time.sleep(0.1)
+        yield {"address": f"127.0.0.1:{port}", "env": env, "pid": proc.pid}
+    finally:
+        stop_ray_head(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def demo_spec_path(tmp_path_factory):
     """The demo corpus (`plait demo`'s text sources, ~8 s of CPU to write), generated once per session and only
     read by the tests that take it."""

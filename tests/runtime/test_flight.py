@@ -1,7 +1,7 @@
 """The thin trainer client (runtime="flight"): batches over Arrow Flight from a job `plait serve` runs.
 
-One Ray head for the module (`ray start --head`, its own temp dir, token auth on with the session's token:
-tests/conftest.py), one `plait serve` process on it; the trainer processes are plain subprocesses that never
+The session's Ray head (`ray start --head`, its own temp dir, token auth on with the session's token:
+tests/conftest.py `ray_head`, shared with test_ray_jobs), one `plait serve` process on it; the trainer processes are plain subprocesses that never
 import Ray. This process never joins Ray.
 """
 
@@ -11,12 +11,10 @@ import hashlib
 import inspect
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,17 +71,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "ray start --head failed"
-            time.sleep(0.1)
-
-
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int | None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -101,23 +88,17 @@ def spec(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(spec, tmp_path_factory):
-    """A Ray head and `plait serve SPEC --job flight-test` on it; yields {address, token, spec_path}."""
+def served(spec, tmp_path_factory, ray_head):
+    """`plait serve SPEC --job flight-test` on the session's Ray head (tests/conftest.py); yields {address,
+    token, spec_path, ...}."""
     tmp = tmp_path_factory.mktemp("serve")
     spec_path = tmp / "spec.yaml"
     spec_path.write_text(json.dumps(spec.model_dump(mode="json")))
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PLAIT_TOKEN", None)
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = ray_head["env"]
     server = None
     try:
-        wait_port(port, head, 60)
         server = subprocess.Popen([str(BIN / "plait"), "serve", str(spec_path), "--job", JOB, "--ray-address",
-                                   f"127.0.0.1:{port}", "--loaders", "1", "--token-file", str(tmp / "token")],
+                                   ray_head["address"], "--loaders", "1", "--token-file", str(tmp / "token")],
                                   env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         printed = {}
@@ -129,13 +110,11 @@ def served(spec, tmp_path_factory):
         assert (tmp / "token").read_text().strip() == printed["PLAIT_TOKEN"]
         assert oct((tmp / "token").stat().st_mode & 0o777) == "0o600"
         yield {"address": printed["PLAIT_ADDRESS"], "token": printed["PLAIT_TOKEN"], "spec_path": spec_path,
-               "ray_address": f"127.0.0.1:{port}", "env": env, "head_pid": head.pid}
+               "ray_address": ray_head["address"], "env": env, "head_pid": ray_head["pid"]}
         assert stop(server) == 0, server.stderr.read()[-3000:]  # Ctrl-C ends the job cleanly
     finally:
         if server is not None:
             stop(server)
-        stop_ray_head(head)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def actor_processes(served, actor: str) -> list:

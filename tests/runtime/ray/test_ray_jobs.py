@@ -2,21 +2,19 @@
 lists it and `plait jobs stop` ends it; a job nobody touches for its idle timeout ends by itself; a
 trainer process that exits without close() releases its job at exit; a torchrun job leaves no actor.
 
-One Ray head for the module, started like a cluster's (`ray start --head`, its own temp dir, so other
-processes' `ray.init()` never find it), used by this process and by the trainer processes it starts.
+The session's Ray head (`ray start --head` like a cluster's, its own temp dir, so other processes'
+`ray.init()` never find it; tests/conftest.py `ray_head`, shared with test_flight), used by this process
+and by the trainer processes it starts.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ ray = pytest.importorskip("ray")
 import plait  # noqa: E402
 from plait.cli import main  # noqa: E402
 from plait.runtime.ray.jobs import find_planner, list_jobs  # noqa: E402
-from helpers import make_spec, stop_ray_head, token_parquet  # noqa: E402
+from helpers import make_spec, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[3]
@@ -63,32 +61,14 @@ def wait_gone(job: str, timeout: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def head():
-    """`ray start --head` on a free port with the session's token auth (tests/conftest.py), in its own
-    session; stopped (SIGINT: `--block` then ends every process it started) at the end."""
+def head(ray_head):
+    """The session's `ray start --head` cluster (tests/conftest.py), joined by this process for the module."""
     assert not ray.is_initialized(), "this module needs no Ray running in the process"
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
+    ray.init(address=ray_head["address"], namespace="plait", log_to_driver=False, configure_logging=False)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "ray start --head failed"
-                time.sleep(0.1)
-        ray.init(address=address, namespace="plait", log_to_driver=False, configure_logging=False)
-        yield {"address": address, "env": env}
+        yield ray_head
     finally:
         ray.shutdown()
-        stop_ray_head(proc)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
