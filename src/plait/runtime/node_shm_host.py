@@ -137,20 +137,23 @@ class Waiters:
         self.lock = threading.Lock()
         self.idle = self.threads = 0
 
-    def submit(self, job) -> None:
+    def submit(self, work, deliver) -> None:
+        """`deliver(work())` on a waiter thread."""
         with self.lock:
             if self.idle:
                 self.idle -= 1
             else:
                 self.threads += 1
                 threading.Thread(target=self._run, name="plait-shm-wait", daemon=True).start()
-        self.jobs.put(job)
+        self.jobs.put((work, deliver))
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            job()
-            with self.lock:
+            work, deliver = job
+            result = work()
+            with self.lock:  # idle before the answer leaves: the request it lets a trainer send reuses this thread
                 self.idle += 1
+            deliver(result)
 
     def close(self) -> None:
         with self.lock:
@@ -237,7 +240,7 @@ class NodeShmServer:
         if op == "mapped":  # no answer: the reader goes on at once
             self.segments.mapped(conn_id, args)
             return
-        self.waiters.submit(lambda: self._post(("answer", conn, self._answer(conn_id, op, args))))
+        self.waiters.submit(lambda: self._answer(conn_id, op, args), lambda answer: self._post(("answer", conn, answer)))
 
     def _answer(self, conn_id: int, op: str, args) -> tuple:
         """("ok", value) or ("error", message); a get's value is (state, (conn id, key, batches)), its
