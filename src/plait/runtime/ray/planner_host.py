@@ -11,7 +11,7 @@ Planner's own lock (plait.runtime.ray.planner_requests.planner_call), so they st
 the Constructor's side here runs beside them.
 
 Suited to a job on one node: on several nodes every trainer would fetch its batches from the Planner's
-node. Off by default.
+node. The default on a cluster of one node (`constructors="auto"`: plait.runtime.ray.runtime.resolve_constructors).
 """
 
 from __future__ import annotations

@@ -190,9 +190,9 @@ CONSTRUCTOR_MODES = ("auto", "planner", "node", "replica")
 
 
 def resolve_constructors(mode: str) -> str:
-    """RayOptions.constructors with "auto" decided: the Planner builds on a cluster of one node (measured on
-    one node: ~1.3 CPU ms less per delivered image than a Constructor actor, benchmarks/e2e_cpu_roles); on
-    several nodes a Constructor per node keeps each node's batches on it."""
+    """RayOptions.constructors with "auto" decided: the Planner builds on a cluster of one node (~1.9 CPU ms
+    less per delivered image than with a Constructor actor: benchmarks/reports/2026-12-06-ray-constructors.md);
+    on several nodes a Constructor per node keeps each node's batches on it."""
     if mode != "auto":
         return mode
     nodes = [n for n in ray_module().nodes() if n.get("Alive")]

@@ -39,9 +39,10 @@ class JobServer(ServedJob):
     `self.address` is where it listens).
 
     `token`: the job's token (default: a fresh random one, `self.token`). `constructor_host`: where the
-    Constructors' Flight servers bind (default: the rendezvous host; they run on this node, or in
-    the Planner's process with `constructors="planner"`, the default on one node). Other keyword options are RayRuntime's (loaders,
-    prefetch, constructors, ...; `address` is the Ray cluster's). `close()` ends the job.
+    Constructors' Flight servers bind (default: the rendezvous host; they run on this node with
+    `constructors="node"`, a served job's default: its thin trainers may join from other nodes). Other
+    keyword options are RayRuntime's (loaders, prefetch, constructors, ...; `address` is the Ray cluster's).
+    `close()` ends the job.
     """
 
     def __init__(self, spec: Spec | dict | str, job: str, listen: str = "127.0.0.1:0", *,
@@ -50,6 +51,7 @@ class JobServer(ServedJob):
         self.spec = load_spec(spec)
         host, port = split_address(listen)
         self.token = token or secrets.token_urlsafe(32)
+        ray_options.setdefault("constructors", "node")
         try:
             self.runtime = RayRuntime(self.spec, job=job, **ray_options)
         except JobNameTaken as e:  # in `plait serve` terms: it has no attach option
