@@ -145,7 +145,7 @@ def ray_head():
                 time.sleep(0.1)
         yield {"address": f"127.0.0.1:{port}", "env": env, "pid": proc.pid}
     finally:
-        stop_ray_head(proc)
+        stop_ray_head(proc, grace=1.0)  # the session's end: nothing needs its clean stop, its session is killed
         shutil.rmtree(temp, ignore_errors=True)
 
 
