@@ -45,7 +45,9 @@ def run_with_kills(spec, kills: dict[int, int], kill_constructor_at: int | None 
                    kill_planner_at: int | None = None):
     from plait.runtime.ray import RayRuntime
 
-    rt = RayRuntime(spec, loaders=LOADERS, constructors="node")  # the Constructor is an actor of its own
+    # A Constructor actor of its own where one is killed; else the default (on one node the Planner builds)
+    rt = RayRuntime(spec, loaders=LOADERS, constructors="auto" if kill_constructor_at is None else "node")
+    assert rt.constructors_mode == ("planner" if kill_constructor_at is None else "node")
     ids = []
     try:
         for step in range(STEPS):
