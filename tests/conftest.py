@@ -122,11 +122,9 @@ def ray_head():
     import socket
     import subprocess
 
-    from helpers import stop_ray_head
+    from helpers import free_port, stop_ray_head
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     temp = tempfile.mkdtemp(prefix="plait-ray-", dir="/tmp")  # short: Ray's socket paths live there
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PLAIT_TOKEN", None)

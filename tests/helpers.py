@@ -521,6 +521,15 @@ def run_spawned_ranks(target, spec, tmp_path, ranks: int = 2, timeout: float = 1
     return [json.loads(Path(o).read_text()) for o in outs]
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server a test starts: a Ray head, torchrun's master, Flight)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def stop_ray_head(proc, grace: float = 5.0) -> int | None:
     """End a `ray start --head --block` started in a session of its own (start_new_session): SIGINT (it then
     stops what it started), and after `grace` seconds SIGKILL of its whole session. An idle head ends in

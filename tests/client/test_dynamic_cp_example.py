@@ -6,21 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import free_port
+
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_example(tmp_path, data: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 flight = pytest.importorskip("pyarrow.flight")
 
-from helpers import make_spec, token_parquet  # noqa: E402
+from helpers import free_port, make_spec, token_parquet  # noqa: E402
 
 import plait  # noqa: E402
 from plait.runtime.serve_local import LocalJobServer  # noqa: E402
@@ -25,12 +24,6 @@ JOB = "serve-local-test"
 
 
 # The same helpers as tests/runtime/test_flight.py's, here so that this Ray-free test runs where Ray is not installed.
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int | None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

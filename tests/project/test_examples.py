@@ -5,21 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import free_port
+
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)
@@ -29,7 +24,7 @@ def test_torchrun_gpt_example_learns(tmp_path, demo_spec_path):  # the session's
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "local", "--steps", "15",
            "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
@@ -51,7 +46,7 @@ def test_torchrun_vlm_example_learns(tmp_path, demo_spec_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "examples" / "vlm_torchrun.py"), "--runtime", "local", "--steps", "10",
            "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,

@@ -12,7 +12,6 @@ import inspect
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from plait.metrics import batch_digest_update, combined_digest  # noqa: E402
 from plait.runtime import RankStream, make_driver, runtime_class  # noqa: E402
 from plait.runtime.flight import Channel, decode_batch, dumps, step_schema  # noqa: E402
 from plait.runtime.ray.flight_server import ConstructorFlight  # noqa: E402
-from helpers import make_spec, stop_ray_head, token_parquet  # noqa: E402
+from helpers import free_port, make_spec, stop_ray_head, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 BIN = Path(sys.executable).parent
@@ -63,12 +62,6 @@ out["ray_imported"] = "ray" in sys.modules
 out["compute_imported"] = "pyarrow.compute" in sys.modules  # ~10 MiB a thin trainer does not need
 print(json.dumps(out))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,11 @@ pytest.importorskip("pyarrow.flight")
 pytest.importorskip("torch")
 
 import plait  # noqa: E402
+from helpers import free_port  # noqa: E402
 from resume_matrix import boundary_state, make_data, resume, sample_ids, spec_after, spec_before  # noqa: E402
 
 TRAINER = Path(__file__).with_name("torchrun_trainer.py")
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(240)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(tmp_path: Path, cfg: dict, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
@@ -40,7 +34,7 @@ def torchrun(tmp_path: Path, cfg: dict, timeout: float) -> tuple[subprocess.Comp
     env = {**os.environ, "PLAIT_NODE_DIR": str(tmp_path / "rdzv"), "OMP_NUM_THREADS": "1"}
     env.pop("PLAIT_LOCAL_SHARE", None)  # a developer's setting must not turn sharing off here
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(TRAINER),
+           str(free_port()), "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(TRAINER),
            json.dumps({**cfg, "out": str(tmp_path)})]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)

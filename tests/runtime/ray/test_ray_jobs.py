@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -26,17 +25,11 @@ ray = pytest.importorskip("ray")
 import plait  # noqa: E402
 from plait.cli import main  # noqa: E402
 from plait.runtime.ray.jobs import find_planner, list_jobs  # noqa: E402
-from helpers import make_spec, token_parquet  # noqa: E402
+from helpers import free_port, make_spec, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Most jobs here run without the Planner's standby (planner_standby=False: one actor process fewer, ~1 s of
