@@ -81,6 +81,26 @@ class Sampler(threading.Thread):
         self.busy1 = psutil.cpu_times()
 
 
+def program(cmd: str) -> str:
+    """What a process runs, for the per-program table: a Ray worker by its actor class (`ray::IDLE` is a
+    worker that never ran an actor or task), Python by its `-m` module or script, anything else by its
+    executable's name."""
+    words = cmd.split()
+    if not words:
+        return "?"
+    if words[0].startswith("ray::"):
+        return words[0].split(".")[0]
+    if "default_worker.py" in cmd:
+        return "ray worker (starting)"
+    exe = os.path.basename(words[0])
+    if exe.startswith("python"):
+        rest = [w for w in words[1:] if not w.startswith("-") or w == "-m"]
+        if rest[:1] == ["-m"] and len(rest) > 1:
+            return f"python -m {rest[1]}"
+        return f"python {os.path.basename(rest[0])}" if rest else "python"
+    return exe
+
+
 def attribute(sampler: Sampler, tests: list[dict]) -> dict:
     """CPU seconds per test and per kind of process (see the module's docstring)."""
     workers = {t["pid"] for t in tests}
@@ -99,12 +119,16 @@ def attribute(sampler: Sampler, tests: list[dict]) -> dict:
         return None
 
     per_test, kinds, ray_workers = Counter(), Counter(), 0
+    programs, processes = Counter(), Counter()
     for (pid, _), rec in sampler.procs.items():
         ray_worker = "default_worker.py" in rec["cmd"] or rec["cmd"].startswith("ray::")
         ray_workers += ray_worker
         w = owner(pid)
         kind = ("pytest worker" if pid in workers else "Ray worker process" if ray_worker
                 else "other process of the tests" if w is not None else "outside the tests")
+        if kind != "outside the tests":
+            programs[program(rec["cmd"])] += rec["cpu"]
+            processes[program(rec["cmd"])] += 1
         for t, spent in rec["increments"]:
             kinds[kind] += spent
             if w is not None:
@@ -112,7 +136,9 @@ def attribute(sampler: Sampler, tests: list[dict]) -> dict:
                 per_test[running[-1] if running else "(between tests)"] += spent
     busy = lambda c: c.user + c.system + c.nice + c.irq + c.softirq  # noqa: E731
     return {"machine_busy_cpu_s": busy(sampler.busy1) - busy(sampler.busy0), "cpu_s_by_kind": dict(kinds),
-            "ray_worker_processes": ray_workers, "cpu_s_by_test": dict(per_test.most_common())}
+            "ray_worker_processes": ray_workers, "cpu_s_by_test": dict(per_test.most_common()),
+            "cpu_s_by_program": {name: {"cpu_s": cpu, "processes": processes[name]}
+                                 for name, cpu in programs.most_common()}}
 
 
 def run(args) -> int:
@@ -134,6 +160,9 @@ def run(args) -> int:
           f"CPU-seconds; {result['ray_worker_processes']} Ray worker processes")
     for kind, cpu in sorted(result["cpu_s_by_kind"].items(), key=lambda kv: -kv[1]):
         print(f"  {cpu:7.1f} CPU-s  {kind}")
+    print("by program (processes of the tests; a process's CPU since it started or since sampling began):")
+    for name, row in list(result["cpu_s_by_program"].items())[: args.top]:
+        print(f"  {row['cpu_s']:7.1f} CPU-s  {row['processes']:4d} processes  {name}")
     for test, cpu in list(result["cpu_s_by_test"].items())[: args.top]:
         print(f"  {cpu:7.1f} CPU-s  {test}")
     write_result(args.json, result)
