@@ -106,7 +106,11 @@ def numba_compiled():
 def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(**RAY_OPTIONS)
+        from plait.runtime.ray.common import LOG_MONITOR_ENV
+        from plait.runtime.ray.instance import daemon_env
+
+        with daemon_env(LOG_MONITOR_ENV):  # as in the instance plait starts: its log monitor rescans less
+            ray.init(**RAY_OPTIONS)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -115,9 +119,10 @@ def ray_session():
 def ray_head():
     """One `ray start --head` cluster for the modules that join a cluster by its address (test_ray_jobs,
     test_flight; one xdist group, so one head for both instead of one each: ~15 s of a worker's wall):
-    the session's token auth, 2 CPUs, no dashboard, a free port, its own temp dir and session; stopped at
-    the session's end (SIGINT: `--block` then ends what it started). Yields {address, env, pid}: `env`
-    is the environment of the head, for the processes a test starts beside it."""
+    the session's token auth, 2 CPUs, no dashboard and no log monitor (docs/ray-long-runs.md), a free
+    port, its own temp dir and session; stopped at the session's end (SIGINT: `--block` then ends what it
+    started). Yields {address, env, pid}: `env` is the environment of the head, for the processes a test
+    starts beside it."""
     import shutil
     import socket
     import subprocess
@@ -130,7 +135,8 @@ def ray_head():
     env.pop("PLAIT_TOKEN", None)
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     proc = subprocess.Popen([ray_bin, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
+                             "--include-dashboard", "false", "--include-log-monitor", "false",
+                             "--disable-usage-stats", "--temp-dir", temp],
                             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

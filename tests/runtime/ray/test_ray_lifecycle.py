@@ -60,7 +60,8 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job_and_released_by_
 
     import psutil
 
-    from plait.runtime.ray.common import LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES, TASK_EVENTS_IN_GCS
+    from plait.runtime.ray.common import (LOG_MONITOR_ENV, LOG_ROTATION_BACKUPS, LOG_ROTATION_BYTES,
+                                          TASK_EVENTS_IN_GCS)
 
     assert not ray.is_initialized(), "this test needs no Ray running in the process"
     ds = token_parquet(tmp_path / "a", files=2, docs_per_file=20, row_group_size=5, lo=4, hi=40)
@@ -92,6 +93,10 @@ def test_a_local_instance_plait_starts_is_set_up_for_a_long_job_and_released_by_
             assert psutil.Process(pid).environ().get("MALLOC_ARENA_MAX") == "2"
             mapped = {m.path for m in psutil.Process(pid).memory_maps()}
             assert any(path.endswith("ray/core/libjemalloc.so") for path in mapped), pid
+        # its log monitor looks for new log files every 5 s, not 10 times a second
+        monitor = node.all_processes[ray_constants.PROCESS_TYPE_LOG_MONITOR][0].process.pid
+        said = psutil.Process(monitor).environ()
+        assert {k: said.get(k) for k in LOG_MONITOR_ENV} == LOG_MONITOR_ENV
         assert "MALLOC_ARENA_MAX" not in os.environ  # the trainer's own environment is left as it was
         assert "RAY_LD_PRELOAD_ON_WORKERS" not in os.environ
 

@@ -140,6 +140,13 @@ TASK_EVENTS_IN_GCS = 10_000  # Ray's default keeps 100,000 task events in the GC
 INLINE_RETURN_BYTES = 512 * 2**10
 LOG_ROTATION_BYTES = 64 * 2**20  # per log file of Ray's processes (Ray's default: 512 MiB, 5 backups)
 LOG_ROTATION_BACKUPS = 2
+# Ray's log monitor (one per node) tails every worker's log file to copy new lines to drivers that asked for
+# them; plait's drivers do not (log_to_driver=False). It looks for new files 10 times a second until a node
+# has 1,000 of them: with a few hundred (every actor a job or its recoveries ever started leaves two) that
+# glob alone was ~2.5% of a core on an idle instance. Past the threshold Ray rescans every
+# LOG_NAME_UPDATE_INTERVAL_S; plait sets the threshold to 0 and the interval to 5 s (a new worker's lines
+# reach a driver that asks for them up to 5 s late). Measured: benchmarks/reports/2026-12-06-ci-time.md.
+LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
 
 
 def long_run_settings(dashboard: bool = False) -> tuple[dict, dict]:
@@ -147,7 +154,8 @@ def long_run_settings(dashboard: bool = False) -> tuple[dict, dict]:
     long job and carries a data plane: task events bounded in the GCS, returns up to INLINE_RETURN_BYTES
     inline in the reply, no dashboard (and no metrics agent exporting Ray's own
     metrics: plait serves its own) unless `dashboard`, logs rotated at LOG_ROTATION_BYTES, workers' output
-    kept in their log files rather than copied to the trainer. The variables must be in the environment
+    kept in their log files rather than copied to the trainer, the log monitor's rescans slowed
+    (LOG_MONITOR_ENV). The variables must be in the environment
     before `ray.init` (Ray's processes read them at start); docs/ray-long-runs.md has the `ray start`
     equivalents for a cluster plait joins."""
     system_config: dict[str, Any] = {"task_events_max_num_task_in_gcs": TASK_EVENTS_IN_GCS,
@@ -155,5 +163,6 @@ def long_run_settings(dashboard: bool = False) -> tuple[dict, dict]:
     if not dashboard:
         system_config["enable_metrics_collection"] = False
     init = {"include_dashboard": bool(dashboard), "log_to_driver": False, "_system_config": system_config}
-    env = {"RAY_ROTATION_MAX_BYTES": str(LOG_ROTATION_BYTES), "RAY_ROTATION_BACKUP_COUNT": str(LOG_ROTATION_BACKUPS)}
+    env = {"RAY_ROTATION_MAX_BYTES": str(LOG_ROTATION_BYTES), "RAY_ROTATION_BACKUP_COUNT": str(LOG_ROTATION_BACKUPS),
+           **LOG_MONITOR_ENV}
     return init, env
