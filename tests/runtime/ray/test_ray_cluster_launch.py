@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -27,7 +26,7 @@ import pytest
 pytest.importorskip("ray")
 
 import plait  # noqa: E402
-from helpers import free_port, make_spec, stop_ray_head, token_parquet  # noqa: E402
+from helpers import make_spec, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(400)]
 BIN = Path(sys.executable).parent
@@ -37,37 +36,20 @@ BIN = Path(sys.executable).parent
 def sandbox():
     """A temp dir (short: Ray's socket paths live there) and the environment of every process of the module:
     token auth by Ray's default (RAY_AUTH_MODE unset: on for a local instance, as users run it), the
-    token in RAY_AUTH_TOKEN, Ray's and plait's temp files in the temp dir."""
+    session's token in RAY_AUTH_TOKEN (the session's cluster takes it too), Ray's and plait's temp files
+    in the temp dir."""
     temp = tempfile.mkdtemp(prefix="plait-rl-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
-    env.update(RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_TMPDIR=temp, TMPDIR=temp, OMP_NUM_THREADS="1")
+    env.update(RAY_TMPDIR=temp, TMPDIR=temp, OMP_NUM_THREADS="1")  # RAY_AUTH_TOKEN: the session's (conftest)
     yield {"temp": temp, "env": env}
     shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def head(sandbox):
-    """`ray start --head` with token authentication, on loopback and free ports, in the module's temp dir;
-    stopped at the end (SIGINT: `--block` then ends what it started; SIGKILL of its session if that hangs)."""
-    env = {**sandbox["env"], "RAY_AUTH_MODE": "token"}
-    port = free_port()
-    ports = {f"--{name}": str(free_port()) for name in (
-        "ray-client-server-port", "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")}
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
-           "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir",
-           sandbox["temp"], *[x for kv in ports.items() for x in kv]]
-    said = Path(sandbox["temp"]) / "ray-start.out"
-    with open(said, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while "Ray runtime started" not in said.read_text():  # its head node registered, not just listening
-            assert proc.poll() is None and time.monotonic() < deadline, f"ray start --head failed: {said.read_text()}"
-            time.sleep(0.2)
-        yield {"address": f"127.0.0.1:{port}", "env": env}
-    finally:
-        stop_ray_head(proc)
+def head(sandbox, ray_head):
+    """The session's `ray start --head` cluster (tests/conftest.py: token authentication, loopback, no
+    dashboard, no log monitor), joined by this module's processes with the module's environment."""
+    return {"address": ray_head["address"], "env": {**sandbox["env"], "RAY_AUTH_MODE": "token"}}
 
 
 @pytest.fixture(scope="module")
