@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -295,12 +296,21 @@ def _acquire_host(spec: Spec, job: str, path: Path, serving: dict) -> _Host:
         host = _HOSTS.get(path)
         if host is None:
             host = _HOSTS[path] = _Host(spec, job, path, serving)
+            # weakref.finalize registers its exit hook at the first finalizer a process makes; pyarrow's
+            # Flight server makes one when it starts, which may come later (when a rank asks for Flight):
+            # that hook would then run before this one and stop the server while this one still serves.
+            # A finalizer made first registers it first (numba's import used to do it by chance).
+            weakref.finalize(_serve_on_at_exit, _nothing)
             atexit.unregister(_serve_on_at_exit)
             atexit.register(_serve_on_at_exit)
             _remove_files_on_sigterm()
             _watch_own_trainer()
         host.users += 1
         return host
+
+
+def _nothing() -> None:
+    pass
 
 
 def _serve_on_at_exit() -> None:
