@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import jit
+from plait.jit import jit
+
 from .driver import Assignment
 
 

@@ -12,8 +12,7 @@ import math
 
 import numpy as np
 
-from ._jit import jit
-
+from plait.jit import jit
 
 def no_loads(n: int) -> np.ndarray:
     """The loads of n items without encoder capacities: [n, 0]."""

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import jit
-
+from plait.jit import jit
 
 def lower_bound(costs: np.ndarray, ranks: int) -> float:
     """max(sum / ranks, max) of the costs: no assignment's largest rank cost is lower (0.0: no items)."""

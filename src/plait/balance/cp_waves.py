@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._jit import jit
+from plait.jit import jit
+
 from .cp_degrees import CommTable, CPLayout, padded_lengths
 
 MAX_SHARD_OVERHEAD = 0.25  # traffic / compute of a document sharded into a group by the fill

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait import jit
+
 from . import tuning
 from .certificate import lower_bound, pass_ratio, placed_tokens
 from .exchange import rebalance
@@ -68,6 +70,7 @@ def assign(
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     n = len(lengths)
+    jit.hint(n)  # a step this large runs compiled from its first call (plait.jit)
     R = int(ranks)
     C = int(capacity)
     loads, used, load_capacity = _encoder_loads(loads, load_capacity, n)

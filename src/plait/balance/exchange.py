@@ -25,8 +25,9 @@ from collections import namedtuple
 
 import numpy as np
 
+from plait.jit import jit
+
 from . import tuning
-from ._jit import jit
 from .heaps import before
 
 # Where the micro-batch groups sit: mc[g] its cost, owner[g] its rank, slots[r, k] the group in rank r's

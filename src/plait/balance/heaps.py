@@ -7,8 +7,7 @@ the LPT state that snapshots copy), so push and pop take it and return the new o
 
 from __future__ import annotations
 
-from ._jit import jit
-
+from plait.jit import jit
 
 @jit
 def before(key, a, b):

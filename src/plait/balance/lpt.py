@@ -32,8 +32,9 @@ from collections import namedtuple
 
 import numpy as np
 
+from plait.jit import jit
+
 from . import tuning
-from ._jit import jit
 from .capacities import best_fit_loads, capacities, lacking, need, no_loads
 from .heaps import pop, push, sift_down
 from .ordering import radix_sort

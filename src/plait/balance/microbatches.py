@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import jit
-
+from plait.jit import jit
 
 def middle_heavy_order(micro_cost: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
     """For each rank, a permutation of its micro-batches placing the heaviest in the middle.

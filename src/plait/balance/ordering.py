@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import jit
-
+from plait.jit import jit
 LENGTH_ORDER_MIN = 4096  # steps with more items try the sort by length first
 
 

@@ -35,9 +35,6 @@ def stream(
 ) -> dict:
     """Streams `steps` global steps for every rank and returns the summary. `outputs` names files to
     write: `plot` (PNG), `report` (the mixing report) and `steps_log` (one JSON line per step)."""
-    from plait.kernels import warm_up
-
-    warm_up()
     plot, report, steps_log = ((outputs or {}).get(k) for k in ("plot", "report", "steps_log"))
     rt = make_runtime(spec, runtime, **(runtime_options or {}))
     log = None
