@@ -20,15 +20,16 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	# A current pip first: it resolves against the constraints in seconds where pip 23 takes most of a minute.
 	$(PIP) install -q -c constraints-dev.txt --upgrade pip
-	# setuptools from the constraints builds plait's editable installs without an isolated build env of their own.
-	$(PIP) install -q --no-compile -c constraints-dev.txt setuptools wheel
-	# plait with its own dependencies first; numba's kernels then compile into their on-disk cache (~30 s of
-	# CPU: plait.balance.warmup) in the background while pip installs torch and the dev extras, mostly
-	# waiting on I/O. The tests' session compile (tests/conftest.py) finds them there. Best effort: a failed
-	# warm-up only costs that compile later. torch alone first, pinned: the CPU build (a looser pin would
-	# pull a multi-GB CUDA build).
-	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e .
-	$(PY) -c "$$NUMBA_WARMUP" > $(VENV)/numba-warmup.log 2>&1 & \
+	# setuptools from the constraints builds plait's editable installs without an isolated build env of their
+	# own; numpy and numba are all that the balancer's kernels need to compile.
+	$(PIP) install -q --no-compile -c constraints-dev.txt setuptools wheel numpy numba
+	# numba's kernels then compile into their on-disk cache (~40 s of CPU: plait.balance.warmup, run from the
+	# source tree) in the background while pip installs plait, torch and the dev extras, mostly waiting on
+	# I/O. The tests' session compile (tests/conftest.py) finds them there. Best effort: a failed warm-up
+	# only costs that compile later. torch alone, pinned: the CPU build (a looser pin would pull a multi-GB
+	# CUDA build).
+	PYTHONPATH=src $(PY) -c "$$NUMBA_WARMUP" > $(VENV)/numba-warmup.log 2>&1 & \
+	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e . && \
 	$(PIP) install -q --no-compile -c constraints-dev.txt torch==2.13.0 && \
 	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'; \
 	status=$$?; wait; exit $$status
