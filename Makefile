@@ -4,34 +4,31 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+INSTALL := $(PY) .ci/install.py $(VENV)
 
 .PHONY: demo test venv lock bench docs clean
 
 # Bytecode is written as each module is first imported (Python's default), also where the environment sets
 # PYTHONDONTWRITEBYTECODE (this machine does): without it every process (each Ray actor, each trainer) would
-# compile torch's and plait's modules again as it imports them (`import torch`: 4.7 s instead of 1.8). pip
-# installs without compiling: it would compile every file of every package (torch's test suites too), ~45 s
-# of a fresh install for modules that are never imported; the first import compiles what is used, ~4 s.
+# compile torch's and plait's modules again as it imports them (`import torch`: 4.7 s instead of 1.8). The
+# install compiles nothing: compiling every file of every package (torch's test suites too) took ~45 s of a
+# fresh install for modules that are never imported; the first import compiles what is used, ~4 s.
 unexport PYTHONDONTWRITEBYTECODE
 
 export NUMBA_WARMUP = from plait.balance.warmup import warmup; from plait.kernels import warm_up; warmup(); warm_up()
 
-$(STAMP): pyproject.toml constraints-dev.txt
+$(STAMP): pyproject.toml constraints-dev.txt .ci/install.py
 	$(PYTHON) -m venv $(VENV)
-	# A current pip first: it resolves against the constraints in seconds where pip 23 takes most of a minute.
-	$(PIP) install -q -c constraints-dev.txt --upgrade pip
-	# setuptools from the constraints builds plait's editable installs without an isolated build env of their
-	# own; numpy and numba are all that the balancer's kernels need to compile.
-	$(PIP) install -q --no-compile -c constraints-dev.txt setuptools wheel numpy numba
+	# uv installs (.ci/install.py: with pip's indexes; pip where uv cannot be had). First setuptools (it builds
+	# plait's editable install without an isolated build env), numpy and numba: all that the balancer's
+	# kernels need to compile.
+	$(INSTALL) -q -c constraints-dev.txt setuptools wheel numpy numba
 	# numba's kernels then compile into their on-disk cache (~40 s of CPU: plait.balance.warmup, run from the
-	# source tree) in the background while pip installs plait, torch and the dev extras, mostly waiting on
-	# I/O. The tests' session compile (tests/conftest.py) finds them there. Best effort: a failed warm-up
-	# only costs that compile later. torch alone, pinned: the CPU build (a looser pin would pull a multi-GB
-	# CUDA build).
+	# source tree) in the background while plait, torch and the dev extras install. The tests' session
+	# compile (tests/conftest.py) finds them there. Best effort: a failed warm-up only costs that compile
+	# later. torch pinned: the CPU build (a looser pin would pull a multi-GB CUDA build).
 	PYTHONPATH=src $(PY) -c "$$NUMBA_WARMUP" > $(VENV)/numba-warmup.log 2>&1 & \
-	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e . && \
-	$(PIP) install -q --no-compile -c constraints-dev.txt torch==2.13.0 && \
-	$(PIP) install -q --no-compile --no-build-isolation -c constraints-dev.txt -e '.[dev]'; \
+	$(INSTALL) -q --no-build-isolation -c constraints-dev.txt -e '.[dev]' torch==2.13.0; \
 	status=$$?; wait; exit $$status
 	touch $(STAMP)
 
