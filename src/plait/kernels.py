@@ -106,27 +106,26 @@ def _kernels() -> tuple | None:
     return _impl
 
 
-def copy_spans(src, src_starts, lengths, out, out_starts):
-    """out[out_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]] for every i."""
+def _run(which: int, numpy_version, *args) -> None:
+    """Kernel `which` of the chosen ones, or its numpy version (its CPU charged to plait.jit's tiers)."""
     impl = _impl or _kernels()
     if impl is not None:
-        impl[0](src, src_starts, lengths, out, out_starts)
+        impl[which](*args)
         return
     start = time.thread_time()
-    _copy_spans_np(src, src_starts, lengths, out, out_starts)
+    numpy_version(*args)
     jit.charge(time.thread_time() - start)
+
+
+def copy_spans(src, src_starts, lengths, out, out_starts):
+    """out[out_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]] for every i."""
+    _run(0, _copy_spans_np, src, src_starts, lengths, out, out_starts)
 
 
 def fill_positions_labels(input_ids, cu, position_ids, labels, ignore):
     """position_ids restart at every document of `cu`; labels are input_ids shifted left by one, with
     `ignore` at each document's last token."""
-    impl = _impl or _kernels()
-    if impl is not None:
-        impl[1](input_ids, cu, position_ids, labels, ignore)
-        return
-    start = time.thread_time()
-    _fill_positions_labels_np(input_ids, cu, position_ids, labels, ignore)
-    jit.charge(time.thread_time() - start)
+    _run(1, _fill_positions_labels_np, input_ids, cu, position_ids, labels, ignore)
 
 
 def warm_up() -> None:
