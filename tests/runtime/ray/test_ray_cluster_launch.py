@@ -29,7 +29,6 @@ import plait  # noqa: E402
 from helpers import make_spec, token_parquet  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(400)]
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
