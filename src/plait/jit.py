@@ -24,7 +24,6 @@ from typing import Callable
 
 COMPILE_AFTER_S = 1.0  # CPU seconds of uncompiled kernels after which a process compiles them
 BIG_CALL = 20_000  # a balancing call over this many items compiles first (~0.5 s uncompiled)
-MODES = ("auto", "always", "never")
 _ENV = {"": "auto", "auto": "auto", "1": "always", "0": "never"}
 
 
@@ -36,19 +35,11 @@ class Tier:
         self.compiled = False
         self.spent_s = 0.0
         self.lock = threading.Lock()
-        self.on_compile: list[Callable[[], None]] = []
         self.rebind_due = False  # a kernel module was imported after the switch (Kernel)
         self.local = threading.local()  # depth of kernel calls in this thread: only the outermost is timed
 
 
 TIER = Tier()
-
-
-def set_mode(mode: str) -> None:
-    """`always`, `never` or `auto` for this process (a process that already compiled stays compiled)."""
-    if mode not in MODES:
-        raise ValueError(f"jit mode {mode!r}: expected one of {', '.join(MODES)}")
-    TIER.mode = mode
 
 
 def compiled() -> bool:
@@ -78,8 +69,7 @@ def compile_now() -> bool:
         except ImportError:  # pragma: no cover - numba is a core dependency
             TIER.mode = "never"
             return False
-        for switch in TIER.on_compile:
-            switch()
+        _compile_kernels()
         TIER.compiled = True
         return True
 
@@ -153,6 +143,3 @@ def _rebind() -> None:
         for name, value in list(space.items()):
             if isinstance(value, Kernel):
                 space[name] = value.target
-
-
-TIER.on_compile.append(_compile_kernels)
