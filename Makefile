@@ -15,21 +15,18 @@ INSTALL := $(PY) .ci/install.py $(VENV)
 # fresh install for modules that are never imported; the first import compiles what is used, ~4 s.
 unexport PYTHONDONTWRITEBYTECODE
 
-export NUMBA_WARMUP = from plait.balance.warmup import warmup; from plait.kernels import warm_up; warmup(); warm_up()
-
 $(STAMP): pyproject.toml constraints-dev.txt .ci/install.py
 	$(PYTHON) -m venv $(VENV)
 	# uv installs (.ci/install.py: with pip's indexes; pip where uv cannot be had). First setuptools (it builds
 	# plait's editable install without an isolated build env), numpy and numba: all that the balancer's
 	# kernels need to compile.
 	$(INSTALL) -q -c constraints-dev.txt setuptools wheel numpy numba
-	# numba's kernels then compile into their on-disk cache (~40 s of CPU: plait.balance.warmup, run from the
-	# source tree) in the background while plait, torch and the dev extras install. The tests' session
-	# compile (tests/conftest.py) finds them there. Best effort: a failed warm-up only costs that compile
-	# later. torch pinned: the CPU build (a looser pin would pull a multi-GB CUDA build).
-	PYTHONPATH=src $(PY) -c "$$NUMBA_WARMUP" > $(VENV)/numba-warmup.log 2>&1 & \
-	$(INSTALL) -q --no-build-isolation -c constraints-dev.txt -e '.[dev]' torch==2.13.0; \
-	status=$$?; wait; exit $$status
+	# numba's kernels then compile into their on-disk cache (~40 s of CPU on one core: .ci/warm_kernels.py)
+	# while plait, torch and the dev extras install, and on while `make test` starts pytest: the install does
+	# not wait for it; the tests' session waits for it before the first test (tests/conftest.py). torch
+	# pinned: the CPU build (a looser pin would pull a multi-GB CUDA build).
+	PYTHONPATH=src $(PY) .ci/warm_kernels.py $(VENV) > $(VENV)/numba-warmup.log 2>&1 &
+	$(INSTALL) -q --no-build-isolation -c constraints-dev.txt -e '.[dev]' torch==2.13.0
 	touch $(STAMP)
 
 # constraints-dev.txt anew from the current venv: after a change to pyproject.toml's dependencies.

@@ -45,12 +45,15 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
 
 # numba's kernels compiled into its on-disk cache once per test session, before any test needs them: on a
 # fresh clone each xdist worker (and each trainer subprocess started before the cache exists) would otherwise
-# compile them itself, ~25 s of CPU each. Under xdist the controller compiles them in a process of its own
-# while the workers start and collect (~12 s of CPU each, on the other core), and each worker's first test
-# waits for it (numba_compiled); without xdist the session compiles them before its first test.
+# compile them itself, ~25 s of CPU each. Where the install's compile still runs (.ci/warm_kernels.py: `make`
+# starts it and does not wait), the session waits for that one; otherwise, under xdist, the controller
+# compiles them in a process of its own while the workers start and collect (~12 s of CPU each, on the other
+# core). Either way each worker's first test waits for it (numba_compiled); without xdist the session waits
+# or compiles before its first test.
 DEMO_DIR = "PLAIT_TEST_DEMO_DIR"  # under xdist: the session's demo corpus folder, shared by the workers
-NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file that process writes when done ("ok" or why not)
-COMPILING: list[subprocess.Popen] = []  # that process, held until the session ends
+NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file written when the compile is done ("ok" or why not)
+NUMBA_PID = "PLAIT_TEST_NUMBA_PID"  # the process that writes it
+COMPILING: list[subprocess.Popen] = []  # the session's own compile, held until the session ends
 COMPILE = """import sys
 try:
     from plait.balance.warmup import warmup
@@ -60,20 +63,60 @@ try:
     outcome = "ok"
 except BaseException as e:  # the tests then compile what they need themselves
     outcome = f"failed: {e!r}"
-open(sys.argv[1], "w").write(outcome)
+import os
+open(sys.argv[1] + ".tmp", "w").write(outcome)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # whole or absent, for the workers that poll for it
 """
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended and not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def install_compile() -> tuple[str, int] | None:
+    """(the file it will write, its pid) of the install's compile where it still runs (.ci/warm_kernels.py)."""
+    pid_file, done = os.path.join(sys.prefix, "numba-warmup.pid"), os.path.join(sys.prefix, "numba-warmup.done")
+    try:
+        pid = int(open(pid_file).read())
+    except (OSError, ValueError):
+        return None
+    return (done, pid) if alive(pid) and not os.path.exists(done) else None
+
+
+def wait_for_compile(ready: str, pid: int, timeout: float = 600) -> str:
+    """What the compile wrote, once it has (or why it wrote nothing)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(ready) and alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if os.path.exists(ready):
+        return open(ready).read()
+    return "ended without a result" if not alive(pid) else "still running after 10 minutes"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers (they inherit the environment)
 def pytest_sessionstart(session):
     if hasattr(session.config, "workerinput"):
         return
+    running = install_compile()
     if getattr(session.config.option, "numprocesses", None):
-        ready = os.path.join(tempfile.mkdtemp(prefix="plait-numba-"), "ready")
-        COMPILING.append(subprocess.Popen([sys.executable, "-c", COMPILE, ready]))
-        os.environ[NUMBA_READY] = ready
         os.environ[DEMO_DIR] = tempfile.mkdtemp(prefix="plait-demo-")
+        if running is None:
+            ready = os.path.join(tempfile.mkdtemp(prefix="plait-numba-"), "ready")
+            COMPILING.append(subprocess.Popen([sys.executable, "-c", COMPILE, ready]))
+            running = (ready, COMPILING[-1].pid)
+        os.environ[NUMBA_READY], os.environ[NUMBA_PID] = running[0], str(running[1])
         return
+    if running is not None:
+        wait_for_compile(*running)
     from plait.balance.warmup import warmup
     from plait.kernels import warm_up
 
@@ -93,10 +136,7 @@ def pytest_sessionfinish(session):
 def numba_compiled():
     """Under xdist: wait for the session's numba compile (pytest_sessionstart) before this worker's first test."""
     ready = os.environ.get(NUMBA_READY)
-    deadline = time.monotonic() + 600
-    while ready and not os.path.exists(ready) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    outcome = open(ready).read() if ready and os.path.exists(ready) else "ok"
+    outcome = wait_for_compile(ready, int(os.environ[NUMBA_PID])) if ready else "ok"
     if outcome != "ok":
         warnings.warn(f"numba's compile before the tests {outcome}: each worker compiles its own")
     yield
