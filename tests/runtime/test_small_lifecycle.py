@@ -136,13 +136,19 @@ def test_a_host_ended_by_sigterm_removes_its_rendezvous_file(small, tmp_path):
     """torchrun ends its workers with SIGTERM: the host's file goes with it (SIGKILL: the next start)."""
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(make_spec([small])))
-    proc = subprocess.Popen([sys.executable, "-c", HOST, str(spec_path)], env=node_env(tmp_path, "term"),
+    env = {**node_env(tmp_path, "term"), "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
+    proc = subprocess.Popen([sys.executable, "-c", HOST, str(spec_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
         assert list((tmp_path / "rdzv").glob("node-*.json"))
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == -signal.SIGTERM
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # seen once in a serial run of the suite: say where it hung
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"the host outlived SIGTERM by 30 s; its threads:\n{proc.communicate(timeout=30)[1][-6000:]}")
+        assert proc.returncode == -signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
