@@ -94,3 +94,28 @@ def test_two_processes_each_building_its_rank_report_the_whole_job(tmp_path):
         assert set(r["report"]["llava"]["messages"]) >= set(job["llava"]["messages"])
     own = ranks[0]["own"]["llava"]  # rank 0's own report, read alone: its planning failures, its late ones
     assert own["skipped"] - ranks[0]["dropped"] == job["llava"]["skipped"] - job_dropped
+
+
+REPORT_ALONE = """
+import json, sys
+import plait
+loader = plait.Loader(plait.load_spec(json.loads(sys.argv[1])), steps=2)
+list(loader)
+report = loader.error_report()
+print(json.dumps({"torch": "torch" in sys.modules, "bad_records": report["llava"]["bad_records"]}))
+"""
+
+
+@pytest.mark.subprocess
+def test_a_report_outside_a_process_group_leaves_torch_unimported(tmp_path):
+    """Whether the report must be gathered is asked of torch.distributed only where the trainer imported
+    it (no process group exists without it): importing torch for the question cost a report ~1.5 s."""
+    import subprocess
+    import sys
+
+    spec = mm_spec([source_with_two_bad_records(tmp_path / "l")], dp=1)
+    done = subprocess.run([sys.executable, "-c", REPORT_ALONE, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["torch"] is False and out["bad_records"] >= 1

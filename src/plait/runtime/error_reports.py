@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from plait.sources.bad_records import merge_reports
 
@@ -61,9 +62,9 @@ def _warn_partial() -> None:
 
 
 def _initialized_dist():
-    """torch.distributed when torch is installed and a process group is up; None otherwise."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    """torch.distributed when a process group is up; None otherwise. Only where the trainer imported it:
+    no process group exists without it, and importing torch to find that out cost a report ~1.5 s of CPU."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
         return None
     return dist if dist.is_available() and dist.is_initialized() else None
