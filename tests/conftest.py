@@ -43,12 +43,13 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
                "configure_logging": False}
 
 
-# numba's kernels compiled into its on-disk cache once per test session, before any test needs them: on a
-# fresh clone each xdist worker (and each trainer subprocess started before the cache exists) would otherwise
-# compile them itself, ~25 s of CPU each. Where the install's compile still runs (.ci/warm_kernels.py: `make`
-# starts it and does not wait), the session waits for that one; otherwise, under xdist, the controller
-# compiles them in a process of its own while the workers start and collect (~12 s of CPU each, on the other
-# core). Either way each worker's first test waits for it (numba_compiled); without xdist the session waits
+# numba's kernels compiled into its on-disk cache once per test session, so that no test process compiles them
+# itself (~40 s of CPU each on a fresh clone). Where the install's compile still runs (.ci/warm_kernels.py:
+# `make` starts it and does not wait), the session uses that one; otherwise, under xdist, the controller
+# compiles them in a process of its own. Its test processes run uncompiled (plait.jit's tiers) except a few:
+# a worker whose kernels pass plait.jit's budget, and the subprocesses of tests/balance/test_jit_tiers.py
+# (a census of a whole run: those, nothing else). So the workers start their tests at once, beside the
+# compile, and wait for it only where they would compile (numba_compiled); without xdist the session waits
 # or compiles before its first test.
 DEMO_DIR = "PLAIT_TEST_DEMO_DIR"  # under xdist: the session's demo corpus folder, shared by the workers
 NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file written when the compile is done ("ok" or why not)
@@ -133,13 +134,38 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def numba_compiled():
-    """Under xdist: wait for the session's numba compile (pytest_sessionstart) before this worker's first test."""
+def compile_after_the_sessions():
+    """Under xdist: this worker switching its kernels to compiled (plait.jit.compile_now, on its budget or a
+    large call) first waits for the session's compile (pytest_sessionstart), then loads its cache."""
+    ready = os.environ.get(NUMBA_READY)
+    if not ready:
+        yield
+        return
+    from plait import jit
+
+    compile_now = jit.compile_now
+
+    def after_the_sessions() -> bool:
+        if not jit.TIER.compiled:
+            wait_for_session_compile()
+        return compile_now()
+
+    jit.compile_now = after_the_sessions  # compiled() and hint() call it by its module name
+    yield
+    jit.compile_now = compile_now
+
+
+def wait_for_session_compile() -> None:
     ready = os.environ.get(NUMBA_READY)
     outcome = wait_for_compile(ready, int(os.environ[NUMBA_PID])) if ready else "ok"
     if outcome != "ok":
-        warnings.warn(f"numba's compile before the tests {outcome}: each worker compiles its own")
-    yield
+        warnings.warn(f"numba's compile before the tests {outcome}: each process compiles its own")
+
+
+@pytest.fixture(scope="session")
+def numba_compiled():
+    """The session's numba compile is done (pytest_sessionstart): for tests whose processes compile."""
+    wait_for_session_compile()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+# The compiled tiers load the session's compile from numba's cache (tests/conftest.py) rather than compile
+pytestmark = pytest.mark.usefixtures("numba_compiled")
 
 # Random balancing steps (both modes, urgent items, encoder loads) and dynamic-CP steps, planned in the
 # tier PLAIT_NUMBA asks for; every result pickled to stdout.
