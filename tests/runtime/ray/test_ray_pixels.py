@@ -134,3 +134,53 @@ def test_the_constructor_places_pixels_it_never_reads_and_they_outlive_the_loade
         if b.pixel_values is not None:
             assert a.pixel_values.flags.writeable and a.pixel_values.dtype == np.uint8
             np.testing.assert_array_equal(a.pixel_values, b.pixel_values)
+
+
+def lost_pixels(ref, timeout: float = 30.0) -> None:
+    """Wait until the pixel object `ref` is gone with its owner (ray.kill returns before the actor is dead,
+    and its objects are freed after that)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ref, timeout=5)
+        except ray.exceptions.ObjectLostError:
+            return
+        time.sleep(0.2)
+    pytest.fail("the dead Constructor's pixel object is still there")
+
+
+@pytest.mark.timeout(120)
+def test_a_constructor_dead_before_its_pixels_are_fetched_is_replaced_and_the_step_built_again(image_spec, ray_session):
+    """The Constructor answered (its reply places pixels it owns) and died before the trainer fetched them:
+    the trainer sees them lost, a new Constructor builds the step again, and the batches are the local
+    runtime's. (The trainer used to fetch the same lost pixels again, forever.)"""
+    import ray
+
+    from plait.runtime import make_runtime
+    from plait.runtime.local import LocalRuntime
+
+    local = LocalRuntime(image_spec)
+    want = local.build(local.plan(), 0)
+    rt = make_runtime(image_spec, "ray", loaders=2, pixels_apart=0, constructors="node")
+    try:
+        plan = rt.plan()  # asks every rank's build
+        gen = ray.get(rt.planner.base.remote())[0]
+        (constructor,) = rt.builders().values()
+        _, raw = ray.get(constructor.get.remote(gen, plan.step, 0))  # answered: the pixels are its objects
+        assert any(isinstance(mb.pixel_values, PixelRows) for mb in raw)
+        ray.kill(constructor, no_restart=True)
+        lost_pixels(next(mb.pixel_values for mb in raw if isinstance(mb.pixel_values, PixelRows)).refs()[0])
+        got = rt.build(plan, 0)
+        assert [e["role"] for e in rt.recovery_log] == ["constructor"]
+    finally:
+        rt.close()
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        assert (a.pixel_values is None) == (b.pixel_values is None)
+        if b.pixel_values is not None:
+            np.testing.assert_array_equal(a.pixel_values, b.pixel_values)

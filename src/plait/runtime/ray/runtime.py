@@ -342,7 +342,9 @@ class RayRuntime:
                 return resolve_built(get(ref))
             except lost_errors():  # its pixels' owner (the Constructor) or their node died after it answered
                 self._failover.constructor_died(dp_rank, step)  # a dead one is replaced: the new one builds
+                # a live one (their node died) would answer its cached build, the same lost pixels: forgotten
                 get(self._constructor_for(dp_rank).forget_build.remote(self._gen, step, dp_rank, *extra[1:]))
+                ref = self._constructor_for(dp_rank).get.remote(self._gen, step, dp_rank, *extra)
             except dead_errors():
                 if recovery.planner_alive(self.planner):
                     self._failover.constructor_died(dp_rank, step)
