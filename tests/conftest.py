@@ -54,20 +54,8 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
 DEMO_DIR = "PLAIT_TEST_DEMO_DIR"  # under xdist: the session's demo corpus folder, shared by the workers
 NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file written when the compile is done ("ok" or why not)
 NUMBA_PID = "PLAIT_TEST_NUMBA_PID"  # the process that writes it
-COMPILING: list[subprocess.Popen] = []  # the session's own compile, held until the session ends
-COMPILE = """import sys
-try:
-    from plait.balance.warmup import warmup
-    from plait.kernels import warm_up
-    warmup()
-    warm_up()
-    outcome = "ok"
-except BaseException as e:  # the tests then compile what they need themselves
-    outcome = f"failed: {e!r}"
-import os
-open(sys.argv[1] + ".tmp", "w").write(outcome)
-os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # whole or absent, for the workers that poll for it
-"""
+COMPILING: list[tuple[subprocess.Popen, str]] = []  # the session's own compile and its folder, until the end
+WARM_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci", "warm_kernels.py")
 
 
 def alive(pid: int) -> bool:
@@ -110,10 +98,10 @@ def pytest_sessionstart(session):
     running = install_compile()
     if getattr(session.config.option, "numprocesses", None):
         os.environ[DEMO_DIR] = tempfile.mkdtemp(prefix="plait-demo-")
-        if running is None:
-            ready = os.path.join(tempfile.mkdtemp(prefix="plait-numba-"), "ready")
-            COMPILING.append(subprocess.Popen([sys.executable, "-c", COMPILE, ready]))
-            running = (ready, COMPILING[-1].pid)
+        if running is None:  # the install's compile, in a folder of the session's
+            folder = tempfile.mkdtemp(prefix="plait-numba-")
+            COMPILING.append((subprocess.Popen([sys.executable, WARM_KERNELS, folder], stdout=subprocess.DEVNULL), folder))
+            running = (os.path.join(folder, "numba-warmup.done"), COMPILING[-1][0].pid)
         os.environ[NUMBA_READY], os.environ[NUMBA_PID] = running[0], str(running[1])
         return
     if running is not None:
@@ -126,11 +114,17 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
-    """The controller removes the workers' shared demo corpus (a few MiB under /tmp) once they are done."""
-    if not hasattr(session.config, "workerinput") and os.environ.get(DEMO_DIR):
-        import shutil
+    """The controller removes the workers' shared demo corpus (a few MiB under /tmp) once they are done,
+    and the folder of its own compile."""
+    if hasattr(session.config, "workerinput"):
+        return
+    import shutil
 
+    if os.environ.get(DEMO_DIR):
         shutil.rmtree(os.environ.pop(DEMO_DIR), ignore_errors=True)
+    for proc, folder in COMPILING:
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
