@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml constraints-dev.txt .ci/install.py
 	$(INSTALL) -q -c constraints-dev.txt setuptools wheel numpy numba
 	# numba's kernels then compile into their on-disk cache (~40 s of CPU on one core: .ci/warm_kernels.py)
 	# while plait, torch and the dev extras install, and on while `make test` starts pytest: the install does
-	# not wait for it; the tests' session waits for it before the first test (tests/conftest.py). torch
-	# pinned: the CPU build (a looser pin would pull a multi-GB CUDA build).
+	# not wait for it; the few test processes that compile wait for it (tests/conftest.py). torch pinned: the
+	# CPU build (a looser pin would pull a multi-GB CUDA build).
 	PYTHONPATH=src $(PY) .ci/warm_kernels.py $(VENV) > $(VENV)/numba-warmup.log 2>&1 &
 	$(INSTALL) -q --no-build-isolation -c constraints-dev.txt -e '.[dev]' torch==2.13.0
 	touch $(STAMP)
