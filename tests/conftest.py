@@ -45,12 +45,11 @@ RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", 
 
 # numba's kernels compiled into its on-disk cache once per test session, so that no test process compiles them
 # itself (~40 s of CPU each on a fresh clone). Where the install's compile still runs (.ci/warm_kernels.py:
-# `make` starts it and does not wait), the session uses that one; otherwise, under xdist, the controller
-# compiles them in a process of its own. Its test processes run uncompiled (plait.jit's tiers) except a few:
+# `make` starts it and does not wait), the session uses that one; otherwise it compiles them in a process of
+# its own (the same script). Its test processes run uncompiled (plait.jit's tiers) except a few:
 # a worker whose kernels pass plait.jit's budget, and the subprocesses of tests/balance/test_jit_tiers.py
-# (a census of a whole run: those, nothing else). So the workers start their tests at once, beside the
-# compile, and wait for it only where they would compile (numba_compiled); without xdist the session waits
-# or compiles before its first test.
+# (a census of a whole run: those, nothing else). So the tests start at once, beside the compile, and wait
+# for it only where they would compile (compile_after_the_sessions, numba_compiled), with xdist or without.
 DEMO_DIR = "PLAIT_TEST_DEMO_DIR"  # under xdist: the session's demo corpus folder, shared by the workers
 NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file written when the compile is done ("ok" or why not)
 NUMBA_PID = "PLAIT_TEST_NUMBA_PID"  # the process that writes it
@@ -95,22 +94,14 @@ def wait_for_compile(ready: str, pid: int, timeout: float = 600) -> str:
 def pytest_sessionstart(session):
     if hasattr(session.config, "workerinput"):
         return
-    running = install_compile()
     if getattr(session.config.option, "numprocesses", None):
         os.environ[DEMO_DIR] = tempfile.mkdtemp(prefix="plait-demo-")
-        if running is None:  # the install's compile, in a folder of the session's
-            folder = tempfile.mkdtemp(prefix="plait-numba-")
-            COMPILING.append((subprocess.Popen([sys.executable, WARM_KERNELS, folder], stdout=subprocess.DEVNULL), folder))
-            running = (os.path.join(folder, "numba-warmup.done"), COMPILING[-1][0].pid)
-        os.environ[NUMBA_READY], os.environ[NUMBA_PID] = running[0], str(running[1])
-        return
-    if running is not None:
-        wait_for_compile(*running)
-    from plait.balance.warmup import warmup
-    from plait.kernels import warm_up
-
-    warmup()
-    warm_up()
+    running = install_compile()
+    if running is None:  # the install's compile, in a folder of the session's
+        folder = tempfile.mkdtemp(prefix="plait-numba-")
+        COMPILING.append((subprocess.Popen([sys.executable, WARM_KERNELS, folder], stdout=subprocess.DEVNULL), folder))
+        running = (os.path.join(folder, "numba-warmup.done"), COMPILING[-1][0].pid)
+    os.environ[NUMBA_READY], os.environ[NUMBA_PID] = running[0], str(running[1])
 
 
 def pytest_sessionfinish(session):
@@ -129,7 +120,7 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_after_the_sessions():
-    """Under xdist: this worker switching its kernels to compiled (plait.jit.compile_now, on its budget or a
+    """This test process (an xdist worker or the session) switching its kernels to compiled (plait.jit.compile_now, on its budget or a
     large call) first waits for the session's compile (pytest_sessionstart), then loads its cache."""
     ready = os.environ.get(NUMBA_READY)
     if not ready:
