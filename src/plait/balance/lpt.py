@@ -346,7 +346,17 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
                 pn = ints[I_PFULL_N + k]
                 while pn > 0 and pbest[k, pfull[k, 0]] >= P[k]:
                     r, pn = pop(pfull[k], pn, neg_pbest[k])
-                    hn = push(heap, hn, rank_cost, r)
+                    # A rank waits under the first capacity it lacked: back in the heap only if it lacks
+                    # none now, so that `waiting` (and the cost cap it switches on) is the same in any
+                    # order of the capacities.
+                    lack = lacking(pbest, r, P)
+                    if lack >= 0:
+                        neg_pbest[lack, r] = -pbest[lack, r]
+                        ints[I_PFULL_N + k] = pn
+                        ints[I_PFULL_N + lack] = push(pfull[lack], ints[I_PFULL_N + lack], neg_pbest[lack], r)
+                        pn = ints[I_PFULL_N + k]
+                    else:
+                        hn = push(heap, hn, rank_cost, r)
                 ints[I_PFULL_N + k] = pn
             while hn > 0:
                 r = heap[0]
