@@ -27,7 +27,7 @@ class AudioSpec(BaseModel):
     """How audio clips become windows, log-mel features, placeholder tokens and encoder cost
     (plait.media.audio.AudioPolicy)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)  # as StrictModel
 
     policy: Literal["qwen2audio", "chunked"] = Field(
         "qwen2audio", description="qwen2audio: 30 s windows, the encoder on each padded window (Qwen2-Audio); "

@@ -27,7 +27,7 @@ class VideosSpec(BaseModel):
     """How videos become frames, patches and placeholder tokens (plait.media.video.VideoPolicy, the
     Qwen2-VL rule; patch and merge are the `images` section's). Defaults: qwen-vl-utils QWEN_VL_UTILS's."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)  # as StrictModel
 
     policy: Literal["qwen2vl"] = "qwen2vl"
     fps: float = Field(2.0, gt=0, description="frames sampled per second of video")

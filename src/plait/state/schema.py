@@ -31,7 +31,7 @@ DEFICIT_TOLERANCE = 1e-6
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)  # built at the first validation
 
 
 class SourceState(_Strict):
