@@ -33,12 +33,14 @@ def busy_cpu_s() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     out = os.environ.get("PER_TEST_CPU")
-    cpu, wall = busy_cpu_s(), time.monotonic()
+    cpu, wall, start = busy_cpu_s(), time.monotonic(), time.time()
     yield
-    if out:
+    if out:  # worker and start: a timeline of a run with xdist workers (its CPU figures then mix the workers')
         with open(out, "a") as f:
             f.write(json.dumps({"id": item.nodeid, "cpu": round(busy_cpu_s() - cpu, 2),
-                                "wall": round(time.monotonic() - wall, 2)}) + "\n")
+                                "wall": round(time.monotonic() - wall, 2), "start": round(start, 2),
+                                "busy_at_start": round(cpu, 2),
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

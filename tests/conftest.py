@@ -42,6 +42,14 @@ os.environ.pop("RAY_AUTH_TOKEN_PATH", None)  # the token from one source (as Ray
 RAY_OPTIONS = {"num_cpus": 2, "include_dashboard": False, "namespace": "plait", "log_to_driver": False,
                "configure_logging": False}
 
+# Under xdist each worker runs one Ray group first (the hook below), then tests that need no Ray: the instances
+# of that group (ray_session, ray_head) are released when the worker leaves it, not at the session's end
+# (an idle instance costs ~0.03-0.05 CPU-s a second; ~150-190 s of a run's end). A test that needs one after
+# its release fails saying so.
+RELEASE_WITH_GROUP: dict = {}  # fixture name -> how to release what it started
+RELEASED: set[str] = set()
+RAY_GROUP_OF = pytest.StashKey[dict]()  # module path -> its Ray group, where one Ray group of each kind runs
+
 
 # numba's kernels compiled into its on-disk cache once per test session, so that no test process compiles them
 # itself (~40 s of CPU each on a fresh clone). Where the install's compile still runs (.ci/warm_kernels.py:
@@ -162,7 +170,9 @@ def ray_session():
 
         with daemon_env(LOG_MONITOR_ENV):  # as in the instance plait starts: its log monitor rescans less
             ray.init(**RAY_OPTIONS)
+        RELEASE_WITH_GROUP["ray_session"] = ray.shutdown
     yield ray.get_runtime_context().gcs_address
+    RELEASE_WITH_GROUP.pop("ray_session", None)
     ray.shutdown()
 
 
@@ -198,9 +208,11 @@ def ray_head():
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "ray start --head failed"
                 time.sleep(0.1)
+        RELEASE_WITH_GROUP["ray_head"] = lambda: stop_ray_head(proc, grace=1.0)
         yield {"address": f"127.0.0.1:{port}", "env": env, "pid": proc.pid}
     finally:
-        stop_ray_head(proc, grace=1.0)  # the session's end: nothing needs its clean stop, its session is killed
+        RELEASE_WITH_GROUP.pop("ray_head", None)
+        stop_ray_head(proc, grace=1.0)  # nothing needs its clean stop: its session is killed
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -250,6 +262,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path in group_of:
             item.add_marker(pytest.mark.xdist_group(group_of[item.path]))
+    ray_groups = {g for path, g in group_of.items() if path in shared or path in own}
+    if len(ray_groups) == 2:  # one of each kind: a worker that leaves its Ray group is handed no other
+        config.stash[RAY_GROUP_OF] = {path: group_of[path] for path in shared | own}
+
+
+@pytest.hookimpl(trylast=True)  # after the module fixtures' teardown (pytest's own implementation)
+def pytest_runtest_teardown(item, nextitem):
+    ray_group_of = item.config.stash.get(RAY_GROUP_OF, {})
+    group = ray_group_of.get(item.path)
+    if group is None or nextitem is None or ray_group_of.get(nextitem.path) == group:
+        return
+    for name in list(RELEASE_WITH_GROUP):
+        RELEASE_WITH_GROUP.pop(name)()
+        RELEASED.add(name)
+
+
+def pytest_runtest_setup(item):
+    gone = RELEASED & set(getattr(item, "fixturenames", ()))
+    if gone:
+        pytest.fail(f"{item.nodeid} needs {sorted(gone)}, released when this worker left its Ray group "
+                    f"(tests/conftest.py: a Ray module outside the Ray groups?)", pytrace=False)
 
 
 def worker_count(config) -> int:
