@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_bare_actors_are_called_and_their_rss_fitted(tmp_path, ray_session):
     out = tmp_path / "baseline.json"
-    rc = bench_main(ray_actor_baseline, ["--minutes", "0.15", "--warmup-s", "2", "--interval-s", "0.5",
+    rc = bench_main(ray_actor_baseline, ["--minutes", "0.08", "--warmup-s", "1.5", "--interval-s", "0.3",
                                          "--rate", "20", "--callers", "2", "--reply-kib", "4", "--forward", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
