@@ -306,7 +306,8 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
     Encoder capacities (K > 0): a rank can take an item when one of its micro-batches has room for its
     tokens and all its loads. Ranks with too few tokens left anywhere wait in `full` (largest token hole
     first), ranks with too little of load k left anywhere in pfull[k] (largest hole in k first); each
-    comes back as soon as an item small enough in that capacity arrives (and may then wait in another).
+    comes back as soon as an item small enough in that capacity arrives, to the cost heap if it lacks no
+    other capacity for that item, else to wait under the first one it lacks.
     A rank in the cost heap may still have its rooms in different micro-batches: the top of the heap is
     then set aside (stash) until one that can take the item comes up, and the set-aside ranks go back
     afterwards. So the item goes to exactly the least-loaded rank that can take it, as with tokens alone.
@@ -346,15 +347,13 @@ def _lpt_heap(items, st, snaps, caps, cap, start, stop, every):
                 pn = ints[I_PFULL_N + k]
                 while pn > 0 and pbest[k, pfull[k, 0]] >= P[k]:
                     r, pn = pop(pfull[k], pn, neg_pbest[k])
-                    # A rank waits under the first capacity it lacked: back in the heap only if it lacks
-                    # none now, so that `waiting` (and the cost cap it switches on) is the same in any
-                    # order of the capacities.
+                    # Back in the cost heap only if it lacks no capacity now, else it waits under the
+                    # first one it lacks (never k: it has room in k), so that `waiting` (and the cost cap it
+                    # switches on) is the same in any order of the capacities.
                     lack = lacking(pbest, r, P)
                     if lack >= 0:
                         neg_pbest[lack, r] = -pbest[lack, r]
-                        ints[I_PFULL_N + k] = pn
                         ints[I_PFULL_N + lack] = push(pfull[lack], ints[I_PFULL_N + lack], neg_pbest[lack], r)
-                        pn = ints[I_PFULL_N + k]
                     else:
                         hn = push(heap, hn, rank_cost, r)
                 ints[I_PFULL_N + k] = pn
