@@ -63,6 +63,7 @@ NUMBA_READY = "PLAIT_TEST_NUMBA_READY"  # the file written when the compile is d
 NUMBA_PID = "PLAIT_TEST_NUMBA_PID"  # the process that writes it
 COMPILING: list[tuple[subprocess.Popen, str]] = []  # the session's own compile and its folder, until the end
 WARM_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci", "warm_kernels.py")
+PID_FILE, DONE_FILE = "numba-warmup.pid", "numba-warmup.done"  # what WARM_KERNELS writes in its folder
 
 
 def alive(pid: int) -> bool:
@@ -80,7 +81,7 @@ def alive(pid: int) -> bool:
 
 def install_compile() -> tuple[str, int] | None:
     """(the file it will write, its pid) of the install's compile where it still runs (.ci/warm_kernels.py)."""
-    pid_file, done = os.path.join(sys.prefix, "numba-warmup.pid"), os.path.join(sys.prefix, "numba-warmup.done")
+    pid_file, done = os.path.join(sys.prefix, PID_FILE), os.path.join(sys.prefix, DONE_FILE)
     try:
         pid = int(open(pid_file).read())
     except (OSError, ValueError):
@@ -108,7 +109,7 @@ def pytest_sessionstart(session):
     if running is None:  # the install's compile, in a folder of the session's
         folder = tempfile.mkdtemp(prefix="plait-numba-")
         COMPILING.append((subprocess.Popen([sys.executable, WARM_KERNELS, folder], stdout=subprocess.DEVNULL), folder))
-        running = (os.path.join(folder, "numba-warmup.done"), COMPILING[-1][0].pid)
+        running = (os.path.join(folder, DONE_FILE), COMPILING[-1][0].pid)
     os.environ[NUMBA_READY], os.environ[NUMBA_PID] = running[0], str(running[1])
 
 
