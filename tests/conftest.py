@@ -105,12 +105,49 @@ def pytest_sessionstart(session):
         return
     if getattr(session.config.option, "numprocesses", None):
         os.environ[DEMO_DIR] = tempfile.mkdtemp(prefix="plait-demo-")
+        if bytecode_cold() and not sys.dont_write_bytecode:  # (where none is written, none is read either)
+            os.environ[COLLECTED] = os.path.join(os.environ[DEMO_DIR], "collected")
     running = install_compile()
     if running is None:  # the install's compile, in a folder of the session's
         folder = tempfile.mkdtemp(prefix="plait-numba-")
         COMPILING.append((subprocess.Popen([sys.executable, WARM_KERNELS, folder], stdout=subprocess.DEVNULL), folder))
         running = (os.path.join(folder, DONE_FILE), COMPILING[-1][0].pid)
     os.environ[NUMBA_READY], os.environ[NUMBA_PID] = running[0], str(running[1])
+
+
+# In a fresh clone or venv no module has its bytecode yet: collecting the suite then took ~32 CPU-s instead
+# of ~10 (pytest rewrites every test module's asserts; torch, sympy, transformers, Ray compile as they are
+# first imported), and xdist's workers, collecting at once, each did all of it. So there the other workers
+# collect once the first has (they read the bytecode it wrote), while numba's compile runs beside it.
+COLLECTED = "PLAIT_TEST_COLLECTED"  # the file the first worker writes once it has collected, where it waits
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def bytecode_cold() -> bool:
+    """No test module has pytest's rewritten bytecode yet (the first collection of this checkout)."""
+    cache = os.path.join(TESTS, "core", "__pycache__")
+    return not (os.path.isdir(cache) and any("-pytest-" in name for name in os.listdir(cache)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    marker = os.environ.get(COLLECTED)
+    worker = getattr(session.config, "workerinput", {}).get("workerid")
+    if not marker or worker is None:
+        return (yield)
+    if worker != "gw0":
+        deadline = time.monotonic() + 300  # the first worker's collection failed or hung: collect anyway
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return (yield)
+    try:
+        items = yield
+    finally:
+        open(marker, "w").close()
+    # No test starts before every worker has collected: the first writes the demo corpus meanwhile.
+    if os.environ.get(DEMO_DIR) and any("demo_spec_path" in getattr(i, "fixturenames", ()) for i in session.items):
+        shared_demo_corpus()
+    return items
 
 
 def pytest_sessionfinish(session):
@@ -221,13 +258,20 @@ def ray_head():
 def demo_spec_path(tmp_path_factory):
     """The demo corpus (`plait demo`'s text sources, ~8 s of CPU to write), generated once per session and only
     read by the tests that take it."""
+    if not os.environ.get(DEMO_DIR):  # under xdist: one folder for every worker, written by the first
+        from plait.cli.demo_data import generate
+
+        return generate(tmp_path_factory.mktemp("demo"))
+    return shared_demo_corpus()
+
+
+def shared_demo_corpus():
+    """The workers' demo corpus (its spec's path), written by the first that asks."""
     import fcntl
 
     from plait.cli.demo_data import generate
 
-    shared = os.environ.get(DEMO_DIR)  # under xdist: one folder for every worker, written by the first
-    if not shared:
-        return generate(tmp_path_factory.mktemp("demo"))
+    shared = os.environ[DEMO_DIR]
     with open(os.path.join(shared, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait for the first writer, then find it written
         return generate(shared)
