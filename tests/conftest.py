@@ -144,8 +144,9 @@ def pytest_collection(session):
         items = yield
     finally:
         open(marker, "w").close()
-    # No test starts before every worker has collected: the first writes the demo corpus meanwhile.
-    if os.environ.get(DEMO_DIR) and any("demo_spec_path" in getattr(i, "fixturenames", ()) for i in session.items):
+    # No test starts before every worker has collected: the first writes the demo corpus meanwhile (its folder
+    # DEMO_DIR is set wherever COLLECTED is).
+    if any("demo_spec_path" in getattr(i, "fixturenames", ()) for i in session.items):
         shared_demo_corpus()
     return items
 
