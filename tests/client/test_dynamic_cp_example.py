@@ -23,6 +23,7 @@ def run_example(tmp_path, data: Path, *extra: str) -> tuple[subprocess.Completed
     assert torchrun, "torchrun not found"
     out = tmp_path / "result.json"
     cmd = [torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()),
+           "--log-dir", str(tmp_path / "torchrun-logs"),  # not a torchelastic_* dir left in /tmp
            str(ROOT / "examples" / "dynamic_cp_gpt.py"), "--steps", "2", "--check", "--data", str(data),
            "--json", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path,

@@ -25,6 +25,7 @@ def test_torchrun_gpt_example_learns(tmp_path, demo_spec_path):  # the session's
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(tmp_path / "torchrun-logs"),  # not a torchelastic_* dir left in /tmp
            str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "local", "--steps", "15",
            "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,
@@ -47,6 +48,7 @@ def test_torchrun_vlm_example_learns(tmp_path, demo_spec_path):
     assert torchrun, "torchrun not found"
     out = tmp_path / "losses.json"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(tmp_path / "torchrun-logs"),  # not a torchelastic_* dir left in /tmp
            str(ROOT / "examples" / "vlm_torchrun.py"), "--runtime", "local", "--steps", "10",
            "--data", str(demo_spec_path.parent), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path,

@@ -157,6 +157,7 @@ def test_torchrun_job_on_ray_leaves_no_actor(head, tmp_path, demo_spec_path):
     assert torchrun, "torchrun not found"
     job = "jobs-torchrun"
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(tmp_path / "torchrun-logs"),  # not a torchelastic_* dir left in /tmp
            str(ROOT / "examples" / "gpt_torchrun.py"), "--runtime", "ray", "--steps", "5", "--job", job,
            "--address", head["address"], "--data", str(demo_spec_path.parent), "--json", str(tmp_path / "out.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=head["env"])
