@@ -41,6 +41,26 @@ def test_identical_changed_seeks_join_one_generation_and_another_state_starts_a_
     assert window.change_once({"step": 3}, apply) == (4, ["change 3"])
 
 
+def test_a_successors_window_keeps_the_change_of_the_generation_it_adopts():
+    """A successor Planner adopts the dead one's generation with its change_once record (the standby keeps
+    it): the same change asked again joins that generation. A record of an older generation is dropped."""
+    lock = threading.RLock()
+    dead = PlanWindow(lambda: None, lambda: 0, Consumers(), lock)
+    lock.acquire()
+    state = {"step": 2, "carry": [[0, 1]]}
+    first = dead.change_once(state, lambda: (dead.reset(), ["weights"]))
+    successor = PlanWindow(lambda: None, lambda: 0, Consumers(), lock)
+    successor.adopt(first[0], dead.changed_by)
+
+    def must_not_apply():
+        raise AssertionError("the change was applied again")
+
+    assert successor.change_once(state, must_not_apply) == first
+    later = PlanWindow(lambda: None, lambda: 0, Consumers(), lock)
+    later.adopt(first[0] + 1, dead.changed_by)  # the dead Planner's stream had moved on since the change
+    assert later.changed_by is None
+    assert later.change_once(state, lambda: (later.reset(), ["weights"])) == (first[0] + 2, ["weights"])
+
 def test_every_thin_client_resuming_under_a_changed_spec_reads_the_single_process_stream(tmp_path):
     """Two thin clients of one `plait serve --runtime local` job (the server runs the changed spec) load the
     checkpoint with allow_spec_change=True, rank 0 reading its first micro-batch before rank 1 has loaded:

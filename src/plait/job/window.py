@@ -89,12 +89,16 @@ class PlanWindow:
         self.changed_by = (gen, key, list(changes))
         return gen, list(changes)
 
-    def adopt(self, gen: int) -> None:
+    def adopt(self, gen: int, changed_by: tuple | None = None) -> None:
         """Continue generation `gen` of a stream planned elsewhere (a successor of a dead Planner: requests
-        in flight for `gen` stay valid); nothing planned kept."""
+        in flight for `gen` stay valid); nothing planned kept. `changed_by`: the dead Planner's change_once
+        record; while it made `gen`, a rank that asks the same change after the takeover joins `gen`
+        instead of resetting the stream under the ranks that asked before."""
         self.steps.clear()
         self.gen = int(gen)
         self.base_step = self.next_step()
+        made_gen = changed_by is not None and int(changed_by[0]) == self.gen
+        self.changed_by = (self.gen, changed_by[1], list(changed_by[2])) if made_gen else None
 
     def forget_from(self, step: int) -> None:
         """Drop the planned steps from `step` on: the Planner was set back to plan them again (identically)."""

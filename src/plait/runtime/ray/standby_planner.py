@@ -224,7 +224,7 @@ class StandbyLink:
         actor.presence.restore(meta)
         actor.planned = int(meta.get("planned", 0))
         actor.planner.load_state_dict(self.replay.states[self.replay.start])
-        actor.window.adopt(package["gen"])
+        actor.window.adopt(package["gen"], meta.get("changed_by"))
         actor.built = {s: set(range(actor.planner.ranks)) for s in self.replay.states if s < package["low"]}
         actor.loaders.start_shadows(after_step=max(self.replay.states))  # the loaders' shadows died with it
         actor.metrics.telemetry.observe_recovery("planner")
@@ -259,7 +259,8 @@ class StandbyLink:
         current = actor.planner.state_dict()
         meta = {**actor.presence.facts(), "planned": actor.planned,
                 "loader_generations": list(actor.loaders.generation), "loader_names": list(actor.loaders.names),
-                "layout": actor.routes.current.layout.to_dict(), "layout_version": actor.routes.version}
+                "layout": actor.routes.current.layout.to_dict(), "layout_version": actor.routes.version,
+                "changed_by": actor.window.changed_by}  # a resume under a changed spec, applied once (adopt)
         if self._check() or self.sent is None or self.sent_gen != actor.gen:
             states = {int(plan.state_before["step"]): plan.state_before for plan in actor.window.steps.values()}
             states[int(current["step"])] = current
