@@ -27,59 +27,44 @@ def read(loader, state, stream=None) -> list:
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_every_ray_rank_resuming_under_a_changed_spec_reads_the_single_process_stream(ray_session, tmp_path):
-    def warned_read(loader, state):
-        with pytest.warns(SpecChangeWarning):
-            return read(loader, state)
-
-    spec, saved, reference = changed_weights_case(tmp_path, warned_read)
-    # no standby Planner (not the subject: one process fewer)
-    first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job="changed-once", loaders=1, planner_standby=False)
-    try:
-        second = plait.Loader(spec, 1, read_ahead=0, runtime="ray", job="changed-once", attach=True)
-        try:
-            with pytest.warns(SpecChangeWarning):
-                first.load_state_dict(saved, allow_spec_change=True)
-                stream0 = iter(first)
-                head0 = next(stream0)  # rank 0 reads before rank 1 loads
-                second.load_state_dict(saved, allow_spec_change=True)
-            got0 = [head0] + read(first, saved, stream0)[:TAIL - 1]
-            got1 = read(second, saved, iter(second))
-            assert first.resume_report == second.resume_report != []
-            assert sample_ids(got0) == reference[0] and sample_ids(got1) == reference[1]
-        finally:
-            second.close()
-    finally:
-        first.close()
+def warned_read(loader, state) -> list:
+    with pytest.warns(SpecChangeWarning):
+        return read(loader, state)
 
 
-def test_a_rank_resuming_after_a_planner_takeover_joins_the_change(ray_session, tmp_path):
-    """As above, but rank 1 loads the checkpoint after the Planner died and the standby's successor took
-    over. The successor has the change's record from the standby: rank 1 joins rank 0's generation and
-    each rank reads the single-process stream. Before, the successor applied the change again: a new
-    generation, and rank 0's next read failed with "the plan stream was reset (generation 2, asked 1)"."""
+def take_over(loader) -> None:
+    """Kill the job's Planner once its standby follows the current generation; its successor takes over."""
     from plait.runtime.ray.standby_planner import standby_stats, successor
 
-    def warned_read(loader, state):
-        with pytest.warns(SpecChangeWarning):
-            return read(loader, state)
+    job, gen = loader.runtime.job, loader.runtime.ask_planner("base")[0]
+    deadline = time.monotonic() + 60
+    while (standby_stats(job) or {}).get("gen") != gen:
+        assert time.monotonic() < deadline, "the standby did not follow the change"
+        time.sleep(0.2)
+    dead = loader.runtime.planner
+    ray.kill(dead, no_restart=True)
+    assert ray.get(ray.remote(num_cpus=0)(successor).remote(job, dead)) is not None
 
+
+@pytest.mark.parametrize("takeover", [False, True], ids=["same-planner", "after-a-takeover"])
+def test_every_ray_rank_resuming_under_a_changed_spec_reads_the_single_process_stream(ray_session, tmp_path,
+                                                                                      takeover):
+    """after-a-takeover: rank 1 loads the checkpoint after the Planner died and the standby's successor
+    took over. The successor has the change's record from the standby, so rank 1 joins rank 0's
+    generation. Before, the successor applied the change again: a new generation, and rank 0's next read
+    failed with "the plan stream was reset (generation 2, asked 1)"."""
     spec, saved, reference = changed_weights_case(tmp_path, warned_read)
-    job = "changed-once-takeover"
-    first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job=job, loaders=1)  # a standby Planner: the default
+    job = f"changed-once-{takeover}"
+    # the standby Planner only where it is the subject (one process fewer)
+    first = plait.Loader(spec, 0, read_ahead=0, runtime="ray", job=job, loaders=1, planner_standby=takeover)
     try:
         with pytest.warns(SpecChangeWarning):
             first.load_state_dict(saved, allow_spec_change=True)
         stream0 = iter(first)
-        head0 = next(stream0)
+        head0 = next(stream0)  # rank 0 reads before rank 1 loads
         gen = first.runtime.ask_planner("base")[0]
-        deadline = time.monotonic() + 60
-        while (standby_stats(job) or {}).get("gen") != gen:
-            assert time.monotonic() < deadline, "the standby did not follow the change"
-            time.sleep(0.2)
-        dead = first.runtime.planner
-        ray.kill(dead, no_restart=True)
-        assert ray.get(ray.remote(num_cpus=0)(successor).remote(job, dead)) is not None
+        if takeover:
+            take_over(first)
         second = plait.Loader(spec, 1, read_ahead=0, runtime="ray", job=job, attach=True)
         try:
             with pytest.warns(SpecChangeWarning):
