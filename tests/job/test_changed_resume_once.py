@@ -61,6 +61,7 @@ def test_a_successors_window_keeps_the_change_of_the_generation_it_adopts():
     assert later.changed_by is None
     assert later.change_once(state, lambda: (later.reset(), ["weights"])) == (first[0] + 2, ["weights"])
 
+
 def test_every_thin_client_resuming_under_a_changed_spec_reads_the_single_process_stream(tmp_path):
     """Two thin clients of one `plait serve --runtime local` job (the server runs the changed spec) load the
     checkpoint with allow_spec_change=True, rank 0 reading its first micro-batch before rank 1 has loaded:
