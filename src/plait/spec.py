@@ -313,6 +313,9 @@ class Spec(_Model):
     def _patches_need_images(self) -> "Spec":
         if self.packing.max_patches is not None and self.images is None:
             raise ValueError("packing.max_patches applies to image sources: give `images:`")
+        if self.packing.max_audio_positions is not None and self.audio is None:
+            raise ValueError("packing.max_audio_positions applies to audio sources: give a source an audio_field "
+                             "and `audio:`")
         return self
 
     @property

@@ -111,6 +111,10 @@ class PackingSpec(StrictModel):
     max_patches: int | None = Field(
         None, ge=1, description="image patches one micro-batch may hold (the encoder's capacity); unset: no limit",
     )
+    max_audio_positions: int | None = Field(
+        None, ge=1, description="audio encoder positions one micro-batch may hold (the audio encoder's capacity: "
+        "the sum of its clips' attention spans, 1,500 per 30 s window for Whisper's encoder); unset: no limit",
+    )
     label_horizon: int = Field(
         1, ge=1, le=64, description="multi-token prediction: batches carry `mtp_labels` [k, tokens] when k > 1",
     )

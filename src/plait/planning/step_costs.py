@@ -71,6 +71,10 @@ class StepCosts:
         self.encoders = Encoders(spec)
         self.images = spec.images is not None  # patches, an encoder load (limited by max_patches), and a cost
         self.max_patches = spec.packing.max_patches
+        self.max_audio = spec.packing.max_audio_positions  # audio positions: a load only where limited
+        # patches a micro-batch can hold at most anyway (each placeholder token stands for merge^2 of them):
+        # the vision encoder's capacity where only the audio encoder's is given (it never binds)
+        self.patches_bound = spec.packing.seq_len * spec.images.merge ** 2 if self.images else 0
 
     def of(self, items: Items) -> tuple[np.ndarray, np.ndarray]:
         """Each item's cost per CP rank (LLM over its tokens + encoder over its images, both split over
@@ -82,12 +86,21 @@ class StepCosts:
     def encoder_loads(self, items: Items) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Each item's load in each encoder capacity (int64 [n, K]) and what a micro-batch may hold of
         each ([K], None: reported, not limited), for balance.assign; (None, None) without media loads.
-        Images and videos load the vision encoder with their patches (packing.max_patches). A medium
-        whose encoder memory the spec limits adds its column here: the balancer takes any K."""
-        if not self.images:
-            return None, None
-        loads = items.patches.reshape(-1, 1)
-        return loads, None if self.max_patches is None else np.array([self.max_patches], dtype=np.int64)
+        Images and videos load the vision encoder with their patches (packing.max_patches); audio loads
+        the audio encoder with its positions (packing.max_audio_positions), a column only where that is
+        set (unset, steps plan as before, bit for bit). A medium whose encoder memory the spec limits adds
+        its column here: the balancer takes any K; the vision encoder's stays first (image_stats)."""
+        if self.max_audio is None:
+            if not self.images:
+                return None, None
+            loads = items.patches.reshape(-1, 1)
+            return loads, None if self.max_patches is None else np.array([self.max_patches], dtype=np.int64)
+        audio = items.audio_spans if items.audio_spans is not None else np.zeros(len(items), np.int64)
+        columns, caps = [audio], [self.max_audio]
+        if self.images:
+            columns.insert(0, items.patches)
+            caps.insert(0, self.patches_bound if self.max_patches is None else self.max_patches)
+        return np.column_stack(columns).astype(np.int64), np.array(caps, dtype=np.int64)
 
     def of_tokens(self, lengths: np.ndarray) -> np.ndarray:
         """The LLM's cost per CP rank of text pieces of these lengths (no images)."""
@@ -125,7 +138,7 @@ class StepCosts:
 
     def image_stats(self, result, items: Items, encoder: np.ndarray, costs: np.ndarray, placed: np.ndarray) -> dict:
         """Patches per micro-batch and the encoder's share of the cost."""
-        micro_patches = result.micro_loads[..., 0] if result.micro_loads is not None else \
+        micro_patches = result.micro_loads[..., 0] if result.micro_loads is not None and self.images else \
             np.zeros_like(result.micro_tokens)
         return {"micro_patches": micro_patches, "encoder_cost": float(encoder[placed].sum()),
                 "cost": float(costs[placed].sum()), "masked_labels": self.masked_labels(items.take(placed))}
