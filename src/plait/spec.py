@@ -310,7 +310,7 @@ class Spec(_Model):
         return audio_used(v, info)
 
     @model_validator(mode="after")
-    def _patches_need_images(self) -> "Spec":
+    def _encoder_capacities_need_their_media(self) -> "Spec":
         if self.packing.max_patches is not None and self.images is None:
             raise ValueError("packing.max_patches applies to image sources: give `images:`")
         if self.packing.max_audio_positions is not None and self.audio is None:

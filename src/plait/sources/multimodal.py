@@ -355,10 +355,11 @@ class ImageDocs:
                     "keep clips shorter: 750 tokens per 30 s of audio)")
         if self.max_patches is not None and patches > self.max_patches:
             return f"its images hold {patches} patches, more than packing.max_patches {self.max_patches}"
-        positions = sum(AUDIO.medium.encoder_units(p)[0] for r, p in zip(refs, plans) if kind_of(r) is AUDIO)
-        if self.max_audio_positions is not None and positions > self.max_audio_positions:
-            return (f"its audio holds {positions} encoder positions, more than packing.max_audio_positions "
-                    f"{self.max_audio_positions}")
+        if self.max_audio_positions is not None:
+            positions = sum(AUDIO.medium.encoder_units(p)[0] for r, p in zip(refs, plans) if kind_of(r) is AUDIO)
+            if positions > self.max_audio_positions:
+                return (f"its audio holds {positions} encoder positions, more than packing.max_audio_positions "
+                        f"{self.max_audio_positions}")
         if self.vocab_size is not None and len(doc) and int(doc.max()) >= self.vocab_size:
             return f"token id {int(doc.max())} is outside the vocabulary (vocab_size {self.vocab_size})"
         return None
